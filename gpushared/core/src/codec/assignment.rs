@@ -1,0 +1,262 @@
+//! The assignment the extender writes on a pod at bind: schema version 1.
+//!
+//! ```json
+//! {"v":1,"node":"gpu-node-a","unit":"MiB","containers":[
+//!   {"name":"fetch","role":"init","gpus":[{"index":0,"uuid":"GPU-8f6e…","mib":1000}]},
+//!   {"name":"main","gpus":[{"index":0,"uuid":"GPU-8f6e…","mib":3500}]}]}
+//! ```
+//!
+//! Containers are listed init containers first, in spec order; `role` is `init`, `sidecar` or
+//! (the default, omitted) `app`. GPUs carry both the UUID (authoritative: what the container
+//! gets) and the index (for people and Alibaba's tools).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use super::{CodecError, decode_versioned, encode_checked};
+use crate::inventory::{GpuUuid, NodeInventory};
+use crate::placement::{Placement, footprint};
+use crate::request::{ContainerRole, PodRequest};
+use crate::units::{MemoryUnit, Mib};
+
+/// The pod annotation key.
+pub const ASSIGNMENT_KEY: &str = "gpushare.io/assignment";
+/// The schema version this build writes and reads.
+pub const ASSIGNMENT_VERSION: u32 = 1;
+
+/// Memory on one GPU for one container.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuShare {
+    /// NVML index.
+    pub index: u32,
+    /// NVML UUID.
+    pub uuid: GpuUuid,
+    /// Memory on this GPU.
+    pub mib: Mib,
+}
+
+/// Where one container goes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerAssignment {
+    /// Container name.
+    pub name: String,
+    /// How it runs.
+    #[serde(default = "app", skip_serializing_if = "is_app")]
+    pub role: ContainerRole,
+    /// Its GPUs.
+    pub gpus: Vec<GpuShare>,
+}
+
+fn app() -> ContainerRole {
+    ContainerRole::App
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference
+fn is_app(role: &ContainerRole) -> bool {
+    *role == ContainerRole::App
+}
+
+/// A pod's placement on a node, as carried by the pod annotation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Assignment {
+    /// The node the pod is bound to.
+    pub node: String,
+    /// The unit the assignment was computed in.
+    pub unit: MemoryUnit,
+    /// Containers, init containers first.
+    pub containers: Vec<ContainerAssignment>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Wire {
+    v: u32,
+    node: String,
+    unit: MemoryUnit,
+    containers: Vec<ContainerAssignment>,
+}
+
+impl Assignment {
+    /// The assignment for a placement computed on `inventory` for `pod`.
+    #[must_use]
+    pub fn from_placement(node: &str, inventory: &NodeInventory, pod: &PodRequest, placement: &Placement) -> Self {
+        let containers = pod
+            .containers()
+            .iter()
+            .enumerate()
+            .map(|(i, c)| ContainerAssignment {
+                name: c.name.clone(),
+                role: c.role,
+                gpus: placement
+                    .shares()
+                    .iter()
+                    .filter(|s| s.container == i)
+                    .filter_map(|s| {
+                        inventory.gpus().get(s.gpu).map(|g| GpuShare {
+                            index: g.index,
+                            uuid: g.uuid.clone(),
+                            mib: s.mib,
+                        })
+                    })
+                    .collect(),
+            })
+            .collect();
+        Assignment { node: node.to_owned(), unit: inventory.unit(), containers }
+    }
+
+    /// The container named `name`.
+    #[must_use]
+    pub fn container(&self, name: &str) -> Option<&ContainerAssignment> {
+        self.containers.iter().find(|c| c.name == name)
+    }
+
+    /// What the pod occupies on each GPU, by UUID (the init-container rule of
+    /// [`crate::placement`]).
+    #[must_use]
+    pub fn footprint(&self) -> BTreeMap<GpuUuid, Mib> {
+        footprint(self.containers.iter().map(|c| (c.role, c.gpus.iter().map(|g| (g.uuid.clone(), g.mib)))))
+    }
+
+    /// Encodes the annotation value.
+    ///
+    /// # Errors
+    /// [`CodecError::Invalid`] if the assignment breaks a schema rule (see [`Assignment::decode`]),
+    /// [`CodecError::TooLarge`] if it is over Kubernetes' limit.
+    pub fn encode(&self) -> Result<String, CodecError> {
+        self.validate()?;
+        encode_checked(
+            ASSIGNMENT_KEY,
+            &Wire {
+                v: ASSIGNMENT_VERSION,
+                node: self.node.clone(),
+                unit: self.unit,
+                containers: self.containers.clone(),
+            },
+        )
+    }
+
+    /// Decodes an annotation value.
+    ///
+    /// # Errors
+    /// A [`CodecError`] for oversized, malformed or unknown-version values, and for values that
+    /// name no node, repeat a container, give a container no GPU or the same GPU twice, or hold
+    /// 0 MiB.
+    pub fn decode(value: &str) -> Result<Self, CodecError> {
+        let wire: Wire = decode_versioned(ASSIGNMENT_KEY, value, ASSIGNMENT_VERSION)?;
+        let a = Assignment { node: wire.node, unit: wire.unit, containers: wire.containers };
+        a.validate()?;
+        Ok(a)
+    }
+
+    fn validate(&self) -> Result<(), CodecError> {
+        if self.node.is_empty() {
+            return Err(invalid("the node name is empty".into()));
+        }
+        let mut names = BTreeSet::new();
+        for c in &self.containers {
+            if c.name.is_empty() {
+                return Err(invalid("a container has an empty name".into()));
+            }
+            if !names.insert(c.name.as_str()) {
+                return Err(invalid(format!("container {:?} appears twice", c.name)));
+            }
+            if c.gpus.is_empty() {
+                return Err(invalid(format!("container {:?} has no GPU", c.name)));
+            }
+            let mut seen = BTreeSet::new();
+            for g in &c.gpus {
+                if !seen.insert(&g.uuid) {
+                    return Err(invalid(format!("container {:?} lists GPU {} twice", c.name, g.uuid)));
+                }
+                if g.mib == Mib::ZERO {
+                    return Err(invalid(format!("container {:?} holds 0 MiB on GPU {}", c.name, g.uuid)));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn invalid(reason: String) -> CodecError {
+    CodecError::Invalid { key: ASSIGNMENT_KEY, reason }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn share(index: u32, mib: u64) -> GpuShare {
+        GpuShare { index, uuid: GpuUuid::new(format!("GPU-{index}")).unwrap(), mib: Mib::new(mib) }
+    }
+
+    fn sample() -> Assignment {
+        Assignment {
+            node: "gpu-node-a".into(),
+            unit: MemoryUnit::Mib,
+            containers: vec![
+                ContainerAssignment { name: "fetch".into(), role: ContainerRole::Init, gpus: vec![share(0, 5000)] },
+                ContainerAssignment { name: "proxy".into(), role: ContainerRole::Sidecar, gpus: vec![share(0, 500)] },
+                ContainerAssignment {
+                    name: "main".into(),
+                    role: ContainerRole::App,
+                    gpus: vec![share(0, 2000), share(1, 2000)],
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn round_trips_and_reads_as_documented() {
+        let a = sample();
+        let text = a.encode().unwrap();
+        assert_eq!(
+            text,
+            r#"{"v":1,"node":"gpu-node-a","unit":"MiB","containers":[{"name":"fetch","role":"init","gpus":[{"index":0,"uuid":"GPU-0","mib":5000}]},{"name":"proxy","role":"sidecar","gpus":[{"index":0,"uuid":"GPU-0","mib":500}]},{"name":"main","gpus":[{"index":0,"uuid":"GPU-0","mib":2000},{"index":1,"uuid":"GPU-1","mib":2000}]}]}"#
+        );
+        assert_eq!(Assignment::decode(&text).unwrap(), a);
+        assert_eq!(a.container("main").unwrap().gpus.len(), 2);
+    }
+
+    #[test]
+    fn footprint_follows_the_init_rule() {
+        // GPU0: init 5000 ran before the sidecar started -> max(5000, 500 + 2000) = 5000.
+        let f = sample().footprint();
+        assert_eq!(f[&GpuUuid::new("GPU-0").unwrap()], Mib::new(5000));
+        assert_eq!(f[&GpuUuid::new("GPU-1").unwrap()], Mib::new(2000));
+    }
+
+    #[test]
+    fn bad_values_are_errors_not_panics() {
+        let cases: &[(&str, &str)] = &[
+            ("{", "malformed"),
+            (r#"{"v":0}"#, "schema version 0 is not supported"),
+            (r#"{"v":1,"node":"n","unit":"MiB"}"#, "malformed"),
+            (r#"{"v":1,"node":"","unit":"MiB","containers":[]}"#, "node name is empty"),
+            (r#"{"v":1,"node":"n","unit":"MiB","containers":[{"name":"a","gpus":[]}]}"#, "has no GPU"),
+            (
+                r#"{"v":1,"node":"n","unit":"MiB","containers":[{"name":"a","gpus":[{"index":0,"uuid":"g","mib":1}]},{"name":"a","gpus":[{"index":0,"uuid":"g","mib":1}]}]}"#,
+                "appears twice",
+            ),
+            (
+                r#"{"v":1,"node":"n","unit":"MiB","containers":[{"name":"a","gpus":[{"index":0,"uuid":"g","mib":1},{"index":1,"uuid":"g","mib":1}]}]}"#,
+                "lists GPU g twice",
+            ),
+            (
+                r#"{"v":1,"node":"n","unit":"MiB","containers":[{"name":"a","gpus":[{"index":0,"uuid":"g","mib":0}]}]}"#,
+                "holds 0 MiB",
+            ),
+            (r#"{"v":1,"node":"n","unit":"MiB","containers":[{"name":"a","role":"boss","gpus":[]}]}"#, "malformed"),
+            (
+                r#"{"v":1,"node":"n","unit":"MiB","containers":[{"name":"a","gpus":[{"index":-1,"uuid":"g","mib":1}]}]}"#,
+                "malformed",
+            ),
+        ];
+        for (text, want) in cases {
+            let err = Assignment::decode(text).unwrap_err().to_string();
+            assert!(err.contains(want), "{text}: {err}");
+        }
+        let mut a = sample();
+        a.containers[0].gpus.clear();
+        assert!(a.encode().is_err());
+    }
+}

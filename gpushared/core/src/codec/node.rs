@@ -1,0 +1,329 @@
+//! The node state a daemon publishes on its Node object: schema version 1.
+//!
+//! ```json
+//! {"v":1,"generation":7,"daemon":"0.1.0","unit":"MiB","gpus":[
+//!   {"index":0,"uuid":"GPU-8f6e…","minor":0,"model":"Tesla T4","totalMiB":15360,"numa":0,
+//!    "health":"Healthy","cordoned":false,"usedMiB":3500,
+//!    "pods":[{"namespace":"default","name":"infer-1","uid":"3f1c…","container":"main","mib":3500}]}]}
+//! ```
+//!
+//! `usedMiB` is the daemon's own figure (what its ledger holds on the GPU, by the init-container
+//! rule of [`crate::placement`]); the extender trusts it over its own assumptions. `pods` lists
+//! the holders for people and for reconciliation. `generation` grows with every publication so a
+//! reader can ignore a stale value.
+
+use serde::{Deserialize, Serialize};
+
+use super::{CodecError, decode_versioned, encode_checked};
+use crate::inventory::{Gpu, GpuUuid, Health, NodeInventory};
+use crate::units::{MemoryUnit, Mib};
+
+/// The Node annotation key.
+pub const NODE_STATE_KEY: &str = "gpushare.io/node-state";
+/// The schema version this build writes and reads.
+pub const NODE_STATE_VERSION: u32 = 1;
+
+/// A pod as annotations refer to it.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct PodRef {
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// UID, which tells a re-created pod of the same name apart.
+    pub uid: String,
+}
+
+/// One container's share of one GPU, as the daemon's ledger holds it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeAllocation {
+    /// The pod.
+    pub pod: PodRef,
+    /// The container.
+    pub container: String,
+    /// The GPU's NVML index.
+    pub gpu: u32,
+    /// Memory held.
+    pub mib: Mib,
+}
+
+/// What a daemon publishes: its GPUs, how much of each is used, and by whom.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeState {
+    /// Grows with each publication.
+    pub generation: u64,
+    /// The daemon's version.
+    pub daemon_version: String,
+    /// GPUs, unit, health, cordon.
+    pub inventory: NodeInventory,
+    /// Used memory per GPU, in inventory order.
+    pub used: Vec<Mib>,
+    /// The allocations behind `used`.
+    pub allocations: Vec<NodeAllocation>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Wire {
+    v: u32,
+    generation: u64,
+    daemon: String,
+    unit: MemoryUnit,
+    gpus: Vec<WireGpu>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct WireGpu {
+    index: u32,
+    uuid: GpuUuid,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    minor: Option<u32>,
+    model: String,
+    #[serde(rename = "totalMiB")]
+    total_mib: Mib,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    numa: Option<u32>,
+    health: WireHealth,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    health_reason: Option<String>,
+    #[serde(default)]
+    cordoned: bool,
+    #[serde(rename = "usedMiB", default)]
+    used_mib: Mib,
+    #[serde(default)]
+    pods: Vec<WireHolder>,
+}
+
+#[derive(Serialize, Deserialize, PartialEq, Eq, Clone, Copy)]
+enum WireHealth {
+    Healthy,
+    Unhealthy,
+}
+
+#[derive(Serialize, Deserialize)]
+struct WireHolder {
+    namespace: String,
+    name: String,
+    uid: String,
+    container: String,
+    mib: Mib,
+}
+
+impl NodeState {
+    /// Encodes the state as the annotation value.
+    ///
+    /// # Errors
+    /// [`CodecError::TooLarge`] if the value would exceed Kubernetes' annotation limit, or
+    /// [`CodecError::Invalid`] if `used` does not match the inventory or an allocation names a
+    /// GPU the inventory lacks.
+    pub fn encode(&self) -> Result<String, CodecError> {
+        let gpus = self.inventory.gpus();
+        if self.used.len() != gpus.len() {
+            return Err(invalid(format!("{} usage figures for {} GPUs", self.used.len(), gpus.len())));
+        }
+        if let Some(a) = self.allocations.iter().find(|a| self.inventory.by_index(a.gpu).is_none()) {
+            return Err(invalid(format!(
+                "allocation of {}/{} names unknown GPU{}",
+                a.pod.namespace, a.pod.name, a.gpu
+            )));
+        }
+        let wire = Wire {
+            v: NODE_STATE_VERSION,
+            generation: self.generation,
+            daemon: self.daemon_version.clone(),
+            unit: self.inventory.unit(),
+            gpus: gpus
+                .iter()
+                .zip(&self.used)
+                .map(|(g, used)| WireGpu {
+                    index: g.index,
+                    uuid: g.uuid.clone(),
+                    minor: g.minor,
+                    model: g.model.clone(),
+                    total_mib: g.total,
+                    numa: g.numa_node,
+                    health: if g.health.is_healthy() { WireHealth::Healthy } else { WireHealth::Unhealthy },
+                    health_reason: match &g.health {
+                        Health::Healthy => None,
+                        Health::Unhealthy { reason } => Some(reason.clone()),
+                    },
+                    cordoned: g.cordoned,
+                    used_mib: *used,
+                    pods: self
+                        .allocations
+                        .iter()
+                        .filter(|a| a.gpu == g.index)
+                        .map(|a| WireHolder {
+                            namespace: a.pod.namespace.clone(),
+                            name: a.pod.name.clone(),
+                            uid: a.pod.uid.clone(),
+                            container: a.container.clone(),
+                            mib: a.mib,
+                        })
+                        .collect(),
+                })
+                .collect(),
+        };
+        encode_checked(NODE_STATE_KEY, &wire)
+    }
+
+    /// Decodes an annotation value.
+    ///
+    /// # Errors
+    /// A [`CodecError`] for oversized, malformed, unknown-version or self-contradicting values.
+    pub fn decode(value: &str) -> Result<Self, CodecError> {
+        let wire: Wire = decode_versioned(NODE_STATE_KEY, value, NODE_STATE_VERSION)?;
+        let mut gpus = Vec::with_capacity(wire.gpus.len());
+        let mut used = Vec::with_capacity(wire.gpus.len());
+        let mut allocations = Vec::new();
+        for g in wire.gpus {
+            let health = match (g.health, g.health_reason) {
+                (WireHealth::Healthy, _) => Health::Healthy,
+                (WireHealth::Unhealthy, reason) => Health::Unhealthy { reason: reason.unwrap_or_default() },
+            };
+            for h in g.pods {
+                if h.namespace.is_empty() || h.name.is_empty() || h.container.is_empty() {
+                    return Err(invalid(format!(
+                        "GPU{} lists a holder with an empty namespace, name or container",
+                        g.index
+                    )));
+                }
+                if h.mib == Mib::ZERO {
+                    return Err(invalid(format!("GPU{}: {}/{} holds 0 MiB", g.index, h.namespace, h.name)));
+                }
+                allocations.push(NodeAllocation {
+                    pod: PodRef { namespace: h.namespace, name: h.name, uid: h.uid },
+                    container: h.container,
+                    gpu: g.index,
+                    mib: h.mib,
+                });
+            }
+            gpus.push(Gpu {
+                index: g.index,
+                uuid: g.uuid,
+                minor: g.minor,
+                model: g.model,
+                total: g.total_mib,
+                health,
+                cordoned: g.cordoned,
+                numa_node: g.numa,
+            });
+            used.push((g.index, g.used_mib));
+        }
+        let inventory = NodeInventory::new(wire.unit, gpus).map_err(|e| invalid(e.to_string()))?;
+        // The inventory sorts by index; keep `used` aligned with it.
+        used.sort_by_key(|(index, _)| *index);
+        Ok(NodeState {
+            generation: wire.generation,
+            daemon_version: wire.daemon,
+            inventory,
+            used: used.into_iter().map(|(_, m)| m).collect(),
+            allocations,
+        })
+    }
+}
+
+fn invalid(reason: String) -> CodecError {
+    CodecError::Invalid { key: NODE_STATE_KEY, reason }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> NodeState {
+        let mut sick = Gpu::new(1, GpuUuid::new("GPU-b").unwrap(), "Tesla T4", Mib::new(15_360));
+        sick.health = Health::Unhealthy { reason: "Xid 79".into() };
+        sick.numa_node = Some(1);
+        let mut g0 = Gpu::new(0, GpuUuid::new("GPU-a").unwrap(), "Tesla T4", Mib::new(15_360));
+        g0.minor = Some(0);
+        g0.cordoned = true;
+        NodeState {
+            generation: 7,
+            daemon_version: "0.1.0".into(),
+            inventory: NodeInventory::new(MemoryUnit::Mib, vec![g0, sick]).unwrap(),
+            used: vec![Mib::new(3500), Mib::ZERO],
+            allocations: vec![NodeAllocation {
+                pod: PodRef { namespace: "default".into(), name: "infer-1".into(), uid: "u1".into() },
+                container: "main".into(),
+                gpu: 0,
+                mib: Mib::new(3500),
+            }],
+        }
+    }
+
+    #[test]
+    fn round_trips_and_reads_as_documented() {
+        let state = sample();
+        let text = state.encode().unwrap();
+        assert!(
+            text.starts_with(r#"{"v":1,"generation":7,"daemon":"0.1.0","unit":"MiB","gpus":[{"index":0"#),
+            "{text}"
+        );
+        assert!(text.contains(r#""health":"Unhealthy","healthReason":"Xid 79""#), "{text}");
+        assert!(text.contains(r#""usedMiB":3500,"pods":[{"namespace":"default","name":"infer-1""#), "{text}");
+        assert_eq!(NodeState::decode(&text).unwrap(), state);
+    }
+
+    #[test]
+    fn unknown_fields_within_a_version_are_ignored() {
+        let text = r#"{"v":1,"generation":1,"daemon":"9","unit":"GiB","future":true,
+            "gpus":[{"index":0,"uuid":"u","model":"m","totalMiB":1024,"health":"Healthy","extra":[1]}]}"#;
+        let state = NodeState::decode(text).unwrap();
+        assert_eq!(state.inventory.unit(), MemoryUnit::Gib);
+        assert_eq!(state.used, vec![Mib::ZERO]);
+    }
+
+    #[test]
+    fn bad_values_are_errors_not_panics() {
+        let cases: &[(&str, &str)] = &[
+            ("", "malformed"),
+            ("null", "malformed"),
+            ("[]", "malformed"),
+            ("{}", "schema version \"v\" is missing"),
+            (r#"{"v":"1"}"#, "must be a whole number"),
+            (r#"{"v":1.5}"#, "must be a whole number"),
+            (r#"{"v":2,"anything":true}"#, "schema version 2 is not supported"),
+            (r#"{"v":1}"#, "malformed"),
+            (r#"{"v":1,"generation":-1,"daemon":"x","unit":"MiB","gpus":[]}"#, "malformed"),
+            (r#"{"v":1,"generation":1,"daemon":"x","unit":"KiB","gpus":[]}"#, "malformed"),
+            (
+                r#"{"v":1,"generation":1,"daemon":"x","unit":"MiB","gpus":[{"index":0,"uuid":"a b","model":"m","totalMiB":1,"health":"Healthy"}]}"#,
+                "invalid GPU UUID",
+            ),
+            (
+                r#"{"v":1,"generation":1,"daemon":"x","unit":"MiB","gpus":[{"index":0,"uuid":"a","model":"m","totalMiB":1,"health":"Healthy"},{"index":0,"uuid":"b","model":"m","totalMiB":1,"health":"Healthy"}]}"#,
+                "GPU index 0 appears twice",
+            ),
+            (
+                r#"{"v":1,"generation":1,"daemon":"x","unit":"MiB","gpus":[{"index":0,"uuid":"a","model":"m","totalMiB":1,"health":"Sick"}]}"#,
+                "malformed",
+            ),
+            (
+                r#"{"v":1,"generation":1,"daemon":"x","unit":"MiB","gpus":[{"index":0,"uuid":"a","model":"m","totalMiB":9,"health":"Healthy","pods":[{"namespace":"","name":"p","uid":"u","container":"c","mib":1}]}]}"#,
+                "empty namespace",
+            ),
+            (
+                r#"{"v":1,"generation":1,"daemon":"x","unit":"MiB","gpus":[{"index":0,"uuid":"a","model":"m","totalMiB":9,"health":"Healthy","pods":[{"namespace":"d","name":"p","uid":"u","container":"c","mib":0}]}]}"#,
+                "holds 0 MiB",
+            ),
+        ];
+        for (text, want) in cases {
+            let err = NodeState::decode(text).unwrap_err().to_string();
+            assert!(err.contains(want), "{text}: {err}");
+            assert!(err.starts_with("annotation gpushare.io/node-state"), "{err}");
+        }
+        let huge = format!(r#"{{"v":1,"pad":"{}"}}"#, "x".repeat(super::super::MAX_ANNOTATION_BYTES));
+        assert!(matches!(NodeState::decode(&huge), Err(CodecError::TooLarge { .. })));
+    }
+
+    #[test]
+    fn encode_refuses_inconsistent_state() {
+        let mut state = sample();
+        state.used.pop();
+        assert!(state.encode().unwrap_err().to_string().contains("1 usage figures for 2 GPUs"));
+        let mut state = sample();
+        state.allocations[0].gpu = 9;
+        assert!(state.encode().unwrap_err().to_string().contains("unknown GPU9"));
+    }
+}

@@ -1,0 +1,27 @@
+//! gpushare's core: the decisions both the node daemon (`gpushared`) and the scheduler
+//! extender make, in one place so that they cannot disagree. It does no I/O and depends on no
+//! runtime, gRPC, D-Bus, `SQLite`, NVML or Kubernetes client (CI checks the dependency tree).
+//!
+//! - [`units`]: the MiB newtype, the cluster unit, Kubernetes quantity parsing;
+//! - [`inventory`]: a node's GPUs;
+//! - [`request`]: a pod's GPU request, read and validated from its spec;
+//! - [`placement`]: placing a pod on one node, scoring the node, explaining a rejection;
+//! - [`schedule`]: the same over many nodes (filter and prioritize);
+//! - [`codec`]: the annotation schemas (node state, pod assignment, Alibaba's keys).
+
+pub mod codec;
+pub mod inventory;
+pub mod placement;
+pub mod request;
+pub mod schedule;
+pub mod units;
+
+/// gpushare's memory resource (a kubelet device-plugin resource, one device per unit).
+pub const GPUSHARE_MEMORY_RESOURCE: &str = "gpushare.io/gpu-mem";
+/// gpushare's GPU-count resource (scheduler-only, never advertised by nodes).
+pub const GPUSHARE_COUNT_RESOURCE: &str = "gpushare.io/gpu-count";
+
+pub use inventory::{Gpu, GpuUuid, Health, NodeInventory};
+pub use placement::{GpuPolicy, NodePolicy, NodeView, Placement, Placer, Rejection};
+pub use request::{ContainerRequest, ContainerRole, PodRequest, PodSpec, RequestError, ResourceNames};
+pub use units::{MemoryUnit, Mib};
