@@ -304,8 +304,12 @@ pub struct Placer {
     /// Long-running containers in search order, then init containers in spec order.
     long: Vec<Need>,
     init: Vec<Need>,
-    /// Candidate GPUs per search depth.
-    cands: Vec<Vec<usize>>,
+    /// Whether each container (by request position) is a sidecar.
+    sidecar: Vec<bool>,
+    /// Candidate GPUs per search depth as (policy key, position), sorted.
+    cands: Vec<Vec<(u64, usize)>>,
+    /// Candidate GPUs of an init container as (not held by the pod, policy key, position).
+    init_cands: Vec<(bool, u64, usize)>,
     combo: Vec<usize>,
     budget: u32,
 }
@@ -314,7 +318,6 @@ pub struct Placer {
 #[derive(Clone, Copy, Debug)]
 struct Need {
     container: usize,
-    role: ContainerRole,
     share: Mib,
     gpus: usize,
 }
@@ -332,7 +335,10 @@ impl Placer {
     /// A [`Rejection`] saying why the pod does not fit.
     pub fn place(&mut self, node: NodeView<'_>, pod: &PodRequest, policy: GpuPolicy) -> Result<Placement, Rejection> {
         self.run(node, pod, policy)?;
-        Ok(Placement { shares: self.shares.clone(), footprint: self.foot.clone() })
+        let mut shares = self.shares.clone();
+        // Positions follow the inventory's index order.
+        shares.sort_unstable_by_key(|s| (s.container, s.gpu));
+        Ok(Placement { shares, footprint: self.foot.clone() })
     }
 
     /// Scores `node` for `pod` (0–[`MAX_SCORE`]) after placing it under `gpu_policy`.
@@ -381,22 +387,20 @@ impl Placer {
                 return Err(Rejection::GpuTooSmall { container: c.name.clone(), per_gpu: c.per_gpu(), largest });
             }
         }
-        if self.search(node) {
+        // Cheap necessary conditions first: each container alone, and the long-running total.
+        let alone = pod.containers().iter().find(|c| !fits_alone(&self.free, c));
+        if alone.is_none() && self.long_total_fits(&self.free) && self.search() {
             return Ok(());
         }
         // Explain. First: would the pod fit this node if it were empty? If not, preemption
         // cannot help.
         let free_now = std::mem::take(&mut self.free);
         self.free.clone_from(&self.cap);
-        let fits_empty = self.search(node);
+        let fits_empty = self.long_total_fits(&self.cap) && self.search();
         self.free = free_now;
         if !fits_empty {
             return Err(Rejection::PodTooLarge);
         }
-        let alone = pod.containers().iter().find(|c| {
-            let room = self.free.iter().filter(|f| **f >= c.per_gpu()).count();
-            usize::try_from(c.gpus).map_or(true, |k| room < k)
-        });
         let detail = gpu_states(node);
         Err(match alone {
             Some(c) => {
@@ -423,13 +427,10 @@ impl Placer {
         }
         self.long.clear();
         self.init.clear();
+        self.sidecar.clear();
+        self.sidecar.extend(pod.containers().iter().map(|c| c.role == ContainerRole::Sidecar));
         for (i, c) in pod.containers().iter().enumerate() {
-            let need = Need {
-                container: i,
-                role: c.role,
-                share: c.per_gpu(),
-                gpus: usize::try_from(c.gpus).unwrap_or(usize::MAX),
-            };
+            let need = Need { container: i, share: c.per_gpu(), gpus: usize::try_from(c.gpus).unwrap_or(usize::MAX) };
             if c.role.is_long_running() {
                 self.long.push(need);
             } else {
@@ -443,18 +444,20 @@ impl Placer {
         }
     }
 
+    /// Whether the long-running containers' memory fits in the sum of `room` at all.
+    fn long_total_fits(&self, room: &[Mib]) -> bool {
+        let total: u128 = room.iter().map(|m| u128::from(m.get())).sum();
+        let need: u128 = self.long.iter().map(|n| u128::from(n.share.get()) * n.gpus as u128).sum();
+        need <= total
+    }
+
     /// Exact bounded search; on success `shares` and `foot` describe the placement.
-    fn search(&mut self, node: NodeView<'_>) -> bool {
+    fn search(&mut self) -> bool {
         self.load.clear();
         self.load.resize(self.cap.len(), Mib::ZERO);
         self.shares.clear();
         self.budget = SEARCH_BUDGET;
-        let ok = self.place_long(0);
-        if ok {
-            let gpus = node.inventory.gpus();
-            self.shares.sort_by_key(|s| (s.container, gpus.get(s.gpu).map_or(0, |g| g.index)));
-        }
-        ok
+        self.place_long(0)
     }
 
     fn place_long(&mut self, depth: usize) -> bool {
@@ -464,18 +467,31 @@ impl Placer {
         let mut cands = std::mem::take(&mut self.cands[depth]);
         cands.clear();
         for p in 0..self.cap.len() {
-            if self.cap[p] > Mib::ZERO && self.free[p].saturating_sub(self.load[p]) >= need.share {
-                cands.push(p);
+            let room = self.free[p].saturating_sub(self.load[p]);
+            if self.cap[p] > Mib::ZERO && room >= need.share {
+                cands.push((policy_key(self.policy, room), p));
             }
         }
-        sort_candidates(&mut cands, self.policy, |p| self.free[p].saturating_sub(self.load[p]));
-        let ok = cands.len() >= need.gpus && self.combos(depth, need, 0, &cands);
+        let ok = if cands.len() < need.gpus {
+            false
+        } else if need.gpus == 1 && cands.len() > 1 {
+            // The usual case: try the policy's favourite first, and sort the rest only if the
+            // search has to come back here.
+            cands.select_nth_unstable(0);
+            self.combos(depth, need, 0, &cands[..1]) || {
+                cands[1..].sort_unstable();
+                self.combos(depth, need, 1, &cands)
+            }
+        } else {
+            cands.sort_unstable();
+            self.combos(depth, need, 0, &cands)
+        };
         self.cands[depth] = cands;
         ok
     }
 
     /// Tries every `need.gpus`-subset of `cands` (in policy order) for the container at `depth`.
-    fn combos(&mut self, depth: usize, need: Need, start: usize, cands: &[usize]) -> bool {
+    fn combos(&mut self, depth: usize, need: Need, start: usize, cands: &[(u64, usize)]) -> bool {
         let chosen = self.combo.len() - self.combo_base(depth);
         if chosen == need.gpus {
             if self.budget == 0 {
@@ -503,7 +519,7 @@ impl Placer {
             if cands.len() - j < missing || self.budget == 0 {
                 break;
             }
-            self.combo.push(cands[j]);
+            self.combo.push(cands[j].1);
             let ok = self.combos(depth, need, j + 1, cands);
             self.combo.pop();
             if ok {
@@ -524,33 +540,40 @@ impl Placer {
         self.foot.clear();
         self.foot.extend_from_slice(&self.load);
         let long_shares = self.shares.len();
-        let mut cands = Vec::with_capacity(n);
+        let mut cands = std::mem::take(&mut self.init_cands);
+        let ok = self.place_inits_with(n, long_shares, &mut cands);
+        self.init_cands = cands;
+        ok
+    }
+
+    fn place_inits_with(&mut self, n: usize, long_shares: usize, cands: &mut Vec<(bool, u64, usize)>) -> bool {
         for idx in 0..self.init.len() {
             let need = self.init[idx];
             self.before.clear();
             self.before.resize(n, Mib::ZERO);
             for s in &self.shares[..long_shares] {
-                let sidecar_before = s.container < need.container
-                    && self.long.iter().any(|l| l.container == s.container && l.role == ContainerRole::Sidecar);
-                if sidecar_before {
+                if s.container < need.container && self.sidecar.get(s.container).copied().unwrap_or(false) {
                     self.before[s.gpu] = self.before[s.gpu].saturating_add(s.mib);
                 }
             }
             cands.clear();
             for p in 0..n {
-                if self.cap[p] > Mib::ZERO && self.free[p].saturating_sub(self.before[p]) >= need.share {
-                    cands.push(p);
+                let room = self.free[p].saturating_sub(self.before[p]);
+                if self.cap[p] > Mib::ZERO && room >= need.share {
+                    // GPUs the pod's long-running containers hold first, then policy order.
+                    cands.push((self.load[p] == Mib::ZERO, policy_key(self.policy, room), p));
                 }
             }
-            sort_candidates(&mut cands, self.policy, |p| self.free[p].saturating_sub(self.before[p]));
-            // Prefer the GPUs the pod's long-running containers hold (stable: policy order kept).
-            cands.sort_by_key(|&p| self.load[p] == Mib::ZERO);
             if cands.len() < need.gpus {
                 // Leave `shares` as the caller expects to unwind it.
                 self.shares.truncate(long_shares);
                 return false;
             }
-            for &p in &cands[..need.gpus] {
+            // Only the best `need.gpus` matter: no full sort.
+            if need.gpus < cands.len() {
+                cands.select_nth_unstable(need.gpus - 1);
+            }
+            for &(_, _, p) in &cands[..need.gpus] {
                 self.foot[p] = self.foot[p].max(self.before[p].saturating_add(need.share));
                 self.shares.push(Share { container: need.container, gpu: p, mib: need.share });
             }
@@ -559,10 +582,18 @@ impl Placer {
     }
 }
 
-fn sort_candidates(cands: &mut [usize], policy: GpuPolicy, room: impl Fn(usize) -> Mib) {
+/// Whether `c` alone finds `c.gpus` GPUs with room for its share.
+fn fits_alone(room: &[Mib], c: &ContainerRequest) -> bool {
+    let fitting = room.iter().filter(|f| **f >= c.per_gpu()).count();
+    usize::try_from(c.gpus).is_ok_and(|k| fitting >= k)
+}
+
+/// Sort key of a GPU with `room` free: ascending keys are the policy's order of preference
+/// (positions break ties, lowest first).
+fn policy_key(policy: GpuPolicy, room: Mib) -> u64 {
     match policy {
-        GpuPolicy::Binpack => cands.sort_by_key(|&p| (room(p), p)),
-        GpuPolicy::Spread => cands.sort_by_key(|&p| (std::cmp::Reverse(room(p)), p)),
+        GpuPolicy::Binpack => room.get(),
+        GpuPolicy::Spread => u64::MAX - room.get(),
     }
 }
 
