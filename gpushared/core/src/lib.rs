@@ -8,8 +8,10 @@
 //! - [`placement`]: placing a pod on one node, scoring the node, explaining a rejection;
 //! - [`schedule`]: the same over many nodes (filter and prioritize);
 //! - [`codec`]: the annotation schemas (node state, pod assignment, Alibaba's keys).
+//! - [`devices`]: kubelet device IDs and the size of the device list the kubelet receives.
 
 pub mod codec;
+pub mod devices;
 pub mod inventory;
 pub mod placement;
 pub mod request;
