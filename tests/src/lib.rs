@@ -1,0 +1,1 @@
+//! The cluster in a box: stand-ins that speak the real protocols, for tests and the demo.
