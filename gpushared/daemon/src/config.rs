@@ -1,0 +1,481 @@
+//! The daemon's configuration file (`/etc/gpushare/gpushared.toml` by default), every key
+//! documented in `docs/gpushared.md`. Unknown keys and bad values are refused with the file,
+//! the line and what to write instead; a missing file means all defaults.
+
+use std::path::{Path, PathBuf};
+
+use gpushare_core::request::{ResourceName, ResourceNames};
+use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib};
+use serde::Deserialize;
+use thiserror::Error;
+
+/// Where the daemon looks when `--config` is not given.
+pub const DEFAULT_PATH: &str = "/etc/gpushare/gpushared.toml";
+
+/// A configuration that cannot be used.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    /// The file exists but cannot be read.
+    #[error("{path}: cannot read: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML of the documented shape; the message carries the line.
+    #[error("{path}: {message}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// What the parser or validator said, with the line.
+        message: String,
+    },
+}
+
+/// An absolute path (relative paths would depend on the daemon's working directory).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AbsPath(PathBuf);
+
+impl AbsPath {
+    /// The path.
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl<'de> Deserialize<'de> for AbsPath {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let p = PathBuf::deserialize(d)?;
+        if p.is_absolute() {
+            Ok(AbsPath(p))
+        } else {
+            Err(serde::de::Error::custom(format!(
+                "{:?} is relative; write an absolute path such as \"/{}\"",
+                p,
+                p.display()
+            )))
+        }
+    }
+}
+
+fn abs(p: &str) -> AbsPath {
+    AbsPath(PathBuf::from(p))
+}
+
+/// A file name inside a directory (no `/`), such as the plugin's socket name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FileName(String);
+
+impl FileName {
+    /// The name.
+    #[must_use]
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl<'de> Deserialize<'de> for FileName {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if s.is_empty() || s.contains('/') || s == "." || s == ".." || s == "kubelet.sock" {
+            Err(serde::de::Error::custom(format!(
+                "{s:?} is not a usable socket file name; write a plain name such as \"gpushared.sock\""
+            )))
+        } else {
+            Ok(FileName(s))
+        }
+    }
+}
+
+/// The whole configuration.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// This node's name in Kubernetes; default: `$NODE_NAME`, else the host name.
+    #[serde(default)]
+    pub node_name: Option<String>,
+    /// Where the kubelet is.
+    #[serde(default)]
+    pub kubelet: KubeletConfig,
+    /// How to reach the API server.
+    #[serde(default)]
+    pub kubernetes: KubernetesConfig,
+    /// The allocation ledger.
+    #[serde(default)]
+    pub ledger: LedgerConfig,
+    /// Resource names, unit and compatibility.
+    #[serde(default)]
+    pub resources: ResourcesConfig,
+    /// GPU discovery through NVML.
+    #[serde(default)]
+    pub nvml: NvmlConfig,
+    /// A static GPU list for hosts without NVML; when present, NVML is not used.
+    #[serde(default)]
+    pub gpus: Vec<StaticGpu>,
+}
+
+/// `[kubelet]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubeletConfig {
+    /// The kubelet's device-plugin directory (holds `kubelet.sock`).
+    #[serde(default = "default_device_plugin_dir")]
+    pub device_plugin_dir: AbsPath,
+    /// The plugin's socket file name in that directory.
+    #[serde(default = "default_socket_name")]
+    pub socket_name: FileName,
+}
+
+impl Default for KubeletConfig {
+    fn default() -> Self {
+        KubeletConfig { device_plugin_dir: default_device_plugin_dir(), socket_name: default_socket_name() }
+    }
+}
+
+fn default_device_plugin_dir() -> AbsPath {
+    abs("/var/lib/kubelet/device-plugins")
+}
+
+fn default_socket_name() -> FileName {
+    FileName("gpushared.sock".to_owned())
+}
+
+/// `[kubernetes]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesConfig {
+    /// The kubeconfig the daemon uses; by default the kubelet's own, so the Node authorizer
+    /// lets it read the pods bound to this node and patch this Node.
+    #[serde(default = "default_kubeconfig")]
+    pub kubeconfig: AbsPath,
+}
+
+impl Default for KubernetesConfig {
+    fn default() -> Self {
+        KubernetesConfig { kubeconfig: default_kubeconfig() }
+    }
+}
+
+fn default_kubeconfig() -> AbsPath {
+    abs("/etc/kubernetes/kubelet.conf")
+}
+
+/// `[ledger]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LedgerConfig {
+    /// The SQLite file.
+    #[serde(default = "default_ledger")]
+    pub path: AbsPath,
+}
+
+impl Default for LedgerConfig {
+    fn default() -> Self {
+        LedgerConfig { path: default_ledger() }
+    }
+}
+
+fn default_ledger() -> AbsPath {
+    abs("/var/lib/gpushare/ledger.db")
+}
+
+/// Which names, annotations and env vars the cluster uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Compatibility {
+    /// gpushare's own names.
+    #[default]
+    Gpushare,
+    /// Alibaba gpushare's names, annotations and env vars too.
+    Alibaba,
+}
+
+/// `[resources]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResourcesConfig {
+    /// The cluster unit, `MiB` or `GiB`; must be the same on every node and the extender.
+    #[serde(default)]
+    pub unit: MemoryUnit,
+    /// `gpushare` or `alibaba`.
+    #[serde(default)]
+    pub compatibility: Compatibility,
+    /// Overrides the memory resource name.
+    #[serde(default)]
+    pub memory: Option<ResourceName>,
+    /// Overrides the GPU-count resource name.
+    #[serde(default)]
+    pub count: Option<ResourceName>,
+    /// Publish each GPU's NUMA node to the kubelet (topology hints); costs 4–6 bytes per device
+    /// in the kubelet's 4 MiB device list.
+    #[serde(default = "yes")]
+    pub numa_topology: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Default for ResourcesConfig {
+    fn default() -> Self {
+        ResourcesConfig {
+            unit: MemoryUnit::default(),
+            compatibility: Compatibility::default(),
+            memory: None,
+            count: None,
+            numa_topology: true,
+        }
+    }
+}
+
+impl ResourcesConfig {
+    /// The resource names in force.
+    #[must_use]
+    pub fn names(&self) -> ResourceNames {
+        let base = match self.compatibility {
+            Compatibility::Gpushare => ResourceNames::gpushare(),
+            Compatibility::Alibaba => ResourceNames::alibaba(),
+        };
+        ResourceNames {
+            memory: self.memory.clone().unwrap_or(base.memory),
+            count: self.count.clone().unwrap_or(base.count),
+        }
+    }
+}
+
+/// `[nvml]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NvmlConfig {
+    /// The NVML library, a path or a name the dynamic loader resolves.
+    #[serde(default = "default_nvml")]
+    pub library: PathBuf,
+}
+
+impl Default for NvmlConfig {
+    fn default() -> Self {
+        NvmlConfig { library: default_nvml() }
+    }
+}
+
+fn default_nvml() -> PathBuf {
+    PathBuf::from("libnvidia-ml.so.1")
+}
+
+/// `[[gpus]]`: one GPU of a host without NVML.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StaticGpu {
+    /// NVML-style index; unique.
+    pub index: u32,
+    /// UUID; unique.
+    pub uuid: GpuUuid,
+    /// Product name.
+    pub model: String,
+    /// Total memory in MiB.
+    pub memory_mib: u64,
+    /// `/dev/nvidiaN` minor number.
+    #[serde(default)]
+    pub minor: Option<u32>,
+    /// NUMA node.
+    #[serde(default)]
+    pub numa_node: Option<u32>,
+}
+
+impl StaticGpu {
+    /// The GPU as the core sees it.
+    #[must_use]
+    pub fn to_gpu(&self) -> Gpu {
+        let mut g = Gpu::new(self.index, self.uuid.clone(), self.model.clone(), Mib::new(self.memory_mib));
+        g.minor = self.minor;
+        g.numa_node = self.numa_node;
+        g
+    }
+}
+
+impl Config {
+    /// Parses and validates configuration text; `path` only labels errors.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] with the line and the fix.
+    pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        let invalid = |message: String| ConfigError::Invalid { path: path.to_owned(), message };
+        let config: Config = toml::from_str(text).map_err(|e| invalid(e.to_string().trim_end().to_owned()))?;
+        if let Some(name) = &config.node_name
+            && !is_dns_subdomain(name)
+        {
+            return Err(invalid(format!(
+                "node_name {name:?} is not a Kubernetes node name; write the name `kubectl get nodes` shows"
+            )));
+        }
+        for (i, g) in config.gpus.iter().enumerate() {
+            if g.memory_mib == 0 {
+                return Err(invalid(format!("gpus[{i}] (index {}): memory_mib must be above 0", g.index)));
+            }
+        }
+        let mut indices: Vec<u32> = config.gpus.iter().map(|g| g.index).collect();
+        indices.sort_unstable();
+        if let Some(w) = indices.windows(2).find(|w| w[0] == w[1]) {
+            return Err(invalid(format!("gpus: index {} appears twice; give each GPU its own index", w[0])));
+        }
+        let mut uuids: Vec<&GpuUuid> = config.gpus.iter().map(|g| &g.uuid).collect();
+        uuids.sort();
+        if let Some(w) = uuids.windows(2).find(|w| w[0] == w[1]) {
+            return Err(invalid(format!("gpus: uuid {} appears twice; each GPU has its own UUID", w[0])));
+        }
+        let names = config.resources.names();
+        if names.memory == names.count {
+            return Err(invalid(format!(
+                "resources: memory and count are both {:?}; they must be two different resources",
+                names.memory.as_str()
+            )));
+        }
+        Ok(config)
+    }
+
+    /// Reads `path`; a missing file at the default location means all defaults.
+    ///
+    /// # Errors
+    /// [`ConfigError`] if the file cannot be read or is invalid.
+    pub fn load(path: &Path, must_exist: bool) -> Result<Config, ConfigError> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => Config::parse(&text, path),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !must_exist => Config::parse("", path),
+            Err(source) => Err(ConfigError::Read { path: path.to_owned(), source }),
+        }
+    }
+
+    /// The node name in force: the config, else `$NODE_NAME`, else the host name.
+    #[must_use]
+    pub fn node_name(&self) -> Option<String> {
+        self.node_name
+            .clone()
+            .or_else(|| std::env::var("NODE_NAME").ok().filter(|n| !n.is_empty()))
+            .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|h| h.trim().to_lowercase()))
+            .filter(|n| is_dns_subdomain(n))
+    }
+
+    /// The plugin socket's full path.
+    #[must_use]
+    pub fn socket_path(&self) -> PathBuf {
+        self.kubelet.device_plugin_dir.path().join(self.kubelet.socket_name.as_str())
+    }
+
+    /// The kubelet's registration socket.
+    #[must_use]
+    pub fn kubelet_socket(&self) -> PathBuf {
+        self.kubelet.device_plugin_dir.path().join("kubelet.sock")
+    }
+}
+
+fn is_dns_subdomain(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, String> {
+        Config::parse(text, Path::new("/etc/gpushare/gpushared.toml")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn an_empty_file_means_the_documented_defaults() {
+        let c = parse("").unwrap();
+        assert_eq!(c.socket_path(), Path::new("/var/lib/kubelet/device-plugins/gpushared.sock"));
+        assert_eq!(c.kubelet_socket(), Path::new("/var/lib/kubelet/device-plugins/kubelet.sock"));
+        assert_eq!(c.kubernetes.kubeconfig.path(), Path::new("/etc/kubernetes/kubelet.conf"));
+        assert_eq!(c.ledger.path.path(), Path::new("/var/lib/gpushare/ledger.db"));
+        assert_eq!(c.nvml.library, Path::new("libnvidia-ml.so.1"));
+        assert_eq!(c.resources.unit, MemoryUnit::Mib);
+        assert_eq!(c.resources.names(), ResourceNames::gpushare());
+        assert!(c.resources.numa_topology);
+        assert!(c.gpus.is_empty());
+    }
+
+    #[test]
+    fn every_key_can_be_set() {
+        let c = parse(
+            r#"
+node_name = "gpu-node-a"
+[kubelet]
+device_plugin_dir = "/tmp/dp"
+socket_name = "x.sock"
+[kubernetes]
+kubeconfig = "/tmp/kubeconfig"
+[ledger]
+path = "/tmp/ledger.db"
+[resources]
+unit = "GiB"
+compatibility = "alibaba"
+count = "example.com/gpus"
+numa_topology = false
+[nvml]
+library = "/opt/nvidia/libnvidia-ml.so.1"
+[[gpus]]
+index = 0
+uuid = "GPU-0"
+model = "Tesla T4"
+memory_mib = 15360
+minor = 0
+numa_node = 1
+"#,
+        )
+        .unwrap();
+        assert_eq!(c.node_name.as_deref(), Some("gpu-node-a"));
+        assert_eq!(c.socket_path(), Path::new("/tmp/dp/x.sock"));
+        assert_eq!(c.resources.names().memory.as_str(), "aliyun.com/gpu-mem");
+        assert_eq!(c.resources.names().count.as_str(), "example.com/gpus");
+        assert_eq!(c.gpus[0].to_gpu().numa_node, Some(1));
+    }
+
+    #[test]
+    fn mistakes_name_the_file_the_line_and_the_fix() {
+        let cases: &[(&str, &[&str])] = &[
+            ("nodename = \"a\"", &["line 1", "unknown field `nodename`", "node_name"]),
+            ("[kubelet]\ndevice_plugin_dir = \"var/lib\"", &["line 2", "is relative; write an absolute path"]),
+            ("[kubelet]\nsocket_name = \"a/b.sock\"", &["line 2", "plain name such as \"gpushared.sock\""]),
+            ("[kubelet]\nsocket_name = \"kubelet.sock\"", &["line 2", "not a usable socket file name"]),
+            ("[resources]\nunit = \"KiB\"", &["line 2", "unknown variant `KiB`", "`MiB`"]),
+            ("[resources]\ncompatibility = \"nvidia\"", &["line 2", "`gpushare`", "`alibaba`"]),
+            ("[resources]\nmemory = \"gpu-mem\"", &["line 2", "no domain prefix"]),
+            ("[resources]\nnuma_topology = \"yes\"", &["line 2", "expected a boolean"]),
+            ("[[gpus]]\nindex = 0\nuuid = \"a b\"\nmodel = \"m\"\nmemory_mib = 1", &["line 3", "invalid GPU UUID"]),
+            ("[[gpus]]\nindex = 0\nuuid = \"a\"\nmodel = \"m\"\nmemory_mib = 0", &["memory_mib must be above 0"]),
+            ("[[gpus]]\nindex = 0\nuuid = \"a\"\nmodel = \"m\"", &["missing field `memory_mib`"]),
+            (
+                "[[gpus]]\nindex = 0\nuuid = \"a\"\nmodel = \"m\"\nmemory_mib = 1\n[[gpus]]\nindex = 0\nuuid = \"b\"\nmodel = \"m\"\nmemory_mib = 1",
+                &["index 0 appears twice"],
+            ),
+            ("node_name = \"Node_A\"", &["not a Kubernetes node name"]),
+            ("[resources]\ncount = \"gpushare.io/gpu-mem\"", &["must be two different resources"]),
+            ("[ledger", &["line 1"]),
+        ];
+        for (text, wants) in cases {
+            let err = parse(text).unwrap_err();
+            assert!(err.starts_with("/etc/gpushare/gpushared.toml: "), "{err}");
+            for want in *wants {
+                assert!(err.contains(want), "{text:?}: missing {want:?} in {err}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_missing_file_is_all_defaults_only_where_allowed() {
+        let nowhere = Path::new("/nonexistent/gpushared.toml");
+        assert!(Config::load(nowhere, false).is_ok());
+        let err = Config::load(nowhere, true).unwrap_err().to_string();
+        assert!(err.starts_with("/nonexistent/gpushared.toml: cannot read"), "{err}");
+    }
+}
