@@ -96,6 +96,8 @@ pub struct Gpu {
     pub cordoned: bool,
     /// NUMA node the GPU is attached to, when the platform reports one.
     pub numa_node: Option<u32>,
+    /// PCI bus id (`00000000:3B:00.0`), when known.
+    pub pci_bus_id: Option<String>,
 }
 
 impl Gpu {
@@ -111,6 +113,7 @@ impl Gpu {
             health: Health::Healthy,
             cordoned: false,
             numa_node: None,
+            pci_bus_id: None,
         }
     }
 

@@ -83,6 +83,8 @@ struct WireGpu {
     total_mib: Mib,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     numa: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pci: Option<String>,
     health: WireHealth,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     health_reason: Option<String>,
@@ -142,6 +144,7 @@ impl NodeState {
                     model: g.model.clone(),
                     total_mib: g.total,
                     numa: g.numa_node,
+                    pci: g.pci_bus_id.clone(),
                     health: if g.health.is_healthy() { WireHealth::Healthy } else { WireHealth::Unhealthy },
                     health_reason: match &g.health {
                         Health::Healthy => None,
@@ -207,6 +210,7 @@ impl NodeState {
                 health,
                 cordoned: g.cordoned,
                 numa_node: g.numa,
+                pci_bus_id: g.pci,
             });
             used.push((g.index, g.used_mib));
         }
@@ -237,6 +241,7 @@ mod tests {
         sick.numa_node = Some(1);
         let mut g0 = Gpu::new(0, GpuUuid::new("GPU-a").unwrap(), "Tesla T4", Mib::new(15_360));
         g0.minor = Some(0);
+        g0.pci_bus_id = Some("00000000:3B:00.0".into());
         g0.cordoned = true;
         NodeState {
             generation: 7,

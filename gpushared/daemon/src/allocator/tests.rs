@@ -1,0 +1,296 @@
+//! Allocator tests: the kubelet's call sequences for every request shape, against a real
+//! ledger file and a pod store filled as the API-server watch would fill it.
+
+use gpushare_core::codec::assignment::GpuShare;
+use gpushare_core::{Gpu, MemoryUnit};
+
+use super::*;
+
+const GPU_MIB: u64 = 1000;
+
+fn uuid(i: u32) -> GpuUuid {
+    GpuUuid::new(format!("GPU-{i}")).unwrap()
+}
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    pods: PodStore,
+    alloc: Allocator,
+    /// Devices the kubelet has handed out, as it tracks them.
+    in_use: std::cell::RefCell<BTreeSet<String>>,
+}
+
+fn fixture(compat: Compatibility) -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(&dir.path().join("ledger.db")).unwrap().ledger;
+    let gpus = (0..3)
+        .map(|i| {
+            let mut g = Gpu::new(i, uuid(i), "Tesla T4", Mib::new(GPU_MIB));
+            g.minor = Some(i + 4);
+            g
+        })
+        .collect();
+    let inventory = NodeInventory::new(MemoryUnit::Mib, gpus).unwrap();
+    let pods = PodStore::new();
+    let names = match compat {
+        Compatibility::Gpushare => ResourceNames::gpushare(),
+        Compatibility::Alibaba => ResourceNames::alibaba(),
+    };
+    let alloc = Allocator::new("node-a".into(), names, compat, inventory, pods.clone(), ledger);
+    Fixture { _dir: dir, pods, alloc, in_use: std::cell::RefCell::default() }
+}
+
+/// A container of a test pod: name, role, and its (GPU index, MiB) shares.
+type ContainerSpec<'a> = (&'a str, ContainerRole, &'a [(u32, u64)]);
+
+/// A pod bound to node-a with an assignment.
+fn pod(f: &Fixture, uid: &str, created: &str, containers: &[ContainerSpec<'_>]) {
+    let assignment = Assignment {
+        node: "node-a".into(),
+        unit: MemoryUnit::Mib,
+        containers: containers
+            .iter()
+            .map(|(name, role, gpus)| ContainerAssignment {
+                name: (*name).into(),
+                role: *role,
+                gpus: gpus.iter().map(|(i, mib)| GpuShare { index: *i, uuid: uuid(*i), mib: Mib::new(*mib) }).collect(),
+            })
+            .collect(),
+    };
+    f.pods.upsert(PodView {
+        pod: PodRef { namespace: "default".into(), name: format!("pod-{uid}"), uid: uid.into() },
+        node: Some("node-a".into()),
+        created: created.into(),
+        terminal: false,
+        spec: gpushare_core::PodSpec::default(),
+        annotations: BTreeMap::from([(ASSIGNMENT_KEY.to_owned(), assignment.encode().unwrap())]),
+    });
+}
+
+/// Every device the kubelet has not handed out yet.
+fn all_devices(f: &Fixture) -> Vec<String> {
+    let in_use = f.in_use.borrow();
+    (0..3).flat_map(|g| f.alloc.devices().ids(g).collect::<Vec<_>>()).filter(|d| !in_use.contains(d)).collect()
+}
+
+/// The kubelet's sequence for one container: preferred allocation from the free devices,
+/// then Allocate of what it proposed.
+fn admit(f: &Fixture, size: usize) -> Result<Answer, AllocError> {
+    let ids = f.alloc.preferred(&all_devices(f), &[], size)?;
+    assert_eq!(ids.len(), size);
+    let answer = f.alloc.allocate(&ids)?;
+    f.in_use.borrow_mut().extend(ids);
+    Ok(answer)
+}
+
+fn gpus_of(f: &Fixture, ids: &[String]) -> BTreeSet<usize> {
+    ids.iter().map(|id| f.alloc.devices().resolve(id).unwrap().0).collect()
+}
+
+#[test]
+fn one_container_gets_its_assigned_gpu_and_budget() {
+    let f = fixture(Compatibility::Gpushare);
+    pod(&f, "u1", "2026-01-01T00:00:00Z", &[("main", ContainerRole::App, &[(1, 350)])]);
+    let ids = f.alloc.preferred(&all_devices(&f), &[], 350).unwrap();
+    assert_eq!(gpus_of(&f, &ids), BTreeSet::from([1]));
+    let answer = f.alloc.allocate(&ids).unwrap();
+    assert_eq!(answer.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-1");
+    assert_eq!(answer.envs["GPUSHARE_MEMORY_MIB"], "350");
+    assert_eq!(answer.envs["GPUSHARE_MEMORY_TOTAL_MIB"], "350");
+    assert_eq!(answer.envs["GPUSHARE_GPU_TOTAL_MIB"], "1000");
+    assert_eq!(answer.envs["GPUSHARE_POD"], "default/pod-u1");
+    assert!(!answer.envs.contains_key(alibaba::CONTAINER));
+    let live = f.alloc.live().unwrap();
+    assert_eq!(live.len(), 1);
+    assert_eq!((live[0].gpu_index, live[0].mib, live[0].container.as_str()), (1, Mib::new(350), "main"));
+}
+
+#[test]
+fn a_repeated_allocate_gets_the_same_answer_and_writes_nothing() {
+    let f = fixture(Compatibility::Gpushare);
+    pod(&f, "u1", "2026-01-01T00:00:00Z", &[("main", ContainerRole::App, &[(2, 100)])]);
+    let ids = f.alloc.preferred(&all_devices(&f), &[], 100).unwrap();
+    let first = f.alloc.allocate(&ids).unwrap();
+    let mut shuffled = ids.clone();
+    shuffled.reverse();
+    let again = f.alloc.allocate(&shuffled).unwrap();
+    assert_eq!(first, again);
+    assert_eq!(f.alloc.live().unwrap().len(), 1);
+}
+
+#[test]
+fn two_equal_pods_admitted_together_each_get_their_own_gpu() {
+    let f = fixture(Compatibility::Gpushare);
+    // Same size, different GPUs; b was created first, so the kubelet admits b first.
+    pod(&f, "a", "2026-01-01T00:00:02Z", &[("main", ContainerRole::App, &[(0, 400)])]);
+    pod(&f, "b", "2026-01-01T00:00:01Z", &[("main", ContainerRole::App, &[(2, 400)])]);
+    let mut available = all_devices(&f);
+    let first = f.alloc.preferred(&available, &[], 400).unwrap();
+    available.retain(|d| !first.contains(d));
+    let second = f.alloc.preferred(&available, &[], 400).unwrap();
+    // Both proposals made before either Allocate: each remembers its container.
+    let b = f.alloc.allocate(&first).unwrap();
+    let a = f.alloc.allocate(&second).unwrap();
+    assert_eq!((b.pod.uid.as_str(), b.envs["NVIDIA_VISIBLE_DEVICES"].as_str()), ("b", "GPU-2"));
+    assert_eq!((a.pod.uid.as_str(), a.envs["NVIDIA_VISIBLE_DEVICES"].as_str()), ("a", "GPU-0"));
+    assert_eq!(gpus_of(&f, &first), BTreeSet::from([2]));
+    assert_eq!(gpus_of(&f, &second), BTreeSet::from([0]));
+}
+
+#[test]
+fn a_multi_container_pod_is_served_container_by_container() {
+    let f = fixture(Compatibility::Gpushare);
+    pod(
+        &f,
+        "u1",
+        "2026-01-01T00:00:00Z",
+        &[
+            ("fetch", ContainerRole::Init, &[(0, 200)]),
+            ("model", ContainerRole::App, &[(0, 600)]),
+            ("tokenizer", ContainerRole::App, &[(1, 150)]),
+        ],
+    );
+    // An older pod of the same first size waits too; the pod being admitted still wins for
+    // its later containers.
+    pod(&f, "old", "2025-12-31T00:00:00Z", &[("main", ContainerRole::App, &[(2, 600)])]);
+    let fetch = admit(&f, 200).unwrap();
+    assert_eq!((fetch.container.as_str(), fetch.envs["NVIDIA_VISIBLE_DEVICES"].as_str()), ("fetch", "GPU-0"));
+    let model = admit(&f, 600).unwrap();
+    assert_eq!((model.pod.uid.as_str(), model.container.as_str()), ("u1", "model"));
+    let tok = admit(&f, 150).unwrap();
+    assert_eq!((tok.container.as_str(), tok.envs["NVIDIA_VISIBLE_DEVICES"].as_str()), ("tokenizer", "GPU-1"));
+    let old = admit(&f, 600).unwrap();
+    assert_eq!((old.pod.uid.as_str(), old.envs["NVIDIA_VISIBLE_DEVICES"].as_str()), ("old", "GPU-2"));
+}
+
+#[test]
+fn a_two_gpu_container_gets_devices_and_memory_on_both() {
+    let f = fixture(Compatibility::Gpushare);
+    pod(&f, "u1", "2026-01-01T00:00:00Z", &[("train", ContainerRole::App, &[(0, 300), (2, 300)])]);
+    let ids = f.alloc.preferred(&all_devices(&f), &[], 600).unwrap();
+    assert_eq!(gpus_of(&f, &ids), BTreeSet::from([0, 2]));
+    let answer = f.alloc.allocate(&ids).unwrap();
+    assert_eq!(answer.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-0,GPU-2");
+    assert_eq!(answer.envs["GPUSHARE_GPU_INDEXES"], "0,2");
+    assert_eq!(answer.envs["GPUSHARE_MEMORY_MIB"], "300");
+    assert_eq!(answer.envs["GPUSHARE_MEMORY_TOTAL_MIB"], "600");
+    assert_eq!(f.alloc.live().unwrap().len(), 2);
+}
+
+#[test]
+fn must_include_devices_are_kept_and_counted() {
+    let f = fixture(Compatibility::Gpushare);
+    pod(&f, "u1", "2026-01-01T00:00:00Z", &[("main", ContainerRole::App, &[(1, 10)])]);
+    let must: Vec<String> = f.alloc.devices().ids(1).take(3).collect();
+    let ids = f.alloc.preferred(&all_devices(&f), &must, 10).unwrap();
+    assert_eq!(ids.len(), 10);
+    assert!(must.iter().all(|m| ids.contains(m)));
+    assert_eq!(gpus_of(&f, &ids), BTreeSet::from([1]));
+}
+
+#[test]
+fn allocate_without_a_preference_is_resolved_by_size() {
+    let f = fixture(Compatibility::Gpushare);
+    pod(&f, "u1", "2026-01-01T00:00:00Z", &[("main", ContainerRole::App, &[(1, 5)])]);
+    let ids: Vec<String> = f.alloc.devices().ids(0).take(5).collect();
+    let answer = f.alloc.allocate(&ids).unwrap();
+    assert_eq!(answer.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-1", "the assignment decides the GPU");
+}
+
+#[test]
+fn failures_are_errors_with_reasons_never_bogus_success() {
+    let f = fixture(Compatibility::Gpushare);
+    let err = f.alloc.preferred(&all_devices(&f), &[], 100).unwrap_err().to_string();
+    assert!(err.contains("no pod bound to node node-a is waiting for 100 MiB of gpushare.io/gpu-mem"), "{err}");
+    assert!(err.contains("gpushare-extender"), "{err}");
+
+    // A pod asking for the resource without an assignment is named.
+    let mut view = PodView {
+        pod: PodRef { namespace: "ml".into(), name: "raw".into(), uid: "r".into() },
+        node: Some("node-a".into()),
+        created: String::new(),
+        terminal: false,
+        spec: serde_json::from_str(
+            r#"{"containers":[{"name":"c","resources":{"limits":{"gpushare.io/gpu-mem":"100"}}}]}"#,
+        )
+        .unwrap(),
+        annotations: BTreeMap::new(),
+    };
+    f.pods.upsert(view.clone());
+    let err = f.alloc.allocate(&f.alloc.devices().ids(0).take(100).collect::<Vec<_>>()).unwrap_err().to_string();
+    assert!(err.contains("ml/raw has no gpushare.io/assignment annotation"), "{err}");
+    view.annotations.insert(ASSIGNMENT_KEY.into(), "{not json".into());
+    f.pods.upsert(view);
+    let err = f.alloc.preferred(&all_devices(&f), &[], 100).unwrap_err().to_string();
+    assert!(err.contains("ml/raw: annotation gpushare.io/assignment: malformed value"), "{err}");
+
+    assert!(matches!(f.alloc.allocate(&["nope".into()]), Err(AllocError::UnknownDevice(_))));
+    // A size nobody waits for, while someone waits for another size.
+    pod(&f, "u1", "2026-01-01T00:00:00Z", &[("main", ContainerRole::App, &[(1, 5)])]);
+    let err = f.alloc.preferred(&all_devices(&f), &[], 6).unwrap_err().to_string();
+    assert!(err.contains("default/pod-u1 container \"main\" waits for 5 MiB"), "{err}");
+    assert!(f.alloc.live().unwrap().is_empty());
+}
+
+#[test]
+fn the_ledger_refuses_to_overcommit_a_gpu() {
+    let f = fixture(Compatibility::Gpushare);
+    // Two assignments that together overcommit GPU0 (a stale extender view, say).
+    pod(&f, "u1", "2026-01-01T00:00:01Z", &[("main", ContainerRole::App, &[(0, 700)])]);
+    pod(&f, "u2", "2026-01-01T00:00:02Z", &[("main", ContainerRole::App, &[(0, 700)])]);
+    admit(&f, 700).unwrap();
+    let err = admit(&f, 700).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "pod default/pod-u2 container \"main\": GPU0 has 300 MiB free in the ledger, needs 700 MiB; nothing was allocated"
+    );
+    assert_eq!(f.alloc.live().unwrap().len(), 1);
+}
+
+#[test]
+fn init_containers_do_not_add_to_the_app_containers() {
+    let f = fixture(Compatibility::Gpushare);
+    // 900 init then 900 app on a 1000 MiB GPU: they never run together.
+    pod(
+        &f,
+        "u1",
+        "2026-01-01T00:00:00Z",
+        &[("init", ContainerRole::Init, &[(0, 900)]), ("app", ContainerRole::App, &[(0, 900)])],
+    );
+    admit(&f, 900).unwrap();
+    admit(&f, 900).unwrap();
+}
+
+#[test]
+fn an_unhealthy_assigned_gpu_fails_admission_readably() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = Ledger::open(&dir.path().join("l.db")).unwrap().ledger;
+    let mut g = Gpu::new(0, uuid(0), "T4", Mib::new(GPU_MIB));
+    g.health = gpushare_core::Health::Unhealthy { reason: "Xid 79".into() };
+    let inventory = NodeInventory::new(MemoryUnit::Mib, vec![g]).unwrap();
+    let pods = PodStore::new();
+    let alloc = Allocator::new(
+        "node-a".into(),
+        ResourceNames::gpushare(),
+        Compatibility::Gpushare,
+        inventory,
+        pods.clone(),
+        ledger,
+    );
+    let f = Fixture { _dir: dir, pods, alloc, in_use: std::cell::RefCell::default() };
+    pod(&f, "u1", "t", &[("main", ContainerRole::App, &[(0, 10)])]);
+    let ids: Vec<String> = f.alloc.devices().ids(0).take(10).collect();
+    let err = f.alloc.allocate(&ids).unwrap_err().to_string();
+    assert_eq!(err, "pod default/pod-u1: assigned GPU0 is unhealthy (Xid 79); delete the pod so it is placed again");
+}
+
+#[test]
+fn alibaba_compatibility_adds_alibabas_variables() {
+    let f = fixture(Compatibility::Alibaba);
+    pod(&f, "u1", "t", &[("a", ContainerRole::App, &[(1, 200)]), ("b", ContainerRole::App, &[(1, 100)])]);
+    let a = admit(&f, 200).unwrap();
+    assert_eq!(a.envs[alibaba::IDX], "5", "the minor number");
+    assert_eq!(a.envs[alibaba::DEV], "1000");
+    assert_eq!(a.envs[alibaba::POD], "300");
+    assert_eq!(a.envs[alibaba::CONTAINER], "200");
+}
