@@ -1,7 +1,8 @@
 //! The kubelet's gRPC APIs, generated into `OUT_DIR` from `deviceplugin.proto` and
 //! `podresources.proto` (written from the upstream field tables): the device plugin API that
 //! gpushared serves and registers with, and the PodResources API it reconciles against. The
-//! stand-in kubelet of the tests uses the same code from the other side.
+//! stand-in kubelet of the tests uses the same code from the other side. [`uds`] dials gRPC
+//! servers on unix sockets.
 
 /// The device plugin API, package `v1beta1`.
 #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic)]
@@ -14,6 +15,8 @@ pub mod deviceplugin {
 pub mod podresources {
     tonic::include_proto!("v1");
 }
+
+pub mod uds;
 
 /// `Device.health` of a healthy device.
 pub const HEALTHY: &str = "Healthy";

@@ -5,11 +5,15 @@
 //! - [`allocator`]: which container each kubelet call serves, checked and recorded;
 //! - [`config`]: the configuration file;
 //! - [`discovery`]: the host's GPUs, from NVML or the configuration;
+//! - [`kube`]: the watch of the pods bound to this node;
 //! - [`ledger`]: the SQLite allocation ledger;
+//! - [`plugin`]: the kubelet device plugin API and registration;
 //! - [`pods`]: the pods bound to this node, as last seen.
 
 pub mod allocator;
 pub mod config;
 pub mod discovery;
+pub mod kube;
 pub mod ledger;
+pub mod plugin;
 pub mod pods;

@@ -2,9 +2,19 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
+use anyhow::{Context as _, bail};
 use clap::Parser;
+use gpushare_core::NodeInventory;
+use gpushare_core::devices::{KUBELET_MAX_MESSAGE_BYTES, list_and_watch_size};
+use gpushared::allocator::Allocator;
 use gpushared::config::{Config, DEFAULT_PATH};
+use gpushared::discovery::{Discovery, NvmlDiscovery, StaticDiscovery};
+use gpushared::ledger::Ledger;
+use gpushared::plugin::{self, Plugin};
+use gpushared::pods::PodStore;
+use tokio::sync::watch;
 
 /// gpushare's node daemon: serves the kubelet's device plugin API for GPU memory.
 #[derive(Parser, Debug)]
@@ -32,11 +42,125 @@ fn main() -> ExitCode {
             }
         };
     }
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
     let must_exist = cli.config != std::path::Path::new(DEFAULT_PATH);
-    if let Err(e) = Config::load(&cli.config, must_exist) {
-        eprintln!("gpushared: {e}");
-        return ExitCode::FAILURE;
+    let result = Config::load(&cli.config, must_exist).map_err(anyhow::Error::from).and_then(|config| {
+        tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .context("starting the async runtime")?
+            .block_on(run(config))
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("gpushared: {e:#}");
+            ExitCode::FAILURE
+        }
     }
-    eprintln!("gpushared: serving the kubelet is not in this build yet; only --check-config and --version work");
-    ExitCode::FAILURE
+}
+
+/// Resolves when SIGTERM or SIGINT arrives.
+async fn terminated() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+async fn run(config: Config) -> anyhow::Result<()> {
+    let node = config
+        .node_name()
+        .context("cannot tell this node's name: set node_name in the configuration or the NODE_NAME variable")?;
+    let discovery: Box<dyn Discovery> = if config.gpus.is_empty() {
+        Box::new(NvmlDiscovery::init(&config.nvml.library)?)
+    } else {
+        Box::new(StaticDiscovery::new(config.gpus.iter().map(gpushared::config::StaticGpu::to_gpu).collect()))
+    };
+    let gpus = discovery.discover()?;
+    let inventory = NodeInventory::new(config.resources.unit, gpus)
+        .with_context(|| format!("GPUs from {}", discovery.describe()))?;
+    tracing::info!(source = %discovery.describe(), gpus = inventory.gpus().len(), node = %node, "GPUs discovered");
+    for g in inventory.gpus() {
+        tracing::info!(index = g.index, uuid = %g.uuid, model = %g.model, total_mib = g.total.get(), numa = ?g.numa_node, "GPU");
+    }
+    if inventory.gpus().is_empty() {
+        tracing::warn!("no GPUs found: the kubelet gets an empty device list");
+    }
+    let numa = config.resources.numa_topology;
+    let size = list_and_watch_size(&inventory, numa);
+    if size > KUBELET_MAX_MESSAGE_BYTES {
+        let hint = if numa && list_and_watch_size(&inventory, false) <= KUBELET_MAX_MESSAGE_BYTES {
+            "set [resources] numa_topology = false, or unit = \"GiB\" on every node and the extender"
+        } else {
+            "set [resources] unit = \"GiB\" on every node and the extender"
+        };
+        bail!(
+            "this node's device list ({} devices of 1 {}) would be {size} bytes, over the kubelet's {KUBELET_MAX_MESSAGE_BYTES}-byte \
+             message limit, and the kubelet would drop every device; {hint}",
+            gpushare_core::devices::DeviceMap::new(&inventory).total(),
+            inventory.unit(),
+        );
+    }
+
+    let opened = Ledger::open(config.ledger.path.path())?;
+    if let Some((aside, why)) = &opened.moved_aside {
+        tracing::error!(
+            kept_at = %aside.display(),
+            reason = %why,
+            "THE ALLOCATION LEDGER WAS UNUSABLE and has been moved aside; starting with an empty ledger"
+        );
+    }
+    let pods = PodStore::new();
+    let alloc = Arc::new(Allocator::new(
+        node.clone(),
+        config.resources.names(),
+        config.resources.compatibility,
+        inventory.clone(),
+        pods.clone(),
+        opened.ledger,
+    ));
+    tracing::info!(live = alloc.live()?.len(), ledger = %config.ledger.path.path().display(), "ledger restored");
+
+    let client = gpushared::kube::client(config.kubernetes.kubeconfig.path()).await?;
+    let watch_task = tokio::spawn(gpushared::kube::watch_pods(client, node.clone(), pods, Arc::clone(&alloc)));
+
+    let (devices_tx, devices_rx) = watch::channel(plugin::device_list(&inventory, alloc.devices(), numa));
+    let socket = config.socket_path();
+    let listener = plugin::bind(&socket).with_context(|| format!("binding the plugin socket {}", socket.display()))?;
+    let (stop_tx, mut stop_rx) = watch::channel(false);
+    let server = tokio::spawn(plugin::serve(Plugin::new(Arc::clone(&alloc), devices_rx), listener, async move {
+        let _ = stop_rx.wait_for(|stop| *stop).await;
+    }));
+    tracing::info!(socket = %socket.display(), resource = %alloc.resource(), "serving the device plugin API");
+
+    let registration = plugin::register(
+        config.kubelet_socket(),
+        config.kubelet.socket_name.as_str().to_owned(),
+        alloc.resource().to_owned(),
+    );
+    let stopped = terminated();
+    tokio::pin!(stopped);
+    tokio::select! {
+        r = registration => {
+            r.map_err(|s| anyhow::anyhow!("the kubelet refused the registration: {}", s.message()))?;
+            stopped.await;
+        }
+        () = &mut stopped => {}
+    }
+    tracing::info!("stopping");
+    let _ = stop_tx.send(true);
+    let _ = server.await;
+    watch_task.abort();
+    drop(devices_tx);
+    let _ = std::fs::remove_file(&socket);
+    Ok(())
 }

@@ -1,0 +1,209 @@
+//! The kubelet device plugin API (v1beta1), served on a unix socket: a thin tonic adapter
+//! over [`Allocator`], the device list the kubelet receives, and registration with the kubelet.
+//!
+//! Startup order, as the kubelet requires: bind the socket and serve first, then `Register`
+//! (retried with backoff while the kubelet is not up).
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpushare_core::NodeInventory;
+use gpushare_core::devices::DeviceMap;
+use gpushare_proto::deviceplugin::device_plugin_server::{DevicePlugin, DevicePluginServer};
+use gpushare_proto::deviceplugin::registration_client::RegistrationClient;
+use gpushare_proto::deviceplugin::{
+    AllocateRequest, AllocateResponse, ContainerAllocateResponse, ContainerPreferredAllocationResponse, Device,
+    DevicePluginOptions, Empty, ListAndWatchResponse, NumaNode, PreStartContainerRequest, PreStartContainerResponse,
+    PreferredAllocationRequest, PreferredAllocationResponse, RegisterRequest, TopologyInfo,
+};
+use gpushare_proto::{DEVICE_PLUGIN_VERSION, HEALTHY, UNHEALTHY};
+use tokio::sync::watch;
+use tokio_stream::{Stream, StreamExt as _};
+use tonic::{Request, Response, Status};
+
+use crate::allocator::{AllocError, Allocator};
+
+/// The complete device list of `inventory`: one device per unit, unhealthy GPUs' devices
+/// `Unhealthy`, and each GPU's NUMA node when `numa` is set.
+#[must_use]
+pub fn device_list(inventory: &NodeInventory, devices: &DeviceMap, numa: bool) -> Vec<Device> {
+    let mut out = Vec::with_capacity(usize::try_from(devices.total()).unwrap_or(0));
+    for (pos, g) in inventory.gpus().iter().enumerate() {
+        let health = if g.health.is_healthy() { HEALTHY } else { UNHEALTHY };
+        let topology =
+            g.numa_node.filter(|_| numa).map(|n| TopologyInfo { nodes: vec![NumaNode { id: i64::from(n) }] });
+        out.extend(devices.ids(pos).map(|id| Device { id, health: health.to_owned(), topology: topology.clone() }));
+    }
+    out
+}
+
+/// One exhaustive mapping of allocation errors to gRPC codes.
+fn status(e: &AllocError) -> Status {
+    let msg = e.to_string();
+    match e {
+        AllocError::UnknownDevice(_) => Status::invalid_argument(msg),
+        AllocError::NoRoom { .. } => Status::resource_exhausted(msg),
+        AllocError::NoCandidate { .. } | AllocError::UnknownGpu { .. } | AllocError::Unhealthy { .. } => {
+            Status::failed_precondition(msg)
+        }
+        AllocError::Ledger(_) => Status::internal(msg),
+    }
+}
+
+/// The tonic service.
+#[derive(Debug, Clone)]
+pub struct Plugin {
+    alloc: Arc<Allocator>,
+    devices: watch::Receiver<Vec<Device>>,
+}
+
+impl Plugin {
+    /// A service answering from `alloc`, streaming device lists from `devices`.
+    #[must_use]
+    pub fn new(alloc: Arc<Allocator>, devices: watch::Receiver<Vec<Device>>) -> Self {
+        Plugin { alloc, devices }
+    }
+}
+
+type DeviceStream = Pin<Box<dyn Stream<Item = Result<ListAndWatchResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl DevicePlugin for Plugin {
+    async fn get_device_plugin_options(&self, _: Request<Empty>) -> Result<Response<DevicePluginOptions>, Status> {
+        Ok(Response::new(DevicePluginOptions { pre_start_required: false, get_preferred_allocation_available: true }))
+    }
+
+    type ListAndWatchStream = DeviceStream;
+
+    async fn list_and_watch(&self, _: Request<Empty>) -> Result<Response<Self::ListAndWatchStream>, Status> {
+        let stream = tokio_stream::wrappers::WatchStream::new(self.devices.clone())
+            .map(|devices| Ok(ListAndWatchResponse { devices }));
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        request: Request<PreferredAllocationRequest>,
+    ) -> Result<Response<PreferredAllocationResponse>, Status> {
+        let alloc = Arc::clone(&self.alloc);
+        let requests = request.into_inner().container_requests;
+        let responses = tokio::task::spawn_blocking(move || {
+            requests
+                .iter()
+                .map(|r| {
+                    let size = usize::try_from(r.allocation_size)
+                        .map_err(|_| Status::invalid_argument(format!("allocation_size {}", r.allocation_size)))?;
+                    alloc
+                        .preferred(&r.available_device_i_ds, &r.must_include_device_i_ds, size)
+                        .map(|device_i_ds| ContainerPreferredAllocationResponse { device_i_ds })
+                        .map_err(|e| status(&e))
+                })
+                .collect::<Result<Vec<_>, Status>>()
+        })
+        .await
+        .map_err(|e| Status::internal(format!("preferred allocation task failed: {e}")))??;
+        Ok(Response::new(PreferredAllocationResponse { container_responses: responses }))
+    }
+
+    async fn allocate(&self, request: Request<AllocateRequest>) -> Result<Response<AllocateResponse>, Status> {
+        let alloc = Arc::clone(&self.alloc);
+        let requests = request.into_inner().container_requests;
+        let responses = tokio::task::spawn_blocking(move || {
+            requests
+                .iter()
+                .map(|r| {
+                    alloc
+                        .allocate(&r.devices_ids)
+                        .map(|a| ContainerAllocateResponse { envs: a.envs.into_iter().collect(), ..Default::default() })
+                        .map_err(|e| {
+                            tracing::warn!(error = %e, devices = r.devices_ids.len(), "Allocate refused");
+                            status(&e)
+                        })
+                })
+                .collect::<Result<Vec<_>, Status>>()
+        })
+        .await
+        .map_err(|e| Status::internal(format!("allocate task failed: {e}")))??;
+        Ok(Response::new(AllocateResponse { container_responses: responses }))
+    }
+
+    async fn pre_start_container(
+        &self,
+        _: Request<PreStartContainerRequest>,
+    ) -> Result<Response<PreStartContainerResponse>, Status> {
+        Ok(Response::new(PreStartContainerResponse {}))
+    }
+}
+
+/// Binds the plugin socket, removing a stale one; the socket is root-only.
+///
+/// # Errors
+/// The I/O error if the socket cannot be bound.
+pub fn bind(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let listener = tokio::net::UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+/// Serves `plugin` on `listener` until `shutdown` resolves.
+///
+/// # Errors
+/// The transport error if serving fails.
+pub async fn serve(
+    plugin: Plugin,
+    listener: tokio::net::UnixListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    tonic::transport::Server::builder()
+        .add_service(DevicePluginServer::new(plugin))
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), shutdown)
+        .await
+}
+
+/// Registers with the kubelet at `kubelet_sock`, retrying with backoff (100 ms doubling to 5 s)
+/// while the kubelet is not there. Returns once the kubelet accepted, or with the kubelet's
+/// refusal (a refused registration is final: the kubelet rejects the name or version).
+///
+/// # Errors
+/// The kubelet's refusal.
+pub async fn register(kubelet_sock: PathBuf, endpoint: String, resource: String) -> Result<(), Status> {
+    let mut delay = Duration::from_millis(100);
+    loop {
+        let attempt = async {
+            let channel = gpushare_proto::uds::connect(&kubelet_sock)
+                .await
+                .map_err(|e| Status::unavailable(format!("cannot reach {}: {e}", kubelet_sock.display())))?;
+            RegistrationClient::new(channel)
+                .register(RegisterRequest {
+                    version: DEVICE_PLUGIN_VERSION.to_owned(),
+                    endpoint: endpoint.clone(),
+                    resource_name: resource.clone(),
+                    options: Some(DevicePluginOptions {
+                        pre_start_required: false,
+                        get_preferred_allocation_available: true,
+                    }),
+                })
+                .await
+        };
+        match attempt.await {
+            Ok(_) => {
+                tracing::info!(kubelet = %kubelet_sock.display(), %resource, %endpoint, "registered with the kubelet");
+                return Ok(());
+            }
+            Err(s) if s.code() == tonic::Code::Unavailable => {
+                tracing::info!(kubelet = %kubelet_sock.display(), error = %s.message(), "waiting for the kubelet");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(5));
+            }
+            Err(s) => return Err(s),
+        }
+    }
+}
