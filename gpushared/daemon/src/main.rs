@@ -157,10 +157,13 @@ async fn run(config: Config) -> anyhow::Result<()> {
         () = &mut stopped => {}
     }
     tracing::info!("stopping");
-    let _ = stop_tx.send(true);
-    let _ = server.await;
-    watch_task.abort();
+    // End the ListAndWatch streams first: a graceful shutdown waits for open streams.
     drop(devices_tx);
+    let _ = stop_tx.send(true);
+    if tokio::time::timeout(std::time::Duration::from_secs(5), server).await.is_err() {
+        tracing::warn!("the plugin server did not stop within 5 s");
+    }
+    watch_task.abort();
     let _ = std::fs::remove_file(&socket);
     Ok(())
 }

@@ -1,0 +1,141 @@
+//! The daemon binary against the kubelet stand-in: registration, options, the device list and
+//! its size limit, re-registration after a daemon restart, clean shutdown, config checks.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use common::{Daemon, Host, NO_API_SERVER, WAIT, static_gpus};
+use gpushare_testkit::kubelet::Kubelet;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registers_and_lists_one_device_per_mib() {
+    let host = Host::new();
+    let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
+    let kubeconfig = host.kubeconfig(NO_API_SERVER);
+    let config = host.config(&kubeconfig, "", &static_gpus(&[(1000, Some(0)), (500, Some(1))]));
+    let daemon = Daemon::start(&config, host.path("daemon.log"));
+
+    let r = kubelet.wait_registered(1, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+    assert_eq!(r.version, "v1beta1");
+    assert_eq!(r.endpoint, "gpushared.sock");
+    assert_eq!(r.resource_name, "gpushare.io/gpu-mem");
+    assert!(r.options.unwrap().get_preferred_allocation_available);
+    assert!(kubelet.options().unwrap().get_preferred_allocation_available, "options as read back by the kubelet");
+
+    let devices = kubelet.wait_devices(WAIT, |d| !d.is_empty()).await.unwrap();
+    assert_eq!(devices.len(), 1500);
+    let ids: BTreeSet<&str> = devices.iter().map(|d| d.id.as_str()).collect();
+    assert_eq!(ids.len(), 1500, "IDs are unique");
+    assert!(devices.iter().all(|d| d.id.len() <= 5 && d.health == "Healthy"));
+    let numa: BTreeSet<i64> = devices.iter().map(|d| d.topology.as_ref().unwrap().nodes[0].id).collect();
+    assert_eq!(numa, BTreeSet::from([0, 1]));
+    assert!(kubelet.largest_message() > 0);
+    drop(daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_ids_survive_a_daemon_restart_and_it_registers_again() {
+    let host = Host::new();
+    let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
+    let kubeconfig = host.kubeconfig(NO_API_SERVER);
+    let config = host.config(&kubeconfig, "", &static_gpus(&[(300, None), (200, None)]));
+    let daemon = Daemon::start(&config, host.path("d1.log"));
+    kubelet.wait_registered(1, WAIT).await.unwrap();
+    let before = kubelet.wait_devices(WAIT, |d| d.len() == 500).await.unwrap();
+    daemon.signal("TERM");
+    drop(daemon);
+    let daemon = Daemon::start(&config, host.path("d2.log"));
+    kubelet.wait_registered(2, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+    let after = kubelet.wait_devices(WAIT, |d| d.len() == 500).await.unwrap();
+    assert_eq!(before, after);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waits_for_a_kubelet_that_is_not_up_yet() {
+    let host = Host::new();
+    let kubeconfig = host.kubeconfig(NO_API_SERVER);
+    let config = host.config(&kubeconfig, "", &static_gpus(&[(100, None)]));
+    let daemon = Daemon::start(&config, host.path("daemon.log"));
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
+    kubelet.wait_registered(1, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+    assert!(daemon.log().contains("waiting for the kubelet"), "{}", daemon.log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stops_cleanly_on_sigterm_and_removes_its_socket() {
+    let host = Host::new();
+    let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
+    let kubeconfig = host.kubeconfig(NO_API_SERVER);
+    let config = host.config(&kubeconfig, "", &static_gpus(&[(100, None)]));
+    let mut daemon = Daemon::start(&config, host.path("daemon.log"));
+    kubelet.wait_registered(1, WAIT).await.unwrap();
+    assert!(host.plugin_dir().join("gpushared.sock").exists());
+    daemon.signal("TERM");
+    assert_eq!(daemon.wait_exit(WAIT), Some(0), "{}", daemon.log());
+    assert!(!host.plugin_dir().join("gpushared.sock").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refuses_a_device_list_over_the_kubelets_limit_naming_the_fix() {
+    let host = Host::new();
+    let kubeconfig = host.kubeconfig(NO_API_SERVER);
+    // 8 x 32 GiB with NUMA at MiB granularity: 262144 devices, well over 4 MiB.
+    let gpus: Vec<(u64, Option<u32>)> = (0..8).map(|i| (32_768, Some(i / 4))).collect();
+    let config = host.config(&kubeconfig, "", &static_gpus(&gpus));
+    let mut daemon = Daemon::start(&config, host.path("daemon.log"));
+    assert_eq!(daemon.wait_exit(WAIT), Some(1));
+    let log = daemon.log();
+    assert!(log.contains("over the kubelet's 4194304-byte message limit"), "{log}");
+    assert!(log.contains("unit = \"GiB\""), "{log}");
+
+    // The same node in GiB is served: 256 devices.
+    let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
+    let config = host.config(&kubeconfig, "", &format!("[resources]\nunit = \"GiB\"\n{}", static_gpus(&gpus)));
+    let _daemon = Daemon::start(&config, host.path("daemon2.log"));
+    let devices = kubelet.wait_devices(WAIT, |d| !d.is_empty()).await.unwrap();
+    assert_eq!(devices.len(), 256);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_largest_mib_node_fits_the_kubelets_receive_limit() {
+    // 8 x 26409 MiB (206 GiB) without NUMA topology: the largest 8-GPU node at MiB
+    // granularity; the stand-in receives with the kubelet's 4 MiB limit.
+    let host = Host::new();
+    let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
+    let kubeconfig = host.kubeconfig(NO_API_SERVER);
+    let gpus: Vec<(u64, Option<u32>)> = (0..8).map(|_| (26_409, None)).collect();
+    let config = host.config(&kubeconfig, "", &static_gpus(&gpus));
+    let daemon = Daemon::start(&config, host.path("daemon.log"));
+    let devices = kubelet
+        .wait_devices(Duration::from_secs(30), |d| !d.is_empty())
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{:?}\n{}", kubelet.stream_errors(), daemon.log()));
+    assert_eq!(devices.len(), 8 * 26_409);
+    // Healthy devices encode 2 bytes shorter than the "Unhealthy" worst case the daemon
+    // budgets for, so a GPU turning sick can never push the list over the limit.
+    assert_eq!(kubelet.largest_message(), 4 * 1024 * 1024 - 112 - 2 * 8 * 26_409);
+}
+
+#[test]
+fn check_config_exits_zero_or_one_with_the_reason() {
+    let host = Host::new();
+    let good = host.path("good.toml");
+    std::fs::write(&good, "[resources]\nunit = \"GiB\"\n").unwrap();
+    let out =
+        std::process::Command::new(env!("CARGO_BIN_EXE_gpushared")).arg("--check-config").arg(&good).output().unwrap();
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8_lossy(&out.stdout), format!("{}: ok\n", good.display()));
+    let bad = host.path("bad.toml");
+    std::fs::write(&bad, "[ledger]\npath = \"ledger.db\"\n").unwrap();
+    let out =
+        std::process::Command::new(env!("CARGO_BIN_EXE_gpushared")).arg("--check-config").arg(&bad).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("line 2") && err.contains("is relative; write an absolute path"), "{err}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpushared")).arg("--version").output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), format!("gpushared {}\n", env!("CARGO_PKG_VERSION")));
+}
