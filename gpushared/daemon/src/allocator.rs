@@ -367,11 +367,27 @@ impl Allocator {
         let key = request_key(device_ids);
         let mut state = self.lock();
         let existing = state.ledger.live_by_key(&key)?;
-        if let Some(first) = existing.first() {
-            let view = self.pods.get(&first.pod.uid);
-            return Ok(self.answer_from_rows(first, &existing, view.as_ref()));
-        }
         let live = state.ledger.live()?;
+        // Several containers may hold the same devices (see below); the latest one answers.
+        if let Some(last) = existing.last() {
+            // The kubelet hands an init container's devices on to the next container of the
+            // pod: the same devices then belong to a new container, not to a repeated call.
+            let reused = last.role == ContainerRole::Init && {
+                let (pending, _) = self.pending(&live);
+                pending.iter().any(|c| {
+                    c.view.pod.uid == last.pod.uid && usize::try_from(c.units).is_ok_and(|u| u == device_ids.len())
+                })
+            };
+            if !reused {
+                let rows: Vec<Row> = existing
+                    .iter()
+                    .filter(|r| r.pod.uid == last.pod.uid && r.container == last.container)
+                    .cloned()
+                    .collect();
+                let view = self.pods.get(&last.pod.uid);
+                return Ok(self.answer_from_rows(last, &rows, view.as_ref()));
+            }
+        }
         let owner = state.proposals.get(&key).cloned();
         let cand = match owner.and_then(|o| self.candidate_for(&o, &live)) {
             Some(c) => c,

@@ -294,3 +294,21 @@ fn alibaba_compatibility_adds_alibabas_variables() {
     assert_eq!(a.envs[alibaba::POD], "300");
     assert_eq!(a.envs[alibaba::CONTAINER], "200");
 }
+
+#[test]
+fn an_app_container_reusing_its_init_containers_devices_is_a_new_allocation() {
+    let f = fixture(Compatibility::Gpushare);
+    pod(&f, "u1", "t", &[("init", ContainerRole::Init, &[(1, 100)]), ("app", ContainerRole::App, &[(1, 100)])]);
+    let init = admit(&f, 100).unwrap();
+    assert_eq!(init.container, "init");
+    // The kubelet reuses the init container's devices: must_include is all of them.
+    let reused: Vec<String> = f.alloc.live().unwrap()[0].device_ids.clone();
+    let ids = f.alloc.preferred(&all_devices(&f), &reused, 100).unwrap();
+    assert_eq!(request_key(&ids), request_key(&reused));
+    let app = f.alloc.allocate(&ids).unwrap();
+    assert_eq!((app.container.as_str(), app.envs["GPUSHARE_CONTAINER"].as_str()), ("app", "app"));
+    assert_eq!(f.alloc.live().unwrap().len(), 2);
+    // Asked again, the app container's answer comes back, not the init container's.
+    assert_eq!(f.alloc.allocate(&ids).unwrap().container, "app");
+    assert_eq!(f.alloc.live().unwrap().len(), 2);
+}
