@@ -5,7 +5,7 @@
 //! kubelet's device manager does: `GetPreferredAllocation` over the healthy devices not in
 //! use, then `Allocate` of the devices chosen.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -99,7 +99,7 @@ pub struct Kubelet {
     dir: PathBuf,
     shared: Arc<Mutex<Shared>>,
     devices: watch::Receiver<Vec<Device>>,
-    in_use: Mutex<BTreeSet<String>>,
+    in_use: Mutex<HashSet<String>>,
     server: tokio::task::JoinHandle<()>,
 }
 

@@ -12,7 +12,7 @@
 //! A repeated `Allocate` of the same devices gets the same answer from the ledger.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use gpushare_core::codec::alibaba;
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment};
@@ -24,7 +24,7 @@ use thiserror::Error;
 
 use crate::config::Compatibility;
 use crate::ledger::{Ledger, LedgerError, NewRow, Row, request_key};
-use crate::pods::{PodStore, PodView};
+use crate::pods::{PodStore, PodView, StoredPod};
 
 /// Why a kubelet call cannot be served. Every message says what an operator can do.
 #[derive(Debug, Error)]
@@ -110,9 +110,34 @@ struct Owner {
     container: String,
 }
 
+/// A live ledger row, as the allocator keeps it in memory (the ledger is the durable truth;
+/// this mirror is loaded from it at start and updated after each commit).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Held {
+    uid: String,
+    container: String,
+    role: ContainerRole,
+    gpu: GpuUuid,
+    mib: Mib,
+}
+
+impl From<&Row> for Held {
+    fn from(r: &Row) -> Self {
+        Held {
+            uid: r.pod.uid.clone(),
+            container: r.container.clone(),
+            role: r.role,
+            gpu: r.gpu_uuid.clone(),
+            mib: r.mib,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct State {
     ledger: Ledger,
+    /// The live rows, in allocation order.
+    held: Vec<Held>,
     /// Proposals by device-set key.
     proposals: BTreeMap<String, Owner>,
     /// The pod the kubelet is admitting (the last one served).
@@ -122,10 +147,16 @@ struct State {
 /// A container waiting for its devices.
 #[derive(Clone, Debug)]
 struct Candidate {
-    view: PodView,
+    pod: Arc<StoredPod>,
     assignment: Assignment,
     container: ContainerAssignment,
     units: u64,
+}
+
+impl Candidate {
+    fn view(&self) -> &PodView {
+        &self.pod.view
+    }
 }
 
 /// The allocation service of one node.
@@ -142,7 +173,9 @@ pub struct Allocator {
 
 impl Allocator {
     /// A service for `node`'s `inventory`, reading `pods` and writing `ledger`.
-    #[must_use]
+    ///
+    /// # Errors
+    /// [`LedgerError`] if the ledger's live rows cannot be read.
     pub fn new(
         node: String,
         names: ResourceNames,
@@ -150,17 +183,18 @@ impl Allocator {
         inventory: NodeInventory,
         pods: PodStore,
         ledger: Ledger,
-    ) -> Self {
+    ) -> Result<Self, LedgerError> {
         let devices = DeviceMap::new(&inventory);
-        Allocator {
+        let held = ledger.live()?.iter().map(Held::from).collect();
+        Ok(Allocator {
             node,
             names,
             compat,
             inventory,
             devices,
             pods,
-            state: Mutex::new(State { ledger, proposals: BTreeMap::new(), admitting: None }),
-        }
+            state: Mutex::new(State { ledger, held, proposals: BTreeMap::new(), admitting: None }),
+        })
     }
 
     /// The inventory served.
@@ -195,81 +229,97 @@ impl Allocator {
         Ok(self.lock().ledger.live()?)
     }
 
-    /// Runs `f` on the ledger (for release and reconciliation).
+    /// Releases every live row of a pod (deleted, finished, gone), keeping the history.
     ///
     /// # Errors
-    /// What `f` returns.
-    pub fn with_ledger<T>(&self, f: impl FnOnce(&mut Ledger) -> Result<T, LedgerError>) -> Result<T, LedgerError> {
-        f(&mut self.lock().ledger)
+    /// [`LedgerError`]; then nothing is released.
+    pub fn release_pod(&self, uid: &str, reason: &str) -> Result<usize, LedgerError> {
+        let mut state = self.lock();
+        let n = state.ledger.release_pod(uid, reason)?;
+        state.held.retain(|h| h.uid != uid);
+        Ok(n)
     }
 
     /// The containers waiting for devices, one per pod (its first container without a ledger
-    /// row), plus notes on pods that cannot be served, for error messages.
-    fn pending(&self, live: &[Row]) -> (Vec<Candidate>, Vec<String>) {
-        let held: BTreeSet<(&str, &str)> = live.iter().map(|r| (r.pod.uid.as_str(), r.container.as_str())).collect();
+    /// row), of `units` devices if given, plus notes on pods that cannot be served (for error
+    /// messages, when `notes` is set).
+    fn pending(&self, held: &[Held], units: Option<usize>, want_notes: bool) -> (Vec<Candidate>, Vec<String>) {
+        let held: BTreeSet<(&str, &str)> = held.iter().map(|h| (h.uid.as_str(), h.container.as_str())).collect();
         let mut out = Vec::new();
         let mut notes = Vec::new();
-        for view in self.pods.snapshot() {
+        for pod in self.pods.snapshot() {
+            let view = &pod.view;
             if view.terminal || view.node.as_deref() != Some(self.node.as_str()) {
                 continue;
             }
-            let name = format!("{}/{}", view.pod.namespace, view.pod.name);
-            let Some(text) = view.annotations.get(ASSIGNMENT_KEY) else {
-                let asks = PodRequest::from_spec(&view.spec, &self.names, self.inventory.unit())
-                    .map_or(true, |r| !r.is_empty());
-                if asks {
-                    notes.push(format!("{name} has no {ASSIGNMENT_KEY} annotation"));
-                }
-                continue;
-            };
-            let assignment = match Assignment::decode(text) {
-                Ok(a) if a.node == self.node => a,
-                Ok(a) => {
-                    notes.push(format!("{name} is assigned to node {}", a.node));
+            let name = || format!("{}/{}", view.pod.namespace, view.pod.name);
+            let assignment = match &pod.assignment {
+                Some(Ok(a)) if a.node == self.node => a,
+                Some(Ok(a)) => {
+                    if want_notes {
+                        notes.push(format!("{} is assigned to node {}", name(), a.node));
+                    }
                     continue;
                 }
-                Err(e) => {
-                    notes.push(format!("{name}: {e}"));
+                Some(Err(e)) => {
+                    if want_notes {
+                        notes.push(format!("{}: {e}", name()));
+                    }
+                    continue;
+                }
+                None => {
+                    let asks = want_notes
+                        && PodRequest::from_spec(&view.spec, &self.names, self.inventory.unit())
+                            .map_or(true, |r| !r.is_empty());
+                    if asks {
+                        notes.push(format!("{} has no {ASSIGNMENT_KEY} annotation", name()));
+                    }
                     continue;
                 }
             };
             let next = assignment.containers.iter().find(|c| !held.contains(&(view.pod.uid.as_str(), c.name.as_str())));
-            if let Some(container) = next.cloned() {
+            if let Some(container) = next {
                 let mib: u64 = container.gpus.iter().map(|g| g.mib.get()).sum();
-                let units = mib / self.inventory.unit().mib_per_unit();
-                out.push(Candidate { view: view.clone(), assignment: assignment.clone(), container, units });
+                let n = mib / self.inventory.unit().mib_per_unit();
+                if units.is_none_or(|u| usize::try_from(n).is_ok_and(|n| n == u)) {
+                    out.push(Candidate {
+                        pod: Arc::clone(&pod),
+                        assignment: assignment.clone(),
+                        container: container.clone(),
+                        units: n,
+                    });
+                }
             }
         }
         (out, notes)
     }
 
     /// The container a request of `units` devices is for.
-    fn choose(&self, state: &State, units: usize, live: &[Row]) -> Result<Candidate, AllocError> {
-        let (pending, notes) = self.pending(live);
-        let mut fitting: Vec<Candidate> =
-            pending.iter().filter(|c| usize::try_from(c.units).is_ok_and(|u| u == units)).cloned().collect();
+    fn choose(&self, state: &State, units: usize) -> Result<Candidate, AllocError> {
+        let (mut fitting, _) = self.pending(&state.held, Some(units), false);
         // The pod being admitted first; then containers without an outstanding proposal (a
         // proposal not yet followed by Allocate belongs to another admission); then the oldest.
         let proposed: BTreeSet<(&str, &str)> =
             state.proposals.values().map(|o| (o.uid.as_str(), o.container.as_str())).collect();
         let key = |c: &Candidate| {
             (
-                state.admitting.as_deref() != Some(c.view.pod.uid.as_str()),
-                proposed.contains(&(c.view.pod.uid.as_str(), c.container.name.as_str())),
-                c.view.created.clone(),
-                c.view.pod.namespace.clone(),
-                c.view.pod.name.clone(),
+                state.admitting.as_deref() != Some(c.view().pod.uid.as_str()),
+                proposed.contains(&(c.view().pod.uid.as_str(), c.container.name.as_str())),
+                c.view().created.clone(),
+                c.view().pod.namespace.clone(),
+                c.view().pod.name.clone(),
             )
         };
         fitting.sort_by_cached_key(key);
         fitting.into_iter().next().ok_or_else(|| {
+            let (pending, notes) = self.pending(&state.held, None, true);
             let mut seen: Vec<String> = pending
                 .iter()
                 .map(|c| {
                     format!(
                         "{}/{} container {:?} waits for {} {}",
-                        c.view.pod.namespace,
-                        c.view.pod.name,
+                        c.view().pod.namespace,
+                        c.view().pod.name,
                         c.container.name,
                         c.units,
                         self.inventory.unit()
@@ -301,8 +351,7 @@ impl Allocator {
         size: usize,
     ) -> Result<Vec<String>, AllocError> {
         let mut state = self.lock();
-        let live = state.ledger.live()?;
-        let cand = self.choose(&state, size, &live)?;
+        let cand = self.choose(&state, size)?;
         let unit = self.inventory.unit().mib_per_unit();
         // Devices still needed on each assigned GPU.
         let mut need: BTreeMap<usize, u64> = BTreeMap::new();
@@ -320,34 +369,52 @@ impl Allocator {
             }
         }
         let taken: BTreeSet<&str> = must_include.iter().map(String::as_str).collect();
+        // Only the devices of the needed GPUs are looked at: their IDs start with the GPU's tag.
+        let tags: Vec<(usize, String)> = need
+            .keys()
+            .filter_map(|&pos| self.devices.id(pos, 0).map(|id| (pos, id.chars().take(2).collect())))
+            .collect();
         let mut by_gpu: BTreeMap<usize, Vec<(u64, &String)>> = BTreeMap::new();
-        for id in available.iter().filter(|id| !taken.contains(id.as_str())) {
-            if let Some((pos, k)) = self.devices.resolve(id) {
+        for id in available {
+            let Some(&(pos, _)) = tags.iter().find(|(_, t)| id.starts_with(t.as_str())) else { continue };
+            if taken.contains(id.as_str()) {
+                continue;
+            }
+            if let Some((p, k)) = self.devices.resolve(id)
+                && p == pos
+            {
                 by_gpu.entry(pos).or_default().push((k, id));
             }
         }
         for (pos, n) in &need {
             if let Some(ids) = by_gpu.get_mut(pos) {
-                ids.sort_unstable();
                 let n = usize::try_from(*n).unwrap_or(usize::MAX).min(ids.len());
-                chosen.extend(ids.drain(..n).map(|(_, id)| id.clone()));
+                // The lowest-numbered free devices, without sorting them all.
+                if n > 0 && n < ids.len() {
+                    ids.select_nth_unstable(n - 1);
+                }
+                ids.truncate(n);
+                ids.sort_unstable();
+                chosen.extend(ids.iter().map(|(_, id)| (*id).clone()));
             }
         }
         if chosen.len() < size {
             // The kubelet's view of this GPU is fuller than ours; any devices keep the count
             // right, the environment still names the assigned GPU.
             tracing::warn!(
-                pod = %format!("{}/{}", cand.view.pod.namespace, cand.view.pod.name),
+                pod = %format!("{}/{}", cand.view().pod.namespace, cand.view().pod.name),
                 container = %cand.container.name,
                 "not enough free devices on the assigned GPU in the kubelet's view; proposing others"
             );
-            let rest = by_gpu.into_values().flatten().map(|(_, id)| id.clone());
-            chosen.extend(rest.take(size - chosen.len()));
+            let have: BTreeSet<String> = chosen.iter().cloned().collect();
+            let rest: Vec<String> =
+                available.iter().filter(|id| !have.contains(*id)).take(size - chosen.len()).cloned().collect();
+            chosen.extend(rest);
         }
         chosen.truncate(size.max(must_include.len()));
         state.proposals.insert(
             request_key(&chosen),
-            Owner { uid: cand.view.pod.uid.clone(), container: cand.container.name.clone() },
+            Owner { uid: cand.view().pod.uid.clone(), container: cand.container.name.clone() },
         );
         Ok(chosen)
     }
@@ -367,16 +434,13 @@ impl Allocator {
         let key = request_key(device_ids);
         let mut state = self.lock();
         let existing = state.ledger.live_by_key(&key)?;
-        let live = state.ledger.live()?;
         // Several containers may hold the same devices (see below); the latest one answers.
         if let Some(last) = existing.last() {
             // The kubelet hands an init container's devices on to the next container of the
             // pod: the same devices then belong to a new container, not to a repeated call.
             let reused = last.role == ContainerRole::Init && {
-                let (pending, _) = self.pending(&live);
-                pending.iter().any(|c| {
-                    c.view.pod.uid == last.pod.uid && usize::try_from(c.units).is_ok_and(|u| u == device_ids.len())
-                })
+                let (pending, _) = self.pending(&state.held, Some(device_ids.len()), false);
+                pending.iter().any(|c| c.view().pod.uid == last.pod.uid)
             };
             if !reused {
                 let rows: Vec<Row> = existing
@@ -384,16 +448,16 @@ impl Allocator {
                     .filter(|r| r.pod.uid == last.pod.uid && r.container == last.container)
                     .cloned()
                     .collect();
-                let view = self.pods.get(&last.pod.uid);
-                return Ok(self.answer_from_rows(last, &rows, view.as_ref()));
+                let pod = self.pods.get(&last.pod.uid);
+                return Ok(self.answer_from_rows(last, &rows, pod.as_deref()));
             }
         }
         let owner = state.proposals.get(&key).cloned();
-        let cand = match owner.and_then(|o| self.candidate_for(&o, &live)) {
+        let cand = match owner.and_then(|o| self.candidate_for(&o, &state.held)) {
             Some(c) => c,
-            None => self.choose(&state, device_ids.len(), &live)?,
+            None => self.choose(&state, device_ids.len())?,
         };
-        let pod_name = format!("{}/{}", cand.view.pod.namespace, cand.view.pod.name);
+        let pod_name = format!("{}/{}", cand.view().pod.namespace, cand.view().pod.name);
         let mut rows = Vec::with_capacity(cand.container.gpus.len());
         for g in &cand.container.gpus {
             let gpu = self
@@ -406,7 +470,7 @@ impl Allocator {
                 return Err(AllocError::Unhealthy { pod: pod_name, index: gpu.index, reason: reason.clone() });
             }
             rows.push(NewRow {
-                pod: cand.view.pod.clone(),
+                pod: cand.view().pod.clone(),
                 container: cand.container.name.clone(),
                 role: cand.container.role,
                 gpu_uuid: g.uuid.clone(),
@@ -415,10 +479,11 @@ impl Allocator {
                 device_ids: device_ids.to_vec(),
             });
         }
-        self.check_room(&live, &rows, &pod_name)?;
-        state.ledger.allocate(&rows)?;
+        self.check_room(&state.held, &rows, &pod_name)?;
+        let written = state.ledger.allocate(&rows)?;
+        state.held.extend(written.iter().map(Held::from));
         state.proposals.remove(&key);
-        state.admitting = Some(cand.view.pod.uid.clone());
+        state.admitting = Some(cand.view().pod.uid.clone());
         tracing::info!(
             pod = %pod_name,
             container = %cand.container.name,
@@ -427,20 +492,20 @@ impl Allocator {
             "allocated"
         );
         Ok(Answer {
-            envs: self.envs(&cand.view, &cand.assignment, &cand.container),
-            pod: cand.view.pod.clone(),
+            envs: self.envs(&cand.view().pod, &cand.assignment, &cand.container),
+            pod: cand.view().pod.clone(),
             container: cand.container.name.clone(),
         })
     }
 
     /// The candidate for a remembered proposal, if that container still waits.
-    fn candidate_for(&self, owner: &Owner, live: &[Row]) -> Option<Candidate> {
-        let (pending, _) = self.pending(live);
-        pending.into_iter().find(|c| c.view.pod.uid == owner.uid && c.container.name == owner.container)
+    fn candidate_for(&self, owner: &Owner, held: &[Held]) -> Option<Candidate> {
+        let (pending, _) = self.pending(held, None, false);
+        pending.into_iter().find(|c| c.view().pod.uid == owner.uid && c.container.name == owner.container)
     }
 
     /// Refuses rows that would take a GPU past its capacity, counting every pod's footprint.
-    fn check_room(&self, live: &[Row], new: &[NewRow], pod_name: &str) -> Result<(), AllocError> {
+    fn check_room(&self, held: &[Held], new: &[NewRow], pod_name: &str) -> Result<(), AllocError> {
         type PodRows = BTreeMap<String, Vec<(ContainerRole, GpuUuid, Mib)>>;
         fn used(pods: &PodRows) -> BTreeMap<GpuUuid, Mib> {
             let mut used: BTreeMap<GpuUuid, Mib> = BTreeMap::new();
@@ -452,9 +517,10 @@ impl Allocator {
             }
             used
         }
+        let gpus: BTreeSet<&GpuUuid> = new.iter().map(|r| &r.gpu_uuid).collect();
         let mut pods: PodRows = BTreeMap::new();
-        for r in live {
-            pods.entry(r.pod.uid.clone()).or_default().push((r.role, r.gpu_uuid.clone(), r.mib));
+        for h in held.iter().filter(|h| gpus.contains(&h.gpu)) {
+            pods.entry(h.uid.clone()).or_default().push((h.role, h.gpu.clone(), h.mib));
         }
         let before = used(&pods);
         for r in new {
@@ -477,10 +543,11 @@ impl Allocator {
         Ok(())
     }
 
-    fn answer_from_rows(&self, first: &Row, rows: &[Row], view: Option<&PodView>) -> Answer {
+    /// The answer already given for these rows (a repeated `Allocate`).
+    fn answer_from_rows(&self, last: &Row, rows: &[Row], pod: Option<&StoredPod>) -> Answer {
         let container = ContainerAssignment {
-            name: first.container.clone(),
-            role: first.role,
+            name: last.container.clone(),
+            role: last.role,
             gpus: rows
                 .iter()
                 .map(|r| gpushare_core::codec::assignment::GpuShare {
@@ -490,32 +557,21 @@ impl Allocator {
                 })
                 .collect(),
         };
-        let assignment = view
-            .and_then(|v| v.annotations.get(ASSIGNMENT_KEY))
-            .and_then(|t| Assignment::decode(t).ok())
-            .unwrap_or_else(|| Assignment {
-                node: self.node.clone(),
-                unit: self.inventory.unit(),
-                containers: vec![container.clone()],
-            });
-        let fallback = PodView {
-            pod: first.pod.clone(),
-            node: Some(self.node.clone()),
-            created: String::new(),
-            terminal: false,
-            spec: gpushare_core::PodSpec::default(),
-            annotations: BTreeMap::new(),
+        let assignment = match pod.and_then(|p| p.assignment.as_ref()) {
+            Some(Ok(a)) => a.clone(),
+            _ => {
+                Assignment { node: self.node.clone(), unit: self.inventory.unit(), containers: vec![container.clone()] }
+            }
         };
-        let view = view.unwrap_or(&fallback);
         Answer {
-            envs: self.envs(view, &assignment, &container),
-            pod: first.pod.clone(),
-            container: first.container.clone(),
+            envs: self.envs(&last.pod, &assignment, &container),
+            pod: last.pod.clone(),
+            container: last.container.clone(),
         }
     }
 
     /// The environment of a container (documented in docs/gpushared.md).
-    fn envs(&self, view: &PodView, assignment: &Assignment, c: &ContainerAssignment) -> BTreeMap<String, String> {
+    fn envs(&self, pod: &PodRef, assignment: &Assignment, c: &ContainerAssignment) -> BTreeMap<String, String> {
         let mut gpus: Vec<&gpushare_core::codec::assignment::GpuShare> = c.gpus.iter().collect();
         gpus.sort_by_key(|g| g.index);
         let join = |f: &dyn Fn(&gpushare_core::codec::assignment::GpuShare) -> String| {
@@ -533,7 +589,7 @@ impl Allocator {
         env.insert("GPUSHARE_MEMORY_MIB".to_owned(), per_gpu.to_string());
         env.insert("GPUSHARE_MEMORY_TOTAL_MIB".to_owned(), container_mib.to_string());
         env.insert("GPUSHARE_UNIT".to_owned(), self.inventory.unit().to_string());
-        env.insert("GPUSHARE_POD".to_owned(), format!("{}/{}", view.pod.namespace, view.pod.name));
+        env.insert("GPUSHARE_POD".to_owned(), format!("{}/{}", pod.namespace, pod.name));
         env.insert("GPUSHARE_CONTAINER".to_owned(), c.name.clone());
         if self.compat == Compatibility::Alibaba {
             let unit = self.inventory.unit();

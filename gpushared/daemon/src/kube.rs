@@ -104,8 +104,8 @@ pub async fn watch_pods(client: Client, node: String, store: PodStore, alloc: Ar
             Ok(watcher::Event::InitDone) => {
                 // The relist is the truth: pods gone meanwhile are released.
                 let seen: std::collections::BTreeSet<String> = relist.iter().map(|v| v.pod.uid.clone()).collect();
-                for gone in store.snapshot().into_iter().filter(|v| !seen.contains(&v.pod.uid)) {
-                    release(&alloc, &gone, "pod no longer bound to this node");
+                for gone in store.snapshot().into_iter().filter(|p| !seen.contains(&p.view.pod.uid)) {
+                    release(&alloc, &gone.view, "pod no longer bound to this node");
                 }
                 store.replace_all(std::mem::take(&mut relist));
             }
@@ -118,7 +118,7 @@ pub async fn watch_pods(client: Client, node: String, store: PodStore, alloc: Ar
 }
 
 fn release(alloc: &Allocator, v: &PodView, reason: &str) {
-    match alloc.with_ledger(|l| l.release_pod(&v.pod.uid, reason)) {
+    match alloc.release_pod(&v.pod.uid, reason) {
         Ok(0) => {}
         Ok(n) => tracing::info!(pod = %format!("{}/{}", v.pod.namespace, v.pod.name), rows = n, reason, "released"),
         Err(e) => tracing::error!(error = %e, "cannot release a pod's allocations"),

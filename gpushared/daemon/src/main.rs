@@ -127,7 +127,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
         inventory.clone(),
         pods.clone(),
         opened.ledger,
-    ));
+    )?);
     tracing::info!(live = alloc.live()?.len(), ledger = %config.ledger.path.path().display(), "ledger restored");
 
     let client = gpushared::kube::client(config.kubernetes.kubeconfig.path()).await?;

@@ -6,6 +6,8 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 
 use gpushare_core::PodSpec;
+use gpushare_core::codec::CodecError;
+use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
 use gpushare_core::codec::node::PodRef;
 
 /// What the daemon knows of one pod.
@@ -25,10 +27,26 @@ pub struct PodView {
     pub annotations: BTreeMap<String, String>,
 }
 
+/// A pod as stored: its view and its assignment, decoded once when stored.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredPod {
+    /// What the daemon knows of the pod.
+    pub view: PodView,
+    /// Its `gpushare.io/assignment`, if it has one.
+    pub assignment: Option<Result<Assignment, CodecError>>,
+}
+
+impl StoredPod {
+    fn new(view: PodView) -> Self {
+        let assignment = view.annotations.get(ASSIGNMENT_KEY).map(|text| Assignment::decode(text));
+        StoredPod { view, assignment }
+    }
+}
+
 /// A shared, thread-safe map of pods by UID.
 #[derive(Clone, Debug, Default)]
 pub struct PodStore {
-    inner: Arc<RwLock<BTreeMap<String, PodView>>>,
+    inner: Arc<RwLock<BTreeMap<String, Arc<StoredPod>>>>,
 }
 
 impl PodStore {
@@ -38,34 +56,37 @@ impl PodStore {
         PodStore::default()
     }
 
-    /// Adds or replaces a pod.
+    /// Adds or replaces a pod, decoding its assignment.
     pub fn upsert(&self, view: PodView) {
+        let stored = Arc::new(StoredPod::new(view));
         if let Ok(mut map) = self.inner.write() {
-            map.insert(view.pod.uid.clone(), view);
+            map.insert(stored.view.pod.uid.clone(), stored);
         }
     }
 
     /// Forgets a pod; returns what was known of it.
-    pub fn remove(&self, uid: &str) -> Option<PodView> {
+    pub fn remove(&self, uid: &str) -> Option<Arc<StoredPod>> {
         self.inner.write().ok().and_then(|mut map| map.remove(uid))
     }
 
     /// Replaces the whole content (after a relist).
     pub fn replace_all(&self, views: Vec<PodView>) {
+        let stored: BTreeMap<String, Arc<StoredPod>> =
+            views.into_iter().map(|v| (v.pod.uid.clone(), Arc::new(StoredPod::new(v)))).collect();
         if let Ok(mut map) = self.inner.write() {
-            *map = views.into_iter().map(|v| (v.pod.uid.clone(), v)).collect();
+            *map = stored;
         }
     }
 
     /// One pod.
     #[must_use]
-    pub fn get(&self, uid: &str) -> Option<PodView> {
+    pub fn get(&self, uid: &str) -> Option<Arc<StoredPod>> {
         self.inner.read().ok().and_then(|map| map.get(uid).cloned())
     }
 
-    /// Every pod, by UID.
+    /// Every pod, by UID (shared, not copied).
     #[must_use]
-    pub fn snapshot(&self) -> Vec<PodView> {
+    pub fn snapshot(&self) -> Vec<Arc<StoredPod>> {
         self.inner.read().map(|map| map.values().cloned().collect()).unwrap_or_default()
     }
 }

@@ -36,7 +36,7 @@ fn fixture(compat: Compatibility) -> Fixture {
         Compatibility::Gpushare => ResourceNames::gpushare(),
         Compatibility::Alibaba => ResourceNames::alibaba(),
     };
-    let alloc = Allocator::new("node-a".into(), names, compat, inventory, pods.clone(), ledger);
+    let alloc = Allocator::new("node-a".into(), names, compat, inventory, pods.clone(), ledger).unwrap();
     Fixture { _dir: dir, pods, alloc, in_use: std::cell::RefCell::default() }
 }
 
@@ -276,7 +276,8 @@ fn an_unhealthy_assigned_gpu_fails_admission_readably() {
         inventory,
         pods.clone(),
         ledger,
-    );
+    )
+    .unwrap();
     let f = Fixture { _dir: dir, pods, alloc, in_use: std::cell::RefCell::default() };
     pod(&f, "u1", "t", &[("main", ContainerRole::App, &[(0, 10)])]);
     let ids: Vec<String> = f.alloc.devices().ids(0).take(10).collect();

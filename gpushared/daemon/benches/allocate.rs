@@ -1,0 +1,150 @@
+//! Allocate through the socket, with the durable ledger commit: the daemon's own plugin server
+//! and registration in this process, the kubelet stand-in as the client over the unix socket, a
+//! real SQLite ledger in a temporary directory (on the build machine's disk).
+//!
+//! 8 GPUs of 16 384 MiB (131 072 devices), 500 single-container pods of 200 MiB spread over
+//! them, each admitted the kubelet's way: GetPreferredAllocation over every free device, then
+//! Allocate. Prints p50/p90/p99/max latency of each call and the admissions per second.
+//!
+//! Run: `cargo bench -p gpushared --bench allocate`. Results: BENCHMARKS.md.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::cast_precision_loss)]
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment, GpuShare};
+use gpushare_core::codec::node::PodRef;
+use gpushare_core::{ContainerRole, Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory, ResourceNames};
+use gpushare_testkit::kubelet::Kubelet;
+use gpushared::allocator::Allocator;
+use gpushared::config::Compatibility;
+use gpushared::ledger::Ledger;
+use gpushared::plugin::{self, Plugin};
+use gpushared::pods::{PodStore, PodView};
+
+const GPUS: u32 = 8;
+const GPU_MIB: u64 = 16_384;
+const PODS: usize = 500;
+const POD_MIB: u64 = 200;
+
+/// The `per_mille`-th sample of a sorted list (nearest rank).
+fn percentile(sorted: &[Duration], per_mille: usize) -> Duration {
+    sorted[(sorted.len() - 1) * per_mille / 1000]
+}
+
+fn report(name: &str, mut samples: Vec<Duration>) {
+    samples.sort();
+    println!(
+        "{name:<24} n={:<4} p50={:>8.3?} p90={:>8.3?} p99={:>8.3?} max={:>8.3?}",
+        samples.len(),
+        percentile(&samples, 500),
+        percentile(&samples, 900),
+        percentile(&samples, 990),
+        samples[samples.len() - 1]
+    );
+}
+
+fn uuid(i: u32) -> GpuUuid {
+    GpuUuid::new(format!("GPU-bench-{i}")).unwrap()
+}
+
+/// An allocator for 8 GPUs with 500 assigned pods waiting, its ledger in `dir`.
+fn setup(dir: &std::path::Path) -> (NodeInventory, Arc<Allocator>) {
+    let gpus = (0..GPUS).map(|i| Gpu::new(i, uuid(i), "Tesla T4", Mib::new(GPU_MIB))).collect();
+    let inventory = NodeInventory::new(MemoryUnit::Mib, gpus).unwrap();
+    let pods = PodStore::new();
+    for p in 0..PODS {
+        let gpu = u32::try_from(p).unwrap() % GPUS;
+        let assignment = Assignment {
+            node: "bench-node".into(),
+            unit: MemoryUnit::Mib,
+            containers: vec![ContainerAssignment {
+                name: "main".into(),
+                role: ContainerRole::App,
+                gpus: vec![GpuShare { index: gpu, uuid: uuid(gpu), mib: Mib::new(POD_MIB) }],
+            }],
+        };
+        pods.upsert(PodView {
+            pod: PodRef { namespace: "bench".into(), name: format!("pod-{p:04}"), uid: format!("uid-{p:04}") },
+            node: Some("bench-node".into()),
+            created: format!("2026-01-01T00:{:02}:{:02}Z", p / 60, p % 60),
+            terminal: false,
+            spec: gpushare_core::PodSpec::default(),
+            annotations: BTreeMap::from([(ASSIGNMENT_KEY.to_owned(), assignment.encode().unwrap())]),
+        });
+    }
+    let ledger = Ledger::open(&dir.join("ledger.db")).unwrap().ledger;
+    let alloc = Arc::new(
+        Allocator::new(
+            "bench-node".into(),
+            ResourceNames::gpushare(),
+            Compatibility::Gpushare,
+            inventory.clone(),
+            pods,
+            ledger,
+        )
+        .unwrap(),
+    );
+    (inventory, alloc)
+}
+
+/// The allocator alone, no gRPC: the service's own cost per call.
+fn direct(dir: &std::path::Path) {
+    let (_, alloc) = setup(dir);
+    let mut in_use = std::collections::HashSet::new();
+    let all: Vec<String> =
+        (0..usize::try_from(GPUS).unwrap()).flat_map(|g| alloc.devices().ids(g).collect::<Vec<_>>()).collect();
+    let mut preferred = Vec::with_capacity(PODS);
+    let mut allocate = Vec::with_capacity(PODS);
+    for _ in 0..PODS {
+        let available: Vec<String> = all.iter().filter(|d| !in_use.contains(*d)).cloned().collect();
+        let t = Instant::now();
+        let ids = alloc.preferred(&available, &[], usize::try_from(POD_MIB).unwrap()).unwrap();
+        preferred.push(t.elapsed());
+        let t = Instant::now();
+        alloc.allocate(&ids).unwrap();
+        allocate.push(t.elapsed());
+        in_use.extend(ids);
+    }
+    println!("The allocation service alone (no gRPC, no client), same workload");
+    report("preferred()", preferred);
+    report("allocate() (durable)", allocate);
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let base = std::env::var("BENCH_DIR").unwrap_or_else(|_| env!("CARGO_TARGET_TMPDIR").into());
+    let dir = tempfile::tempdir_in(&base).unwrap();
+    let (inventory, alloc) = setup(dir.path());
+    let plugin_dir = dir.path().join("device-plugins");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    let kubelet = Kubelet::start(&plugin_dir).await.unwrap();
+    let (_devices_tx, devices_rx) = tokio::sync::watch::channel(plugin::device_list(&inventory, alloc.devices(), true));
+    let listener = plugin::bind(&plugin_dir.join("gpushared.sock")).unwrap();
+    tokio::spawn(plugin::serve(Plugin::new(Arc::clone(&alloc), devices_rx), listener, std::future::pending()));
+    plugin::register(plugin_dir.join("kubelet.sock"), "gpushared.sock".into(), "gpushare.io/gpu-mem".into())
+        .await
+        .unwrap();
+    kubelet.wait_devices(Duration::from_secs(10), |d| !d.is_empty()).await.unwrap();
+
+    let mut preferred = Vec::with_capacity(PODS);
+    let mut allocate = Vec::with_capacity(PODS);
+    let started = Instant::now();
+    for _ in 0..PODS {
+        let t = Instant::now();
+        let ids = kubelet.preferred(usize::try_from(POD_MIB).unwrap()).await.unwrap();
+        preferred.push(t.elapsed());
+        let t = Instant::now();
+        kubelet.allocate(&ids).await.unwrap();
+        allocate.push(t.elapsed());
+    }
+    let elapsed = started.elapsed();
+    println!("Allocate through the socket: {GPUS} GPUs x {GPU_MIB} MiB, {PODS} pods x {POD_MIB} MiB, durable ledger");
+    report("GetPreferredAllocation", preferred);
+    report("Allocate (durable)", allocate);
+    println!("admissions per second    {:.0} (both calls, one container each)", PODS as f64 / elapsed.as_secs_f64());
+    assert_eq!(alloc.live().unwrap().len(), PODS);
+    let dir = tempfile::tempdir_in(&base).unwrap();
+    tokio::task::block_in_place(|| direct(dir.path()));
+}
