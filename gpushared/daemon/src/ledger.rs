@@ -30,14 +30,13 @@ CREATE TABLE allocations (
     gpu_index      INTEGER NOT NULL,
     mib            INTEGER NOT NULL CHECK (mib > 0),
     device_ids     TEXT    NOT NULL,
-    request_key    TEXT    NOT NULL,
     allocated_at   INTEGER NOT NULL,
     released_at    INTEGER,
     release_reason TEXT
 );
 CREATE UNIQUE INDEX allocations_live_container
     ON allocations (pod_uid, container, gpu_uuid) WHERE released_at IS NULL;
-CREATE INDEX allocations_live_key ON allocations (request_key) WHERE released_at IS NULL;
+CREATE INDEX allocations_live_devices ON allocations (device_ids) WHERE released_at IS NULL;
 CREATE TABLE events (
     id     INTEGER PRIMARY KEY,
     at     INTEGER NOT NULL,
@@ -108,9 +107,9 @@ pub struct Row {
     pub gpu_index: u32,
     /// Memory held.
     pub mib: Mib,
-    /// The kubelet devices of the whole container request.
+    /// The kubelet devices of the whole container request, sorted.
     pub device_ids: Vec<String>,
-    /// The canonical key of the device set (sorted IDs), for idempotent `Allocate`.
+    /// The canonical key of the device set (the sorted IDs, comma-separated), as stored.
     pub request_key: String,
     /// Unix milliseconds.
     pub allocated_at: i64,
@@ -251,7 +250,9 @@ impl Ledger {
         if !mode.eq_ignore_ascii_case("wal") {
             return Err(LedgerError::BadRow { path: path.to_owned(), id: 0, why: format!("journal mode is {mode}") });
         }
-        conn.execute_batch("PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON;")
+        // Checkpoints run from a second connection ([`Ledger::checkpointer`]), not inside an
+        // allocation's commit.
+        conn.execute_batch("PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON; PRAGMA wal_autocheckpoint = 0;")
             .map_err(sqlite("setting durability"))?;
         let mut ledger = Ledger { path: path.to_owned(), conn };
         ledger.migrate()?;
@@ -302,11 +303,10 @@ impl Ledger {
         let mut written = Vec::with_capacity(rows.len());
         for r in rows {
             let key = request_key(&r.device_ids);
-            let ids = serde_json::to_string(&r.device_ids).unwrap_or_else(|_| "[]".to_owned());
             tx.execute(
                 "INSERT INTO allocations (pod_uid, namespace, pod_name, container, role, gpu_uuid, gpu_index, mib,
-                                          device_ids, request_key, allocated_at)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+                                          device_ids, allocated_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
                 params![
                     r.pod.uid,
                     r.pod.namespace,
@@ -316,7 +316,6 @@ impl Ledger {
                     r.gpu_uuid.as_str(),
                     r.gpu_index,
                     i64::try_from(r.mib.get()).unwrap_or(i64::MAX),
-                    ids,
                     key,
                     at
                 ],
@@ -330,7 +329,7 @@ impl Ledger {
                 gpu_uuid: r.gpu_uuid.clone(),
                 gpu_index: r.gpu_index,
                 mib: r.mib,
-                device_ids: r.device_ids.clone(),
+                device_ids: key.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect(),
                 request_key: key,
                 allocated_at: at,
                 released_at: None,
@@ -367,7 +366,7 @@ impl Ledger {
     /// # Errors
     /// [`LedgerError`] if SQLite refuses or a row is malformed.
     pub fn live_by_key(&self, key: &str) -> Result<Vec<Row>, LedgerError> {
-        self.rows("WHERE released_at IS NULL AND request_key = ?1 ORDER BY id", params![key])
+        self.rows("WHERE released_at IS NULL AND device_ids = ?1 ORDER BY id", params![key])
     }
 
     /// Every row, live and released, allocated at or after `since_ms`.
@@ -381,7 +380,7 @@ impl Ledger {
     fn rows(&self, tail: &str, args: &[&dyn rusqlite::ToSql]) -> Result<Vec<Row>, LedgerError> {
         let sql = format!(
             "SELECT id, pod_uid, namespace, pod_name, container, role, gpu_uuid, gpu_index, mib, device_ids,
-                    request_key, allocated_at, released_at, release_reason FROM allocations {tail}"
+                    allocated_at, released_at, release_reason FROM allocations {tail}"
         );
         let mut stmt = self.conn.prepare_cached(&sql).map_err(self.err("reading allocations"))?;
         let raw = stmt
@@ -395,16 +394,15 @@ impl Ledger {
                     r.get::<_, i64>(7)?,
                     r.get::<_, i64>(8)?,
                     r.get::<_, String>(9)?,
-                    r.get::<_, String>(10)?,
-                    r.get::<_, i64>(11)?,
-                    r.get::<_, Option<i64>>(12)?,
-                    r.get::<_, Option<String>>(13)?,
+                    r.get::<_, i64>(10)?,
+                    r.get::<_, Option<i64>>(11)?,
+                    r.get::<_, Option<String>>(12)?,
                 ))
             })
             .map_err(self.err("reading allocations"))?;
         let mut out = Vec::new();
         for item in raw {
-            let (id, pod, container, role, uuid, index, mib, ids, key, at, released, reason) =
+            let (id, pod, container, role, uuid, index, mib, key, at, released, reason) =
                 item.map_err(self.err("reading allocations"))?;
             let bad = |why: String| LedgerError::BadRow { path: self.path.clone(), id, why };
             let role = match role.as_str() {
@@ -421,7 +419,7 @@ impl Ledger {
                 gpu_uuid: GpuUuid::new(uuid).map_err(|e| bad(e.to_string()))?,
                 gpu_index: u32::try_from(index).map_err(|_| bad(format!("GPU index {index}")))?,
                 mib: Mib::new(u64::try_from(mib).map_err(|_| bad(format!("{mib} MiB")))?),
-                device_ids: serde_json::from_str(&ids).map_err(|e| bad(format!("device IDs: {e}")))?,
+                device_ids: key.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect(),
                 request_key: key,
                 allocated_at: at,
                 released_at: released,
@@ -475,6 +473,38 @@ impl Ledger {
             .optional()
             .map(|o| o.is_some())
             .map_err(self.err("reading an allocation"))
+    }
+}
+
+/// A second connection to the ledger that copies the write-ahead log into the database file
+/// (a passive checkpoint: it never blocks the allocation path), run periodically.
+#[derive(Debug)]
+pub struct Checkpointer {
+    path: PathBuf,
+    conn: Connection,
+}
+
+impl Checkpointer {
+    /// Runs one passive checkpoint; returns the WAL frames copied.
+    ///
+    /// # Errors
+    /// [`LedgerError`] if SQLite refuses.
+    pub fn checkpoint(&self) -> Result<i64, LedgerError> {
+        self.conn
+            .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| r.get::<_, i64>(2))
+            .map_err(sql(&self.path, "checkpointing the write-ahead log"))
+    }
+}
+
+impl Ledger {
+    /// A checkpoint connection for this ledger.
+    ///
+    /// # Errors
+    /// [`LedgerError`] if the file cannot be opened again.
+    pub fn checkpointer(&self) -> Result<Checkpointer, LedgerError> {
+        let conn = Connection::open(&self.path).map_err(sql(&self.path, "opening a checkpoint connection"))?;
+        conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(sql(&self.path, "setting the busy timeout"))?;
+        Ok(Checkpointer { path: self.path.clone(), conn })
     }
 }
 

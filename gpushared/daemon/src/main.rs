@@ -119,6 +119,19 @@ async fn run(config: Config) -> anyhow::Result<()> {
             "THE ALLOCATION LEDGER WAS UNUSABLE and has been moved aside; starting with an empty ledger"
         );
     }
+    // Copy the write-ahead log into the database file every 10 s, off the allocation path.
+    let checkpointer = opened.ledger.checkpointer()?;
+    std::thread::Builder::new()
+        .name("ledger-checkpoint".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(std::time::Duration::from_secs(10));
+                if let Err(e) = checkpointer.checkpoint() {
+                    tracing::warn!(error = %e, "ledger checkpoint failed; will retry");
+                }
+            }
+        })
+        .context("starting the ledger checkpoint thread")?;
     let pods = PodStore::new();
     let alloc = Arc::new(Allocator::new(
         node.clone(),

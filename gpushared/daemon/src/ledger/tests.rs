@@ -142,3 +142,21 @@ fn a_ledger_from_a_newer_daemon_is_refused_untouched() {
     assert!(err.to_string().contains("schema version 99 is newer than this gpushared knows (1)"), "{err}");
     assert!(path.exists());
 }
+
+#[test]
+fn a_second_connection_checkpoints_without_blocking_allocations() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut l = open(&dir).ledger;
+    let cp = l.checkpointer().unwrap();
+    for i in 0..50 {
+        l.allocate(&[row(&format!("u{i}"), "main", "GPU-a", 1, &[&format!("d{i}")])]).unwrap();
+    }
+    let wal = std::fs::metadata(format!("{}-wal", l.path().display())).unwrap().len();
+    assert!(wal > 0);
+    assert!(cp.checkpoint().unwrap() > 0, "frames copied");
+    // Allocation goes on, and everything is still there.
+    l.allocate(&[row("after", "main", "GPU-a", 1, &["z"])]).unwrap();
+    assert_eq!(l.live().unwrap().len(), 51);
+    drop(l);
+    assert_eq!(open(&dir).ledger.live().unwrap().len(), 51);
+}
