@@ -139,3 +139,27 @@ fn check_config_exits_zero_or_one_with_the_reason() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpushared")).arg("--version").output().unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), format!("gpushared {}\n", env!("CARGO_PKG_VERSION")));
 }
+
+#[test]
+fn nvml_absent_is_a_clear_error_and_a_failure_exit() {
+    let host = Host::new();
+    let kubeconfig = host.kubeconfig(NO_API_SERVER);
+    let config = host.config(&kubeconfig, "", "[nvml]\nlibrary = \"/nonexistent/libnvidia-ml.so.1\"\n");
+    let mut daemon = Daemon::start(&config, host.path("daemon.log"));
+    assert_eq!(daemon.wait_exit(WAIT), Some(1));
+    let log = daemon.log();
+    assert!(log.contains("gpushared: cannot use NVML from /nonexistent/libnvidia-ml.so.1"), "{log}");
+    assert!(log.contains("list the GPUs under [[gpus]]"), "{log}");
+    assert!(!host.plugin_dir().join("gpushared.sock").exists(), "nothing served");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_static_gpu_list_says_so_in_the_log() {
+    let host = Host::new();
+    let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
+    let kubeconfig = host.kubeconfig(NO_API_SERVER);
+    let config = host.config(&kubeconfig, "", &static_gpus(&[(100, None)]));
+    let daemon = Daemon::start(&config, host.path("daemon.log"));
+    kubelet.wait_registered(1, WAIT).await.unwrap();
+    assert!(daemon.log().contains("the static [[gpus]] list of the configuration (NVML not used)"), "{}", daemon.log());
+}
