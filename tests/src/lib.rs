@@ -1,5 +1,7 @@
 //! The cluster in a box: stand-ins that speak the real protocols, for tests and the demo.
 //!
-//! - [`kubelet`]: the kubelet's side of the device plugin API.
+//! - [`kubelet`]: the kubelet's side of the device plugin API;
+//! - [`nvml`]: the fake NVML library, built from C, and its configuration.
 
 pub mod kubelet;
+pub mod nvml;

@@ -45,6 +45,7 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let must_exist = cli.config != std::path::Path::new(DEFAULT_PATH);
     let result = Config::load(&cli.config, must_exist).map_err(anyhow::Error::from).and_then(|config| {

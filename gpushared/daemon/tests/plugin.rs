@@ -163,3 +163,62 @@ async fn the_static_gpu_list_says_so_in_the_log() {
     kubelet.wait_registered(1, WAIT).await.unwrap();
     assert!(daemon.log().contains("the static [[gpus]] list of the configuration (NVML not used)"), "{}", daemon.log());
 }
+
+mod nvml {
+    //! Discovery through the fake NVML library, loaded by nvml-wrapper like the real one.
+
+    use super::common::{Daemon, Host, NO_API_SERVER, WAIT};
+    use gpushare_testkit::kubelet::Kubelet;
+    use gpushare_testkit::nvml::{FakeGpu, build, write_config};
+
+    fn host_with_nvml(gpus: &[FakeGpu], extra: &str) -> (Host, std::path::PathBuf, String) {
+        let host = Host::new();
+        let lib = build(host.dir.path()).unwrap();
+        let nvml_config = host.path("fake-nvml.conf");
+        write_config(&nvml_config, gpus, extra).unwrap();
+        let kubeconfig = host.kubeconfig(NO_API_SERVER);
+        let config = host.config(&kubeconfig, "", &format!("[nvml]\nlibrary = \"{}\"\n", lib.display()));
+        (host, config, nvml_config.display().to_string())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn discovers_gpus_with_their_memory_minor_numa_and_pci() {
+        let mut a = FakeGpu::new("h", 0, 300, "Tesla T4");
+        a.numa = Some(1);
+        let b = FakeGpu::new("h", 1, 200, "NVIDIA A10");
+        let (host, config, nvml_config) = host_with_nvml(&[a, b], "driver 560.35.03\n");
+        let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
+        let daemon = Daemon::start_with_env(&config, host.path("daemon.log"), &[("FAKE_NVML_CONFIG", &nvml_config)]);
+        let devices =
+            kubelet.wait_devices(WAIT, |d| !d.is_empty()).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+        assert_eq!(devices.len(), 500);
+        let with_numa = devices.iter().filter(|d| d.topology.as_ref().is_some_and(|t| t.nodes[0].id == 1)).count();
+        assert_eq!(with_numa, 300, "GPU0 is on NUMA node 1; GPU1 reports none");
+        let log = daemon.log();
+        for want in ["source=NVML (", "uuid=GPU-fake-h-0", "model=Tesla T4", "total_mib=300", "model=NVIDIA A10"] {
+            assert!(log.contains(want), "missing {want}: {log}");
+        }
+    }
+
+    #[test]
+    fn a_driver_that_is_not_loaded_is_a_clear_error() {
+        let (host, config, nvml_config) = host_with_nvml(&[FakeGpu::new("h", 0, 100, "T4")], "init_error 9\n");
+        let mut daemon =
+            Daemon::start_with_env(&config, host.path("daemon.log"), &[("FAKE_NVML_CONFIG", &nvml_config)]);
+        assert_eq!(daemon.wait_exit(WAIT), Some(1));
+        let log = daemon.log();
+        assert!(log.contains("gpushared: cannot use NVML from"), "{log}");
+        assert!(log.contains("install the NVIDIA driver"), "{log}");
+    }
+
+    #[test]
+    fn a_gpu_that_fails_a_query_is_named() {
+        let gpus = [FakeGpu::new("h", 0, 100, "T4"), FakeGpu::new("h", 1, 100, "T4")];
+        let (host, config, nvml_config) = host_with_nvml(&gpus, "gpu_error 1 nvmlDeviceGetUUID 15\n");
+        let mut daemon =
+            Daemon::start_with_env(&config, host.path("daemon.log"), &[("FAKE_NVML_CONFIG", &nvml_config)]);
+        assert_eq!(daemon.wait_exit(WAIT), Some(1));
+        let log = daemon.log();
+        assert!(log.contains("gpushared: NVML: GPU1 UUID:"), "{log}");
+    }
+}

@@ -1,0 +1,76 @@
+//! The fake NVML library (`tests/fake-nvml/fake_nvml.c`), built with the system C compiler
+//! into a directory of the test's, and its configuration file. The daemon loads it through
+//! nvml-wrapper's normal path; `FAKE_NVML_CONFIG` in the daemon's environment names the file.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context as _, bail};
+
+/// The C source.
+pub const SOURCE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fake-nvml/fake_nvml.c");
+
+/// One simulated GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FakeGpu {
+    /// NVML UUID.
+    pub uuid: String,
+    /// Total memory, MiB.
+    pub memory_mib: u64,
+    /// `/dev/nvidiaN` minor number.
+    pub minor: u32,
+    /// NUMA node; `None` makes NVML answer "not supported".
+    pub numa: Option<u32>,
+    /// PCI bus id.
+    pub pci: String,
+    /// Product name.
+    pub name: String,
+}
+
+impl FakeGpu {
+    /// GPU `i` of a host: UUID `GPU-fake-<host>-<i>`, minor `i`, bus `00000000:<i+0x10>:00.0`.
+    #[must_use]
+    pub fn new(host: &str, i: u32, memory_mib: u64, name: &str) -> Self {
+        FakeGpu {
+            uuid: format!("GPU-fake-{host}-{i}"),
+            memory_mib,
+            minor: i,
+            numa: None,
+            pci: format!("00000000:{:02X}:00.0", i + 0x10),
+            name: name.to_owned(),
+        }
+    }
+}
+
+/// Builds the library as `<dir>/libnvidia-ml.so.1`.
+///
+/// # Errors
+/// If the compiler is missing or fails.
+pub fn build(dir: &Path) -> anyhow::Result<PathBuf> {
+    let out = dir.join("libnvidia-ml.so.1");
+    let status = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+        .args(["-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-o"])
+        .arg(&out)
+        .arg(SOURCE)
+        .status()
+        .context("running the C compiler (cc) to build the fake NVML library")?;
+    if !status.success() {
+        bail!("building {SOURCE} failed: {status}");
+    }
+    Ok(out)
+}
+
+/// Writes a configuration for the library: the GPUs, then `extra` directives verbatim.
+///
+/// # Errors
+/// If the file cannot be written.
+pub fn write_config(path: &Path, gpus: &[FakeGpu], extra: &str) -> anyhow::Result<()> {
+    let mut text = String::from("# fake NVML host\n");
+    for g in gpus {
+        let numa = g.numa.map_or_else(|| "-1".to_owned(), |n| n.to_string());
+        let _ = writeln!(text, "gpu {} {} {} {numa} {} {}", g.uuid, g.memory_mib, g.minor, g.pci, g.name);
+    }
+    text.push_str(extra);
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
