@@ -1,0 +1,289 @@
+//! Allocate end to end: the daemon binary, the API-server stand-in holding pods bound to the
+//! node with their `gpushare.io/assignment`, and the kubelet stand-in admitting them through
+//! the device plugin socket. Every request shape, repeats, an API-server outage, refusals,
+//! releases, and SIGKILL in the middle of an admission burst.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use common::{Daemon, Host, WAIT, static_gpus};
+use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment, GpuShare};
+use gpushare_core::{ContainerRole, GpuUuid, MemoryUnit, Mib};
+use gpushare_testkit::apiserver::ApiServer;
+use gpushare_testkit::kubelet::Kubelet;
+use gpushared::ledger::{Ledger, request_key};
+use serde_json::{Value, json};
+
+/// Pods in the SIGKILL burst.
+const PODS: usize = 40;
+
+/// A container of a test pod: name, role, and its (GPU index, MiB) shares.
+type Spec<'a> = (&'a str, ContainerRole, &'a [(u32, u64)]);
+
+struct Cluster {
+    host: Host,
+    api: ApiServer,
+    kubelet: Kubelet,
+    config: std::path::PathBuf,
+}
+
+/// A node with `gpus` (MiB each) served by a daemon, with the stand-ins around it.
+async fn cluster(gpus: &[u64]) -> (Cluster, Daemon) {
+    let host = Host::new();
+    let api = ApiServer::start().await.unwrap();
+    api.create_node(json!({"metadata": {"name": "node-a"}})).unwrap();
+    let kubeconfig = host.path("kubeconfig");
+    api.write_kubeconfig(&kubeconfig).unwrap();
+    let gpus: Vec<(u64, Option<u32>)> = gpus.iter().map(|m| (*m, None)).collect();
+    let config = host.config(&kubeconfig, "", &static_gpus(&gpus));
+    let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
+    let daemon = Daemon::start(&config, host.path("daemon-1.log"));
+    kubelet.wait_registered(1, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+    kubelet.wait_devices(WAIT, |d| !d.is_empty()).await.unwrap();
+    (Cluster { host, api, kubelet, config }, daemon)
+}
+
+fn uuid(i: u32) -> GpuUuid {
+    GpuUuid::new(format!("GPU-static-{i}")).unwrap()
+}
+
+/// Creates a pod bound to node-a whose containers ask for their shares, with the assignment
+/// the extender would have written.
+fn bound_pod(api: &ApiServer, name: &str, containers: &[Spec<'_>]) {
+    let assignment = Assignment {
+        node: "node-a".into(),
+        unit: MemoryUnit::Mib,
+        containers: containers
+            .iter()
+            .map(|(n, role, gpus)| ContainerAssignment {
+                name: (*n).into(),
+                role: *role,
+                gpus: gpus.iter().map(|(i, m)| GpuShare { index: *i, uuid: uuid(*i), mib: Mib::new(*m) }).collect(),
+            })
+            .collect(),
+    };
+    let k8s = |(n, _, gpus): &Spec<'_>| {
+        let mib: u64 = gpus.iter().map(|(_, m)| m).sum();
+        json!({"name": n, "image": "x", "resources": {"limits": {
+            "gpushare.io/gpu-mem": mib.to_string(), "gpushare.io/gpu-count": gpus.len().to_string()}}})
+    };
+    let init: Vec<Value> = containers.iter().filter(|c| c.1 == ContainerRole::Init).map(k8s).collect();
+    let app: Vec<Value> = containers.iter().filter(|c| c.1 != ContainerRole::Init).map(k8s).collect();
+    api.create_pod(
+        "default",
+        json!({"metadata": {"name": name, "annotations": {ASSIGNMENT_KEY: assignment.encode().unwrap()}},
+               "spec": {"nodeName": "node-a", "initContainers": init, "containers": app}}),
+    )
+    .unwrap();
+}
+
+/// Admits one pod's containers, retrying while the daemon has not yet seen the pod.
+async fn admit(c: &Cluster, sizes: &[usize]) -> Vec<gpushare_testkit::kubelet::Admitted> {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match c.kubelet.admit(sizes).await {
+            Ok(a) => return a,
+            Err(e) if Instant::now() < deadline && e.to_string().contains("no pod bound") => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+fn ledger_of(c: &Cluster) -> Ledger {
+    Ledger::open(&c.host.ledger()).unwrap().ledger
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_request_shape_lands_on_its_assigned_gpu() {
+    let (c, daemon) = cluster(&[1000, 1000, 1000]).await;
+    bound_pod(&c.api, "single", &[("main", ContainerRole::App, &[(2, 350)])]);
+    let a = admit(&c, &[350]).await;
+    assert_eq!(a[0].envs["NVIDIA_VISIBLE_DEVICES"], "GPU-static-2");
+    assert_eq!(a[0].envs["GPUSHARE_MEMORY_MIB"], "350");
+    assert_eq!(a[0].envs["GPUSHARE_POD"], "default/single");
+
+    // Two equal pods bound together, on different GPUs: each gets its own.
+    bound_pod(&c.api, "twin-a", &[("main", ContainerRole::App, &[(0, 200)])]);
+    tokio::time::sleep(Duration::from_millis(1100)).await; // a later creation second
+    bound_pod(&c.api, "twin-b", &[("main", ContainerRole::App, &[(1, 200)])]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let first = admit(&c, &[200]).await;
+    let second = admit(&c, &[200]).await;
+    assert_eq!(
+        (first[0].envs["GPUSHARE_POD"].as_str(), first[0].envs["NVIDIA_VISIBLE_DEVICES"].as_str()),
+        ("default/twin-a", "GPU-static-0")
+    );
+    assert_eq!(
+        (second[0].envs["GPUSHARE_POD"].as_str(), second[0].envs["NVIDIA_VISIBLE_DEVICES"].as_str()),
+        ("default/twin-b", "GPU-static-1")
+    );
+
+    // Init container, then two app containers on different GPUs.
+    bound_pod(
+        &c.api,
+        "multi",
+        &[
+            ("fetch", ContainerRole::Init, &[(0, 100)]),
+            ("model", ContainerRole::App, &[(0, 300)]),
+            ("tokenizer", ContainerRole::App, &[(1, 50)]),
+        ],
+    );
+    let m = admit(&c, &[100, 300, 50]).await;
+    let got: Vec<(&str, &str)> =
+        m.iter().map(|a| (a.envs["GPUSHARE_CONTAINER"].as_str(), a.envs["NVIDIA_VISIBLE_DEVICES"].as_str())).collect();
+    assert_eq!(got, [("fetch", "GPU-static-0"), ("model", "GPU-static-0"), ("tokenizer", "GPU-static-1")]);
+
+    // One container over two GPUs.
+    bound_pod(&c.api, "train", &[("trainer", ContainerRole::App, &[(1, 150), (2, 150)])]);
+    let t = admit(&c, &[300]).await;
+    assert_eq!(t[0].envs["NVIDIA_VISIBLE_DEVICES"], "GPU-static-1,GPU-static-2");
+    assert_eq!(t[0].envs["GPUSHARE_MEMORY_MIB"], "150");
+
+    // The same devices again: the same answer, nothing new in the ledger.
+    let again = c.kubelet.allocate(&t[0].devices).await.unwrap();
+    assert_eq!(again, t[0].envs);
+    let live = ledger_of(&c).live().unwrap();
+    assert_eq!(live.len(), 1 + 2 + 3 + 2, "{live:?}");
+    drop(daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_already_seen_are_served_through_an_api_server_outage() {
+    let (c, daemon) = cluster(&[1000]).await;
+    bound_pod(&c.api, "p1", &[("main", ContainerRole::App, &[(0, 100)])]);
+    bound_pod(&c.api, "p2", &[("main", ContainerRole::App, &[(0, 120)])]);
+    admit(&c, &[100]).await;
+    c.api.set_available(false);
+    let a = c.kubelet.admit(&[120]).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+    assert_eq!(a[0].envs["GPUSHARE_POD"], "default/p2");
+    c.api.set_available(true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_are_errors_with_reasons() {
+    // Two GPUs: the kubelet counts 2000 devices, while the ledger knows GPU0 alone.
+    let (c, _daemon) = cluster(&[1000, 1000]).await;
+    // Nobody waits.
+    let err = c.kubelet.admit(&[64]).await.unwrap_err().to_string();
+    assert!(
+        err.contains("FailedPrecondition") && err.contains("no pod bound to node node-a is waiting for 64 MiB"),
+        "{err}"
+    );
+    // A pod that skipped the extender.
+    c.api
+        .create_pod(
+            "ml",
+            json!({"metadata": {"name": "raw"}, "spec": {"nodeName": "node-a", "containers": [
+                {"name": "c", "image": "x", "resources": {"limits": {"gpushare.io/gpu-mem": "64"}}}]}}),
+        )
+        .unwrap();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let err = c.kubelet.admit(&[64]).await.unwrap_err().to_string();
+        if err.contains("ml/raw has no gpushare.io/assignment annotation") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{err}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Two assignments that overcommit the GPU: the second is refused by the ledger.
+    bound_pod(&c.api, "big-1", &[("main", ContainerRole::App, &[(0, 700)])]);
+    admit(&c, &[700]).await;
+    bound_pod(&c.api, "big-2", &[("main", ContainerRole::App, &[(0, 700)])]);
+    let deadline = Instant::now() + WAIT;
+    let err = loop {
+        let err = c.kubelet.admit(&[700]).await.unwrap_err().to_string();
+        if !err.contains("no pod bound") || Instant::now() > deadline {
+            break err;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        err.contains("ResourceExhausted") && err.contains("GPU0 has 300 MiB free in the ledger, needs 700 MiB"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_or_finished_pod_releases_its_rows_and_keeps_history() {
+    let (c, daemon) = cluster(&[1000]).await;
+    bound_pod(&c.api, "gone", &[("main", ContainerRole::App, &[(0, 100)])]);
+    bound_pod(&c.api, "done", &[("main", ContainerRole::App, &[(0, 110)])]);
+    admit(&c, &[100]).await;
+    admit(&c, &[110]).await;
+    c.api.delete_pod("default", "gone").unwrap();
+    c.api.patch_pod("default", "done", &json!({"status": {"phase": "Succeeded"}})).unwrap();
+    let deadline = Instant::now() + WAIT;
+    while !ledger_of(&c).live().unwrap().is_empty() {
+        assert!(Instant::now() < deadline, "{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let all = ledger_of(&c).all_since(0).unwrap();
+    let reasons: BTreeSet<String> = all.iter().filter_map(|r| r.release_reason.clone()).collect();
+    assert_eq!(reasons, BTreeSet::from(["pod deleted".to_owned(), "pod finished or deleted".to_owned()]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_during_an_admission_burst_loses_no_answered_allocation() {
+    let (c, mut daemon) = cluster(&[4000]).await;
+    for i in 0..PODS {
+        bound_pod(&c.api, &format!("burst-{i:02}"), &[("main", ContainerRole::App, &[(0, 10 + i as u64)])]);
+    }
+    // Admit as fast as possible; kill the daemon after the 15th answer, mid-burst.
+    let mut answered = Vec::new();
+    let mut killed = false;
+    for i in 0..PODS {
+        let size = 10 + i;
+        let result = if killed { c.kubelet.admit(&[size]).await } else { Ok(admit(&c, &[size]).await) };
+        match result {
+            Ok(a) => answered.push((a[0].devices.clone(), a[0].envs.clone())),
+            Err(_) => break,
+        }
+        if answered.len() == 15 {
+            daemon.signal("KILL");
+            killed = true;
+        }
+    }
+    assert_eq!(daemon.wait_exit(WAIT), None, "killed by a signal, no exit code");
+    assert!(answered.len() >= 15);
+
+    // Every answered allocation is on disk, and none twice.
+    {
+        let ledger = ledger_of(&c);
+        let live = ledger.live().unwrap();
+        let mut containers = BTreeSet::new();
+        for r in &live {
+            assert!(containers.insert((r.pod.uid.clone(), r.container.clone())), "twice: {r:?}");
+        }
+        let keys: BTreeSet<String> = live.iter().map(|r| r.request_key.clone()).collect();
+        for (devices, envs) in &answered {
+            assert!(keys.contains(&request_key(devices)), "answered but not in the ledger: {envs:?}");
+        }
+        assert!(live.len() <= answered.len() + 1, "at most the one in flight beyond the answers");
+    }
+
+    // Restarted on the same ledger, it answers the same devices the same way and goes on.
+    let daemon = Daemon::start(&c.config, c.host.path("daemon-2.log"));
+    c.kubelet.wait_registered(2, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+    let (devices, envs) = &answered[3];
+    let deadline = Instant::now() + WAIT;
+    let again = loop {
+        match c.kubelet.allocate(devices).await {
+            Ok(a) => break a,
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("{e}\n{}", daemon.log()),
+        }
+    };
+    assert_eq!(&again, envs);
+    let next = 10 + ledger_of(&c).live().unwrap().len();
+    let more = admit(&c, &[next]).await;
+    assert_eq!(more[0].envs["GPUSHARE_MEMORY_MIB"], next.to_string());
+}
