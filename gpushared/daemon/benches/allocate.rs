@@ -120,7 +120,8 @@ async fn main() {
     let plugin_dir = dir.path().join("device-plugins");
     std::fs::create_dir_all(&plugin_dir).unwrap();
     let kubelet = Kubelet::start(&plugin_dir).await.unwrap();
-    let (_devices_tx, devices_rx) = tokio::sync::watch::channel(plugin::device_list(&inventory, alloc.devices(), true));
+    let (_devices_tx, devices_rx) =
+        tokio::sync::watch::channel(plugin::DeviceSnapshot { inventory: Arc::new(inventory), numa: true });
     let listener = plugin::bind(&plugin_dir.join("gpushared.sock")).unwrap();
     tokio::spawn(plugin::serve(Plugin::new(Arc::clone(&alloc), devices_rx), listener, std::future::pending()));
     plugin::register(plugin_dir.join("kubelet.sock"), "gpushared.sock".into(), "gpushare.io/gpu-mem".into())

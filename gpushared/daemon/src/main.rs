@@ -147,7 +147,8 @@ async fn run(config: Config) -> anyhow::Result<()> {
     let client = gpushared::kube::client(config.kubernetes.kubeconfig.path()).await?;
     let watch_task = tokio::spawn(gpushared::kube::watch_pods(client, node.clone(), pods, Arc::clone(&alloc)));
 
-    let (devices_tx, devices_rx) = watch::channel(plugin::device_list(&inventory, alloc.devices(), numa));
+    let (devices_tx, devices_rx) =
+        watch::channel(plugin::DeviceSnapshot { inventory: Arc::new(inventory.clone()), numa });
     let socket = config.socket_path();
     let listener = plugin::bind(&socket).with_context(|| format!("binding the plugin socket {}", socket.display()))?;
     let (stop_tx, mut stop_rx) = watch::channel(false);

@@ -40,6 +40,25 @@ pub fn device_list(inventory: &NodeInventory, devices: &DeviceMap, numa: bool) -
     out
 }
 
+/// What the kubelet's device list is made from: the GPUs with their health. Cheap to clone;
+/// the list itself (one entry per unit, 131 072 for 8 x 16 GiB) is built only while it is
+/// sent, so the daemon does not keep it resident.
+#[derive(Clone, Debug)]
+pub struct DeviceSnapshot {
+    /// The GPUs and their health.
+    pub inventory: Arc<NodeInventory>,
+    /// Whether to publish NUMA nodes.
+    pub numa: bool,
+}
+
+impl DeviceSnapshot {
+    /// The complete device list.
+    #[must_use]
+    pub fn list(&self) -> Vec<Device> {
+        device_list(&self.inventory, &DeviceMap::new(&self.inventory), self.numa)
+    }
+}
+
 /// One exhaustive mapping of allocation errors to gRPC codes.
 fn status(e: &AllocError) -> Status {
     let msg = e.to_string();
@@ -57,13 +76,13 @@ fn status(e: &AllocError) -> Status {
 #[derive(Debug, Clone)]
 pub struct Plugin {
     alloc: Arc<Allocator>,
-    devices: watch::Receiver<Vec<Device>>,
+    devices: watch::Receiver<DeviceSnapshot>,
 }
 
 impl Plugin {
     /// A service answering from `alloc`, streaming device lists from `devices`.
     #[must_use]
-    pub fn new(alloc: Arc<Allocator>, devices: watch::Receiver<Vec<Device>>) -> Self {
+    pub fn new(alloc: Arc<Allocator>, devices: watch::Receiver<DeviceSnapshot>) -> Self {
         Plugin { alloc, devices }
     }
 }
@@ -80,7 +99,7 @@ impl DevicePlugin for Plugin {
 
     async fn list_and_watch(&self, _: Request<Empty>) -> Result<Response<Self::ListAndWatchStream>, Status> {
         let stream = tokio_stream::wrappers::WatchStream::new(self.devices.clone())
-            .map(|devices| Ok(ListAndWatchResponse { devices }));
+            .map(|snapshot| Ok(ListAndWatchResponse { devices: snapshot.list() }));
         Ok(Response::new(Box::pin(stream)))
     }
 

@@ -1,0 +1,144 @@
+//! The daemon's memory: RSS of the `gpushared` process serving 8 GPUs x 16 384 MiB (131 072
+//! devices) after 500 containers were admitted through the kubelet stand-in, with the pods in
+//! the API-server stand-in.
+//!
+//! Run: `cargo bench -p gpushared --bench rss`. Results: BENCHMARKS.md.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::cast_precision_loss)]
+
+use std::fmt::Write as _;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment, GpuShare};
+use gpushare_core::{ContainerRole, GpuUuid, MemoryUnit, Mib};
+use gpushare_testkit::apiserver::ApiServer;
+use gpushare_testkit::kubelet::Kubelet;
+use serde_json::json;
+
+const GPUS: u32 = 8;
+const PODS: usize = 500;
+
+fn status_kib(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap()
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let base = std::env::var("BENCH_DIR").unwrap_or_else(|_| env!("CARGO_TARGET_TMPDIR").into());
+    let dir = tempfile::tempdir_in(base).unwrap();
+    let api = ApiServer::start().await.unwrap();
+    api.write_kubeconfig(&dir.path().join("kubeconfig")).unwrap();
+    // GPU and pod sizes; RSS_GPU_MIB=1024 RSS_POD_MIB=10 shows the baseline of a small device list.
+    let env = |k: &str, d: u64| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let gpu_mib = env("RSS_GPU_MIB", 16_384);
+    let pod_mib = usize::try_from(env("RSS_POD_MIB", 200)).unwrap();
+    let mut gpus = String::new();
+    for i in 0..GPUS {
+        let _ = write!(
+            gpus,
+            "[[gpus]]\nindex = {i}\nuuid = \"GPU-rss-{i}\"\nmodel = \"Tesla T4\"\nmemory_mib = {gpu_mib}\n"
+        );
+    }
+    let config = dir.path().join("gpushared.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "node_name = \"node-a\"\n[kubelet]\ndevice_plugin_dir = \"{0}/dp\"\n[ledger]\npath = \"{0}/ledger.db\"\n\
+             [kubernetes]\nkubeconfig = \"{0}/kubeconfig\"\n{gpus}",
+            dir.path().display()
+        ),
+    )
+    .unwrap();
+    for p in 0..PODS {
+        let gpu = u32::try_from(p).unwrap() % GPUS;
+        let a = Assignment {
+            node: "node-a".into(),
+            unit: MemoryUnit::Mib,
+            containers: vec![ContainerAssignment {
+                name: "main".into(),
+                role: ContainerRole::App,
+                gpus: vec![GpuShare {
+                    index: gpu,
+                    uuid: GpuUuid::new(format!("GPU-rss-{gpu}")).unwrap(),
+                    mib: Mib::new(pod_mib as u64),
+                }],
+            }],
+        };
+        api.create_pod(
+            "bench",
+            json!({"metadata": {"name": format!("pod-{p:04}"), "annotations": {ASSIGNMENT_KEY: a.encode().unwrap()}},
+                   "spec": {"nodeName": "node-a", "containers": [{"name": "main", "image": "x",
+                   "resources": {"limits": {"gpushare.io/gpu-mem": pod_mib.to_string()}}}]}}),
+        )
+        .unwrap();
+    }
+    std::fs::create_dir_all(dir.path().join("dp")).unwrap();
+    let kubelet = Kubelet::start(&dir.path().join("dp")).await.unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gpushared"))
+        .arg("--config")
+        .arg(&config)
+        .env("RUST_LOG", "warn")
+        .envs(std::env::var("RSS_DAEMON_ENV").ok().iter().flat_map(|v| {
+            v.split(',')
+                .filter_map(|kv| kv.split_once('='))
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect::<Vec<_>>()
+        }))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    kubelet.wait_registered(1, Duration::from_secs(20)).await.unwrap();
+    kubelet.wait_devices(Duration::from_secs(20), |d| !d.is_empty()).await.unwrap();
+    let idle = status_kib(child.id(), "VmRSS:");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut admitted = 0;
+    let mut latencies = Vec::with_capacity(PODS);
+    while admitted < PODS {
+        let ids = match kubelet.preferred(pod_mib).await {
+            Ok(ids) => ids,
+            Err(e) if Instant::now() < deadline && e.to_string().contains("no pod bound") => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        let t = Instant::now();
+        let result = kubelet.allocate(&ids).await;
+        latencies.push(t.elapsed());
+        match result {
+            Ok(_) => admitted += 1,
+            Err(e) if Instant::now() < deadline && e.to_string().contains("no pod bound") => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let rss = status_kib(child.id(), "VmRSS:");
+    let peak = status_kib(child.id(), "VmHWM:");
+    let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
+    let _ = child.wait();
+    latencies.sort();
+    let at = |per_mille: usize| latencies[(latencies.len() - 1) * per_mille / 1000];
+    println!("gpushared RSS: 8 GPUs x {gpu_mib} MiB ({} devices), {PODS} pods in the API server", 8 * gpu_mib);
+    println!("serving, before any allocation   {:>6.1} MiB", idle as f64 / 1024.0);
+    println!(
+        "after {PODS} allocations           {:>6.1} MiB (peak {:.1} MiB)",
+        rss as f64 / 1024.0,
+        peak as f64 / 1024.0
+    );
+    println!(
+        "Allocate to the daemon process    p50 {:.3?}  p90 {:.3?}  p99 {:.3?}  max {:.3?}",
+        at(500),
+        at(900),
+        at(990),
+        at(1000)
+    );
+}
