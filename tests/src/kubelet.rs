@@ -259,6 +259,20 @@ impl Kubelet {
         Ok(ids)
     }
 
+    /// `GetDevicePluginOptions`, asked of the plugin now (the cheapest call: what a round trip
+    /// costs).
+    ///
+    /// # Errors
+    /// No plugin has registered, or the call failed.
+    pub async fn ask_options(&self) -> anyhow::Result<DevicePluginOptions> {
+        let response = self
+            .client()?
+            .get_device_plugin_options(Empty {})
+            .await
+            .map_err(|s| anyhow::anyhow!("GetDevicePluginOptions: {}: {}", code(&s), s.message()))?;
+        Ok(response.into_inner())
+    }
+
     /// `Allocate` of these devices; on success they are in use.
     ///
     /// # Errors

@@ -96,6 +96,8 @@ async fn main() {
         .unwrap();
     kubelet.wait_registered(1, Duration::from_secs(20)).await.unwrap();
     kubelet.wait_devices(Duration::from_secs(20), |d| !d.is_empty()).await.unwrap();
+    // Steady state: the daemon hands the device list's pages back within 10 s of sending it.
+    tokio::time::sleep(Duration::from_secs(11)).await;
     let idle = status_kib(child.id(), "VmRSS:");
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut admitted = 0;
@@ -120,19 +122,35 @@ async fn main() {
             Err(e) => panic!("{e}"),
         }
     }
+    // The round trip alone, with the cheapest call.
+    let mut trips = Vec::with_capacity(PODS);
+    for _ in 0..PODS {
+        let t = Instant::now();
+        kubelet.ask_options().await.unwrap();
+        trips.push(t.elapsed());
+    }
     tokio::time::sleep(Duration::from_millis(200)).await;
     let rss = status_kib(child.id(), "VmRSS:");
     let peak = status_kib(child.id(), "VmHWM:");
+    let anon = status_kib(child.id(), "RssAnon:");
+    let file = status_kib(child.id(), "RssFile:");
     let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
     let _ = child.wait();
     latencies.sort();
+    trips.sort();
     let at = |per_mille: usize| latencies[(latencies.len() - 1) * per_mille / 1000];
+    let trip = |per_mille: usize| trips[(trips.len() - 1) * per_mille / 1000];
     println!("gpushared RSS: 8 GPUs x {gpu_mib} MiB ({} devices), {PODS} pods in the API server", 8 * gpu_mib);
-    println!("serving, before any allocation   {:>6.1} MiB", idle as f64 / 1024.0);
+    println!("serving, idle, no allocation yet  {:>6.1} MiB", idle as f64 / 1024.0);
     println!(
         "after {PODS} allocations           {:>6.1} MiB (peak {:.1} MiB)",
         rss as f64 / 1024.0,
         peak as f64 / 1024.0
+    );
+    println!(
+        "  of which heap and stacks        {:>6.1} MiB, mapped binary and libraries {:.1} MiB",
+        anon as f64 / 1024.0,
+        file as f64 / 1024.0
     );
     println!(
         "Allocate to the daemon process    p50 {:.3?}  p90 {:.3?}  p99 {:.3?}  max {:.3?}",
@@ -141,4 +159,5 @@ async fn main() {
         at(990),
         at(1000)
     );
+    println!("GetDevicePluginOptions round trip p50 {:.3?}  p90 {:.3?}  p99 {:.3?}", trip(500), trip(900), trip(990));
 }

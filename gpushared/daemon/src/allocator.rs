@@ -114,6 +114,9 @@ struct Owner {
 /// this mirror is loaded from it at start and updated after each commit).
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Held {
+    /// [`key_hash`] of the row's device set: most `Allocate` calls are for a new set, and this
+    /// tells them so without reading the ledger.
+    key_hash: u64,
     uid: String,
     container: String,
     role: ContainerRole,
@@ -124,6 +127,7 @@ struct Held {
 impl From<&Row> for Held {
     fn from(r: &Row) -> Self {
         Held {
+            key_hash: key_hash(&r.request_key),
             uid: r.pod.uid.clone(),
             container: r.container.clone(),
             role: r.role,
@@ -148,8 +152,9 @@ struct State {
 #[derive(Clone, Debug)]
 struct Candidate {
     pod: Arc<StoredPod>,
-    assignment: Assignment,
-    container: ContainerAssignment,
+    assignment: Arc<Assignment>,
+    /// Position of the container in `assignment.containers`.
+    position: usize,
     units: u64,
 }
 
@@ -157,6 +162,19 @@ impl Candidate {
     fn view(&self) -> &PodView {
         &self.pod.view
     }
+
+    fn container(&self) -> &ContainerAssignment {
+        // `position` comes from enumerating this same, immutable assignment.
+        &self.assignment.containers[self.position]
+    }
+}
+
+/// A hash of a device-set key, for the in-memory check before the ledger is asked.
+fn key_hash(key: &str) -> u64 {
+    use std::hash::{Hash as _, Hasher as _};
+    let mut h = std::hash::DefaultHasher::new();
+    key.hash(&mut h);
+    h.finish()
 }
 
 /// The allocation service of one node.
@@ -244,10 +262,21 @@ impl Allocator {
     /// row), of `units` devices if given, plus notes on pods that cannot be served (for error
     /// messages, when `notes` is set).
     fn pending(&self, held: &[Held], units: Option<usize>, want_notes: bool) -> (Vec<Candidate>, Vec<String>) {
+        self.pending_among(self.pods.snapshot(), held, units, want_notes)
+    }
+
+    /// [`Self::pending`] among `pods` only.
+    fn pending_among(
+        &self,
+        pods: Vec<Arc<StoredPod>>,
+        held: &[Held],
+        units: Option<usize>,
+        want_notes: bool,
+    ) -> (Vec<Candidate>, Vec<String>) {
         let held: BTreeSet<(&str, &str)> = held.iter().map(|h| (h.uid.as_str(), h.container.as_str())).collect();
         let mut out = Vec::new();
         let mut notes = Vec::new();
-        for pod in self.pods.snapshot() {
+        for pod in pods {
             let view = &pod.view;
             if view.terminal || view.node.as_deref() != Some(self.node.as_str()) {
                 continue;
@@ -277,15 +306,16 @@ impl Allocator {
                     continue;
                 }
             };
-            let next = assignment.containers.iter().find(|c| !held.contains(&(view.pod.uid.as_str(), c.name.as_str())));
-            if let Some(container) = next {
-                let mib: u64 = container.gpus.iter().map(|g| g.mib.get()).sum();
+            let next =
+                assignment.containers.iter().position(|c| !held.contains(&(view.pod.uid.as_str(), c.name.as_str())));
+            if let Some(position) = next {
+                let mib: u64 = assignment.containers[position].gpus.iter().map(|g| g.mib.get()).sum();
                 let n = mib / self.inventory.unit().mib_per_unit();
                 if units.is_none_or(|u| usize::try_from(n).is_ok_and(|n| n == u)) {
                     out.push(Candidate {
                         pod: Arc::clone(&pod),
-                        assignment: assignment.clone(),
-                        container: container.clone(),
+                        assignment: Arc::clone(assignment),
+                        position,
                         units: n,
                     });
                 }
@@ -304,7 +334,7 @@ impl Allocator {
         let key = |c: &Candidate| {
             (
                 state.admitting.as_deref() != Some(c.view().pod.uid.as_str()),
-                proposed.contains(&(c.view().pod.uid.as_str(), c.container.name.as_str())),
+                proposed.contains(&(c.view().pod.uid.as_str(), c.container().name.as_str())),
                 c.view().created.clone(),
                 c.view().pod.namespace.clone(),
                 c.view().pod.name.clone(),
@@ -320,7 +350,7 @@ impl Allocator {
                         "{}/{} container {:?} waits for {} {}",
                         c.view().pod.namespace,
                         c.view().pod.name,
-                        c.container.name,
+                        c.container().name,
                         c.units,
                         self.inventory.unit()
                     )
@@ -355,7 +385,7 @@ impl Allocator {
         let unit = self.inventory.unit().mib_per_unit();
         // Devices still needed on each assigned GPU.
         let mut need: BTreeMap<usize, u64> = BTreeMap::new();
-        for g in &cand.container.gpus {
+        for g in &cand.container().gpus {
             if let Some(pos) = self.inventory.position_of(&g.uuid) {
                 *need.entry(pos).or_default() += g.mib.get() / unit;
             }
@@ -403,7 +433,7 @@ impl Allocator {
             // right, the environment still names the assigned GPU.
             tracing::warn!(
                 pod = %format!("{}/{}", cand.view().pod.namespace, cand.view().pod.name),
-                container = %cand.container.name,
+                container = %cand.container().name,
                 "not enough free devices on the assigned GPU in the kubelet's view; proposing others"
             );
             let have: BTreeSet<String> = chosen.iter().cloned().collect();
@@ -414,7 +444,7 @@ impl Allocator {
         chosen.truncate(size.max(must_include.len()));
         state.proposals.insert(
             request_key(&chosen),
-            Owner { uid: cand.view().pod.uid.clone(), container: cand.container.name.clone() },
+            Owner { uid: cand.view().pod.uid.clone(), container: cand.container().name.clone() },
         );
         Ok(chosen)
     }
@@ -433,7 +463,9 @@ impl Allocator {
         }
         let key = request_key(device_ids);
         let mut state = self.lock();
-        let existing = state.ledger.live_by_key(&key)?;
+        let hash = key_hash(&key);
+        let existing =
+            if state.held.iter().any(|h| h.key_hash == hash) { state.ledger.live_by_key(&key)? } else { Vec::new() };
         // Several containers may hold the same devices (see below); the latest one answers.
         if let Some(last) = existing.last() {
             // The kubelet hands an init container's devices on to the next container of the
@@ -458,8 +490,8 @@ impl Allocator {
             None => self.choose(&state, device_ids.len())?,
         };
         let pod_name = format!("{}/{}", cand.view().pod.namespace, cand.view().pod.name);
-        let mut rows = Vec::with_capacity(cand.container.gpus.len());
-        for g in &cand.container.gpus {
+        let mut rows = Vec::with_capacity(cand.container().gpus.len());
+        for g in &cand.container().gpus {
             let gpu = self
                 .inventory
                 .gpus()
@@ -471,8 +503,8 @@ impl Allocator {
             }
             rows.push(NewRow {
                 pod: cand.view().pod.clone(),
-                container: cand.container.name.clone(),
-                role: cand.container.role,
+                container: cand.container().name.clone(),
+                role: cand.container().role,
                 gpu_uuid: g.uuid.clone(),
                 gpu_index: gpu.index,
                 mib: g.mib,
@@ -486,22 +518,23 @@ impl Allocator {
         state.admitting = Some(cand.view().pod.uid.clone());
         tracing::info!(
             pod = %pod_name,
-            container = %cand.container.name,
+            container = %cand.container().name,
             gpus = %rows.iter().map(|r| format!("GPU{}", r.gpu_index)).collect::<Vec<_>>().join(","),
             mib = rows.iter().map(|r| r.mib.get()).sum::<u64>(),
             "allocated"
         );
         Ok(Answer {
-            envs: self.envs(&cand.view().pod, &cand.assignment, &cand.container),
+            envs: self.envs(&cand.view().pod, &cand.assignment, cand.container()),
             pod: cand.view().pod.clone(),
-            container: cand.container.name.clone(),
+            container: cand.container().name.clone(),
         })
     }
 
     /// The candidate for a remembered proposal, if that container still waits.
     fn candidate_for(&self, owner: &Owner, held: &[Held]) -> Option<Candidate> {
-        let (pending, _) = self.pending(held, None, false);
-        pending.into_iter().find(|c| c.view().pod.uid == owner.uid && c.container.name == owner.container)
+        let pod = self.pods.get(&owner.uid)?;
+        let (pending, _) = self.pending_among(vec![pod], held, None, false);
+        pending.into_iter().find(|c| c.view().pod.uid == owner.uid && c.container().name == owner.container)
     }
 
     /// Refuses rows that would take a GPU past its capacity, counting every pod's footprint.
@@ -558,10 +591,12 @@ impl Allocator {
                 .collect(),
         };
         let assignment = match pod.and_then(|p| p.assignment.as_ref()) {
-            Some(Ok(a)) => a.clone(),
-            _ => {
-                Assignment { node: self.node.clone(), unit: self.inventory.unit(), containers: vec![container.clone()] }
-            }
+            Some(Ok(a)) => Arc::clone(a),
+            _ => Arc::new(Assignment {
+                node: self.node.clone(),
+                unit: self.inventory.unit(),
+                containers: vec![container.clone()],
+            }),
         };
         Answer {
             envs: self.envs(&last.pod, &assignment, &container),

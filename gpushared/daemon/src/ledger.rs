@@ -303,11 +303,13 @@ impl Ledger {
         let mut written = Vec::with_capacity(rows.len());
         for r in rows {
             let key = request_key(&r.device_ids);
-            tx.execute(
+            tx.prepare_cached(
                 "INSERT INTO allocations (pod_uid, namespace, pod_name, container, role, gpu_uuid, gpu_index, mib,
                                           device_ids, allocated_at)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
-                params![
+            )
+            .and_then(|mut insert| {
+                insert.execute(params![
                     r.pod.uid,
                     r.pod.namespace,
                     r.pod.name,
@@ -318,8 +320,8 @@ impl Ledger {
                     i64::try_from(r.mib.get()).unwrap_or(i64::MAX),
                     key,
                     at
-                ],
-            )
+                ])
+            })
             .map_err(sqlite("writing an allocation"))?;
             written.push(Row {
                 id: tx.last_insert_rowid(),

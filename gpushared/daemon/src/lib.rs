@@ -7,6 +7,7 @@
 //! - [`discovery`]: the host's GPUs, from NVML or the configuration;
 //! - [`kube`]: the watch of the pods bound to this node;
 //! - [`ledger`]: the SQLite allocation ledger;
+//! - [`memory`]: keeping resident memory small after the kubelet's large device lists;
 //! - [`plugin`]: the kubelet device plugin API and registration;
 //! - [`pods`]: the pods bound to this node, as last seen.
 
@@ -15,5 +16,6 @@ pub mod config;
 pub mod discovery;
 pub mod kube;
 pub mod ledger;
+pub mod memory;
 pub mod plugin;
 pub mod pods;

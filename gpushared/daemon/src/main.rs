@@ -29,6 +29,8 @@ struct Cli {
 }
 
 fn main() -> ExitCode {
+    // Before any thread starts: two allocator arenas keep the resident set small (memory.rs).
+    gpushared::memory::limit_arenas(2);
     let cli = Cli::parse();
     if let Some(path) = cli.check_config {
         return match Config::load(&path, true) {
@@ -151,6 +153,14 @@ async fn run(config: Config) -> anyhow::Result<()> {
         watch::channel(plugin::DeviceSnapshot { inventory: Arc::new(inventory.clone()), numa });
     let socket = config.socket_path();
     let listener = plugin::bind(&socket).with_context(|| format!("binding the plugin socket {}", socket.display()))?;
+    // The device list sent to the kubelet is built only while it is sent; hand its pages back.
+    let trim_task = tokio::spawn(async {
+        let mut every = tokio::time::interval(std::time::Duration::from_secs(10));
+        loop {
+            every.tick().await;
+            let _ = tokio::task::spawn_blocking(gpushared::memory::release_free_memory).await;
+        }
+    });
     let (stop_tx, mut stop_rx) = watch::channel(false);
     let server = tokio::spawn(plugin::serve(Plugin::new(Arc::clone(&alloc), devices_rx), listener, async move {
         let _ = stop_rx.wait_for(|stop| *stop).await;
@@ -179,6 +189,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
         tracing::warn!("the plugin server did not stop within 5 s");
     }
     watch_task.abort();
+    trim_task.abort();
     let _ = std::fs::remove_file(&socket);
     Ok(())
 }

@@ -33,12 +33,12 @@ pub struct StoredPod {
     /// What the daemon knows of the pod.
     pub view: PodView,
     /// Its `gpushare.io/assignment`, if it has one.
-    pub assignment: Option<Result<Assignment, CodecError>>,
+    pub assignment: Option<Result<Arc<Assignment>, CodecError>>,
 }
 
 impl StoredPod {
     fn new(view: PodView) -> Self {
-        let assignment = view.annotations.get(ASSIGNMENT_KEY).map(|text| Assignment::decode(text));
+        let assignment = view.annotations.get(ASSIGNMENT_KEY).map(|text| Assignment::decode(text).map(Arc::new));
         StoredPod { view, assignment }
     }
 }

@@ -1,0 +1,42 @@
+//! Keeping the daemon's resident memory small.
+//!
+//! In MiB mode the kubelet's device lists are large (131 072 IDs for 8 GPUs of 16 GiB), and they
+//! pass through the daemon as short-lived strings: the device list it sends, and the list of
+//! free devices in every `GetPreferredAllocation` request. glibc's allocator keeps the pages
+//! such a burst leaves behind, in one arena per thread that touched them, so without care a
+//! daemon that needs a few MiB sits on tens. Two measures (figures in BENCHMARKS.md):
+//!
+//! - [`limit_arenas`] at startup, before any thread starts: two arenas instead of eight per core;
+//! - [`release_free_memory`] after each burst: free pages go back to the kernel.
+//!
+//! Both are no-ops on C libraries other than glibc.
+
+/// Limits glibc's allocator to `n` arenas. Call before the runtime starts any thread. Returns
+/// whether the setting took.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(unsafe_code)]
+pub fn limit_arenas(n: u16) -> bool {
+    // SAFETY: mallopt only sets a tunable of the allocator; it takes no pointers.
+    unsafe { libc::mallopt(libc::M_ARENA_MAX, i32::from(n)) == 1 }
+}
+
+/// Limits the allocator's arenas (no-op here).
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+pub fn limit_arenas(_n: u16) -> bool {
+    false
+}
+
+/// Gives the allocator's free pages back to the kernel. Costs a walk of the heap (well under a
+/// millisecond for this daemon), so call it after a burst, not on every request.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(unsafe_code)]
+pub fn release_free_memory() {
+    // SAFETY: malloc_trim takes no pointers and is thread-safe; it only returns free memory.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+/// Gives free memory back (no-op here).
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+pub fn release_free_memory() {}
