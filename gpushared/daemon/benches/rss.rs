@@ -1,6 +1,7 @@
-//! The daemon's memory: RSS of the `gpushared` process serving 8 GPUs x 16 384 MiB (131 072
-//! devices) after 500 containers were admitted through the kubelet stand-in, with the pods in
-//! the API-server stand-in.
+//! The daemon's memory and its `Allocate` latency as the kubelet sees it: the `gpushared`
+//! process serving 8 GPUs (MiB mode: 16 384 MiB each, 131 072 devices; `RSS_UNIT=GiB`: 80 GiB
+//! each, 640 devices), 500 containers admitted through the kubelet stand-in, their pods in the
+//! API-server stand-in.
 //!
 //! Run: `cargo bench -p gpushared --bench rss`. Results: BENCHMARKS.md.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::cast_precision_loss)]
@@ -34,10 +35,15 @@ async fn main() {
     let dir = tempfile::tempdir_in(base).unwrap();
     let api = ApiServer::start().await.unwrap();
     api.write_kubeconfig(&dir.path().join("kubeconfig")).unwrap();
-    // GPU and pod sizes; RSS_GPU_MIB=1024 RSS_POD_MIB=10 shows the baseline of a small device list.
+    // RSS_UNIT=GiB measures GiB mode (8 x 80 GiB, pods of 1 GiB); RSS_GPU_MIB and RSS_POD_UNITS
+    // change the sizes (RSS_GPU_MIB=1024 RSS_POD_UNITS=10: the baseline of a small device list).
     let env = |k: &str, d: u64| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
-    let gpu_mib = env("RSS_GPU_MIB", 16_384);
-    let pod_mib = usize::try_from(env("RSS_POD_MIB", 200)).unwrap();
+    let unit = if std::env::var("RSS_UNIT").is_ok_and(|u| u == "GiB") { MemoryUnit::Gib } else { MemoryUnit::Mib };
+    let gib = unit == MemoryUnit::Gib;
+    let gpu_mib = env("RSS_GPU_MIB", if gib { 81_920 } else { 16_384 });
+    let pod_units = usize::try_from(env("RSS_POD_UNITS", if gib { 1 } else { 200 })).unwrap();
+    let pod_mib = pod_units as u64 * unit.mib_per_unit();
+    let devices = u64::from(GPUS) * (gpu_mib / unit.mib_per_unit());
     let mut gpus = String::new();
     for i in 0..GPUS {
         let _ = write!(
@@ -50,7 +56,7 @@ async fn main() {
         &config,
         format!(
             "node_name = \"node-a\"\n[kubelet]\ndevice_plugin_dir = \"{0}/dp\"\n[ledger]\npath = \"{0}/ledger.db\"\n\
-             [kubernetes]\nkubeconfig = \"{0}/kubeconfig\"\n{gpus}",
+             [kubernetes]\nkubeconfig = \"{0}/kubeconfig\"\n[resources]\nunit = \"{unit}\"\n{gpus}",
             dir.path().display()
         ),
     )
@@ -59,14 +65,14 @@ async fn main() {
         let gpu = u32::try_from(p).unwrap() % GPUS;
         let a = Assignment {
             node: "node-a".into(),
-            unit: MemoryUnit::Mib,
+            unit,
             containers: vec![ContainerAssignment {
                 name: "main".into(),
                 role: ContainerRole::App,
                 gpus: vec![GpuShare {
                     index: gpu,
                     uuid: GpuUuid::new(format!("GPU-rss-{gpu}")).unwrap(),
-                    mib: Mib::new(pod_mib as u64),
+                    mib: Mib::new(pod_mib),
                 }],
             }],
         };
@@ -74,7 +80,7 @@ async fn main() {
             "bench",
             json!({"metadata": {"name": format!("pod-{p:04}"), "annotations": {ASSIGNMENT_KEY: a.encode().unwrap()}},
                    "spec": {"nodeName": "node-a", "containers": [{"name": "main", "image": "x",
-                   "resources": {"limits": {"gpushare.io/gpu-mem": pod_mib.to_string()}}}]}}),
+                   "resources": {"limits": {"gpushare.io/gpu-mem": pod_units.to_string()}}}]}}),
         )
         .unwrap();
     }
@@ -103,7 +109,7 @@ async fn main() {
     let mut admitted = 0;
     let mut latencies = Vec::with_capacity(PODS);
     while admitted < PODS {
-        let ids = match kubelet.preferred(pod_mib).await {
+        let ids = match kubelet.preferred(pod_units).await {
             Ok(ids) => ids,
             Err(e) if Instant::now() < deadline && e.to_string().contains("no pod bound") => {
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -140,7 +146,10 @@ async fn main() {
     trips.sort();
     let at = |per_mille: usize| latencies[(latencies.len() - 1) * per_mille / 1000];
     let trip = |per_mille: usize| trips[(trips.len() - 1) * per_mille / 1000];
-    println!("gpushared RSS: 8 GPUs x {gpu_mib} MiB ({} devices), {PODS} pods in the API server", 8 * gpu_mib);
+    println!(
+        "gpushared RSS: {unit} mode, 8 GPUs x {gpu_mib} MiB ({devices} devices), {PODS} pods of {pod_units} {unit} \
+         in the API server"
+    );
     println!("serving, idle, no allocation yet  {:>6.1} MiB", idle as f64 / 1024.0);
     println!(
         "after {PODS} allocations           {:>6.1} MiB (peak {:.1} MiB)",
