@@ -11,19 +11,31 @@
 //!
 //! Both are no-ops on C libraries other than glibc.
 
-/// Limits glibc's allocator to `n` arenas. Call before the runtime starts any thread. Returns
-/// whether the setting took.
+/// A list of at least this many device IDs leaves enough freed memory behind to be worth
+/// returning at once.
+pub const LARGE_LIST: usize = 4096;
+
+/// Limits glibc's allocator to `n` arenas. Call before the runtime starts any thread.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
-pub fn limit_arenas(n: u16) -> bool {
-    // SAFETY: mallopt only sets a tunable of the allocator; it takes no pointers.
-    unsafe { libc::mallopt(libc::M_ARENA_MAX, i32::from(n)) == 1 }
+pub fn limit_arenas(n: u16) {
+    // SAFETY: mallopt only sets a tunable of the allocator; it takes no pointers. A refusal
+    // leaves glibc's default, which is only more memory.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, i32::from(n));
+    }
 }
 
 /// Limits the allocator's arenas (no-op here).
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-pub fn limit_arenas(_n: u16) -> bool {
-    false
+pub fn limit_arenas(_n: u16) {}
+
+/// Called once a list of `ids` device IDs has been dropped: returns the freed pages when the
+/// list was large enough to matter ([`LARGE_LIST`]).
+pub fn after_list(ids: usize) {
+    if ids >= LARGE_LIST {
+        release_free_memory();
+    }
 }
 
 /// Gives the allocator's free pages back to the kernel. Costs a walk of the heap (well under a

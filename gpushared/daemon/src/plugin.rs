@@ -26,9 +26,6 @@ use tonic::{Request, Response, Status};
 
 use crate::allocator::{AllocError, Allocator};
 
-/// A device list this long leaves enough freed memory behind to be worth returning at once.
-const LARGE_LIST: usize = 4096;
-
 /// The complete device list of `inventory`: one device per unit, unhealthy GPUs' devices
 /// `Unhealthy`, and each GPU's NUMA node when `numa` is set.
 #[must_use]
@@ -127,9 +124,7 @@ impl DevicePlugin for Plugin {
             // The kubelet lists every free device (131 072 IDs for 8 x 16 GiB in MiB mode).
             let listed: usize = requests.iter().map(|r| r.available_device_i_ds.len()).sum();
             drop(requests);
-            if listed >= LARGE_LIST {
-                crate::memory::release_free_memory();
-            }
+            crate::memory::after_list(listed);
             responses
         })
         .await
