@@ -2,10 +2,16 @@
 //! scripts know: one row per node, one `GPUi(Allocated/Total)` column per GPU, an optional
 //! `PENDING(Allocated)` column, and the node and cluster totals, all in the cluster unit.
 //! Columns are aligned like Go's `text/tabwriter` with padding 2; percentages are truncated.
+//!
+//! [`ClusterReport`] is the model behind the tables, the extender's `inspect` JSON and
+//! `kubectl-inspect-gpushare -o json`: built from the cluster view, nodes and pods sorted.
 
 use std::fmt::Write as _;
 
-use gpushare_core::MemoryUnit;
+use gpushare_core::{Health, MemoryUnit, Mib};
+use serde::{Deserialize, Serialize};
+
+use crate::view::{ClusterView, NodeGpus};
 
 /// One GPU's cell: allocated and total, in the cluster unit.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -103,6 +109,241 @@ fn tabulate(table: &[Vec<String>]) -> String {
         out.push('\n');
     }
     out
+}
+
+/// The whole cluster, as the view sees it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterReport {
+    /// The cluster unit.
+    pub unit: MemoryUnit,
+    /// Nodes whose daemon publishes GPUs, sorted by name.
+    pub nodes: Vec<NodeReport>,
+    /// Nodes whose published state cannot be read, with the reason.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unreadable: Vec<(String, String)>,
+}
+
+/// One node.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeReport {
+    /// Name.
+    pub name: String,
+    /// Internal IP.
+    pub address: String,
+    /// The unit its daemon counts in.
+    pub unit: MemoryUnit,
+    /// Its GPUs in index order.
+    pub gpus: Vec<GpuReport>,
+    /// Pods bound to the node that hold no GPU yet, with what they ask for.
+    pub pending: Vec<PodShare>,
+}
+
+/// One GPU.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuReport {
+    /// NVML index.
+    pub index: u32,
+    /// UUID.
+    pub uuid: String,
+    /// Model.
+    pub model: String,
+    /// Allocatable memory (total rounded down to the unit).
+    #[serde(rename = "totalMiB")]
+    pub total_mib: u64,
+    /// In use, reconciled view.
+    #[serde(rename = "usedMiB")]
+    pub used_mib: u64,
+    /// Healthy.
+    pub healthy: bool,
+    /// Why not, when not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_reason: Option<String>,
+    /// Cordoned by an operator.
+    pub cordoned: bool,
+    /// Who holds it.
+    pub pods: Vec<PodShare>,
+}
+
+/// A pod's memory on one GPU (or, for pending pods, its request).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodShare {
+    /// `namespace/name`.
+    pub pod: String,
+    /// UID, when known.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub uid: String,
+    /// Memory.
+    pub mib: u64,
+    /// A bind the extender made that the watch has not shown yet.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub in_flight: bool,
+}
+
+impl ClusterReport {
+    /// Reads the view.
+    pub fn from_view(view: &mut ClusterView) -> Self {
+        let unit = view.config().unit;
+        let names: Vec<String> = view.node_names().map(str::to_owned).collect();
+        let mut report = ClusterReport { unit, nodes: Vec::new(), unreadable: Vec::new() };
+        for name in names {
+            let Some(entry) = view.node(&name) else { continue };
+            let address = entry.address.clone();
+            match &entry.gpus {
+                NodeGpus::NotSharing => continue,
+                NodeGpus::Invalid(why) => {
+                    report.unreadable.push((name, why.clone()));
+                    continue;
+                }
+                NodeGpus::Reported(_) => {}
+            }
+            let Ok(inventory) = view.inventory(&name).cloned() else { continue };
+            let Ok(usage) = view.usage(&name).cloned() else { continue };
+            let used = usage.total();
+            let gpus = inventory
+                .gpus()
+                .iter()
+                .enumerate()
+                .map(|(p, g)| GpuReport {
+                    index: g.index,
+                    uuid: g.uuid.to_string(),
+                    model: g.model.clone(),
+                    total_mib: g.capacity(inventory.unit()).get(),
+                    used_mib: used.get(p).copied().unwrap_or(Mib::ZERO).get(),
+                    healthy: g.health.is_healthy(),
+                    health_reason: match &g.health {
+                        Health::Healthy => None,
+                        Health::Unhealthy { reason } => Some(reason.clone()),
+                    },
+                    cordoned: g.cordoned,
+                    pods: usage
+                        .pods
+                        .iter()
+                        .filter_map(|h| {
+                            let mib = h.mib.get(p).copied().unwrap_or(Mib::ZERO);
+                            (mib > Mib::ZERO).then(|| PodShare {
+                                pod: h.pod.clone(),
+                                uid: h.uid.clone(),
+                                mib: mib.get(),
+                                in_flight: h.assumed,
+                            })
+                        })
+                        .collect(),
+                })
+                .collect();
+            let pending = usage
+                .pending
+                .iter()
+                .map(|(pod, mib)| PodShare { pod: pod.clone(), uid: String::new(), mib: mib.get(), in_flight: false })
+                .collect();
+            report.nodes.push(NodeReport { name, address, unit: inventory.unit(), gpus, pending });
+        }
+        report
+    }
+
+    /// Only the node named `node`.
+    #[must_use]
+    pub fn only(mut self, node: &str) -> Self {
+        self.nodes.retain(|n| n.name == node);
+        self.unreadable.retain(|(n, _)| n == node);
+        self
+    }
+
+    /// The summary table's rows, in the cluster unit.
+    #[must_use]
+    pub fn rows(&self) -> Vec<NodeRow> {
+        let units = |mib: u64| self.unit.whole_units(Mib::new(mib));
+        self.nodes
+            .iter()
+            .map(|n| NodeRow {
+                name: n.name.clone(),
+                address: n.address.clone(),
+                gpus: n
+                    .gpus
+                    .iter()
+                    .map(|g| GpuCell { allocated: units(g.used_mib), total: units(g.total_mib) })
+                    .collect(),
+                pending: n.pending.iter().map(|p| units(p.mib)).sum(),
+            })
+            .collect()
+    }
+
+    /// The summary table (`kubectl inspect gpushare`).
+    #[must_use]
+    pub fn summary(&self) -> String {
+        summary(&self.rows(), self.unit)
+    }
+
+    /// The details table (`kubectl inspect gpushare -d`): per node, one row per pod with what
+    /// it holds on each GPU.
+    #[must_use]
+    pub fn details(&self) -> String {
+        let units = |mib: u64| self.unit.whole_units(Mib::new(mib));
+        let mut out = String::new();
+        let (mut cluster_used, mut cluster_total) = (0u64, 0u64);
+        for n in &self.nodes {
+            let _ = writeln!(out, "NAME:       {}", n.name);
+            let _ = writeln!(out, "IPADDRESS:  {}\n", n.address);
+            let mut header = vec!["NAME".to_owned(), "NAMESPACE".to_owned()];
+            header.extend(n.gpus.iter().map(|g| format!("GPU{}(Allocated)", g.index)));
+            header.push("Pending(Allocated)".to_owned());
+            // pod -> (per-GPU units, pending units)
+            let mut pods: std::collections::BTreeMap<&str, (Vec<u64>, u64)> = std::collections::BTreeMap::new();
+            for (i, g) in n.gpus.iter().enumerate() {
+                for p in &g.pods {
+                    let e = pods.entry(p.pod.as_str()).or_insert_with(|| (vec![0; n.gpus.len()], 0));
+                    e.0[i] += units(p.mib);
+                }
+            }
+            for p in &n.pending {
+                pods.entry(p.pod.as_str()).or_insert_with(|| (vec![0; n.gpus.len()], 0)).1 += units(p.mib);
+            }
+            let mut table = vec![header];
+            for (pod, (gpus, pending)) in &pods {
+                let (namespace, name) = pod.split_once('/').unwrap_or(("", pod));
+                let mut row = vec![name.to_owned(), namespace.to_owned()];
+                row.extend(gpus.iter().map(u64::to_string));
+                row.push(pending.to_string());
+                table.push(row);
+            }
+            out.push_str(&tabulate(&table));
+            let used: u64 = n.gpus.iter().map(|g| units(g.used_mib)).sum::<u64>()
+                + n.pending.iter().map(|p| units(p.mib)).sum::<u64>();
+            let total: u64 = n.gpus.iter().map(|g| units(g.total_mib)).sum();
+            let _ = writeln!(out, "Allocated :  {used} ({}%)", percent(used, total));
+            let _ = writeln!(out, "Total :  {total}");
+            out.push_str("--------------------------------------------------------------------------------------\n");
+            cluster_used += used;
+            cluster_total += total;
+        }
+        let _ = writeln!(
+            out,
+            "\nAllocated/Total GPU Memory In Cluster:  {cluster_used}/{cluster_total} ({}%)",
+            percent(cluster_used, cluster_total)
+        );
+        out
+    }
+
+    /// Per-GPU figures for the metrics.
+    #[must_use]
+    pub fn gpu_samples(&self) -> Vec<crate::metrics::GpuSample> {
+        self.nodes
+            .iter()
+            .flat_map(|n| {
+                n.gpus.iter().map(|g| crate::metrics::GpuSample {
+                    node: n.name.clone(),
+                    index: g.index,
+                    uuid: g.uuid.clone(),
+                    used_mib: g.used_mib,
+                    total_mib: g.total_mib,
+                    schedulable: g.healthy && !g.cordoned,
+                })
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]

@@ -1,9 +1,21 @@
-//! gpushare-extender: placing pods on GPUs for kube-scheduler.
+//! gpushare's kube-scheduler extender: the cluster view of GPU nodes and pods, the filter /
+//! prioritize / bind / preempt decisions over it, the HTTP server kube-scheduler calls, the
+//! `kubectl-inspect-gpushare` tables, and the offline simulator.
 //!
-//! Today this crate holds the offline parts: [`simulate`] runs the core's filter, prioritize
-//! and placement over a cluster description and real Pod manifests, the way the extender will
-//! decide for kube-scheduler; [`inspect`] renders the cluster table Alibaba's
-//! `kubectl inspect gpushare` users know. The HTTP extender itself is built on these.
+//! - [`objects`]: the parts of Pods and Nodes that are read;
+//! - [`view`]: the cluster view, reconciled with what each daemon publishes (no I/O);
+//! - [`service`]: the verbs, over the view and the [`service::Cluster`] seam;
+//! - [`wire`]: kube-scheduler's extender JSON;
+//! - [`server`]: the HTTP adapter; [`kube`]: the API server; [`config`]: the config file;
+//! - [`metrics`], [`inspect`], [`simulate`].
 
+pub mod config;
 pub mod inspect;
+pub mod kube;
+pub mod metrics;
+pub mod objects;
+pub mod server;
+pub mod service;
 pub mod simulate;
+pub mod view;
+pub mod wire;

@@ -1,22 +1,36 @@
-//! `gpushare-extender`: the command line. Today it offers `simulate`, the offline run of the
-//! extender's placement decisions over a cluster description and Pod manifests.
+//! `gpushare-extender`: the command line. Without a subcommand it serves kube-scheduler (the
+//! configuration file says where and how); `simulate` is the offline run of the same
+//! placement decisions over a cluster description and Pod manifests.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use gpushare_core::ResourceNames;
 use gpushare_core::placement::{GpuPolicy, NodePolicy};
 use gpushare_core::schedule::Policies;
+use gpushare_extender::config::{Compatibility, Config, DEFAULT_PATH};
+use gpushare_extender::kube::{KubeCluster, client, watch};
+use gpushare_extender::server::{ServerOptions, router, serve, tls_acceptor};
+use gpushare_extender::service::Extender;
 use gpushare_extender::simulate::{Simulation, parse_cluster, parse_workload, run};
+use gpushare_extender::view::{ClusterView, ViewConfig};
 
-/// gpushare's kube-scheduler extender.
+/// gpushare's kube-scheduler extender: filter, prioritize, bind and preempt for pods that ask
+/// for GPU memory. Without a subcommand it serves kube-scheduler.
 #[derive(Parser, Debug)]
 #[command(version, about)]
 struct Cli {
+    /// The configuration file (docs/extender.md).
+    #[arg(long, value_name = "FILE", default_value = DEFAULT_PATH, global = true)]
+    config: PathBuf,
+    /// Validate FILE and exit: 0 if it is usable, 1 with the line and the fix if not.
+    #[arg(long, value_name = "FILE")]
+    check_config: Option<PathBuf>,
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -63,7 +77,27 @@ fn main() -> ExitCode {
 }
 
 fn real_main() -> anyhow::Result<()> {
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    if let Some(path) = cli.check_config {
+        Config::load(&path, true)?;
+        println!("{}: ok", path.display());
+        return Ok(());
+    }
+    let Some(command) = cli.command else {
+        let must_exist = cli.config != Path::new(DEFAULT_PATH);
+        let config = Config::load(&cli.config, must_exist)?;
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init();
+        return tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .context("starting the async runtime")?
+            .block_on(serve_scheduler(config));
+    };
+    match command {
         Command::Simulate { cluster, workload, gpu_policy, node_policy, alibaba, show_annotations } => {
             let read =
                 |path: &PathBuf| std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()));
@@ -85,6 +119,52 @@ fn real_main() -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// Resolves when SIGTERM or SIGINT arrives.
+async fn terminated() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+async fn serve_scheduler(config: Config) -> anyhow::Result<()> {
+    let tls = match config.server.tls() {
+        Some((cert, key)) => Some(tls_acceptor(cert, key)?),
+        None => None,
+    };
+    let client = client(config.kubernetes.kubeconfig.as_deref())
+        .await
+        .context("cannot reach the API server (set [kubernetes] kubeconfig)")?;
+    let view = ClusterView::new(ViewConfig {
+        unit: config.resources.unit,
+        names: config.resources.names(),
+        alibaba: config.resources.compatibility == Compatibility::Alibaba,
+        assume_ttl: std::time::Duration::from_secs(config.scheduling.assume_timeout_seconds),
+    });
+    let extender = Arc::new(Extender::new(view, KubeCluster::new(client.clone()), config.scheduling.policies()));
+    let listen = config.server.listen;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen} (set [server] listen)"))?;
+    let options = ServerOptions {
+        prefix: config.server.prefix.clone(),
+        max_body_bytes: config.server.max_body_bytes,
+        timeout: config.server.request_timeout(),
+    };
+    let app = router(extender.clone(), &options);
+    let watcher = tokio::spawn(watch(client, extender));
+    tracing::info!(listen = %listener.local_addr()?, prefix = %options.prefix, tls = tls.is_some(),
+        unit = %config.resources.unit, "serving kube-scheduler");
+    serve(listener, app, tls, terminated()).await.context("serving")?;
+    watcher.abort();
+    tracing::info!("stopped");
+    Ok(())
 }
 
 fn policy_name(binpack: bool) -> &'static str {

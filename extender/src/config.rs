@@ -1,0 +1,342 @@
+//! The extender's configuration file (`/etc/gpushare/gpushare-extender.toml` by default),
+//! every key documented in `docs/extender.md`. Unknown keys and bad values are refused with
+//! the file, the line and what to write instead; a missing file at the default path means all
+//! defaults.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use gpushare_core::MemoryUnit;
+use gpushare_core::placement::{GpuPolicy, NodePolicy};
+use gpushare_core::request::{ResourceName, ResourceNames};
+use gpushare_core::schedule::Policies;
+use serde::Deserialize;
+use thiserror::Error;
+
+/// Where the extender looks when `--config` is not given.
+pub const DEFAULT_PATH: &str = "/etc/gpushare/gpushare-extender.toml";
+
+/// A configuration that cannot be used.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    /// The file exists but cannot be read.
+    #[error("{path}: cannot read: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML of the documented shape; the message carries the line.
+    #[error("{path}: {message}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// What the parser or validator said, with the line.
+        message: String,
+    },
+}
+
+/// The whole file.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// `[server]`.
+    #[serde(default)]
+    pub server: ServerConfig,
+    /// `[kubernetes]`.
+    #[serde(default)]
+    pub kubernetes: KubernetesConfig,
+    /// `[resources]`.
+    #[serde(default)]
+    pub resources: ResourcesConfig,
+    /// `[scheduling]`.
+    #[serde(default)]
+    pub scheduling: SchedulingConfig,
+}
+
+/// `[server]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Address and port.
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    /// URL prefix of the verbs.
+    #[serde(default = "default_prefix")]
+    pub prefix: String,
+    /// Largest request body.
+    #[serde(default = "default_max_body")]
+    pub max_body_bytes: usize,
+    /// Time to answer one request.
+    #[serde(default = "default_timeout")]
+    pub request_timeout_seconds: u64,
+    /// TLS certificate chain (PEM).
+    #[serde(default)]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM).
+    #[serde(default)]
+    pub tls_key: Option<PathBuf>,
+}
+
+fn default_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 39999))
+}
+fn default_prefix() -> String {
+    "/gpushare-scheduler".to_owned()
+}
+fn default_max_body() -> usize {
+    32 * 1024 * 1024
+}
+fn default_timeout() -> u64 {
+    5
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: default_listen(),
+            prefix: default_prefix(),
+            max_body_bytes: default_max_body(),
+            request_timeout_seconds: default_timeout(),
+            tls_cert: None,
+            tls_key: None,
+        }
+    }
+}
+
+impl ServerConfig {
+    /// The request timeout.
+    #[must_use]
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_secs(self.request_timeout_seconds)
+    }
+
+    /// Both TLS files, when TLS is on.
+    #[must_use]
+    pub fn tls(&self) -> Option<(&Path, &Path)> {
+        Some((self.tls_cert.as_deref()?, self.tls_key.as_deref()?))
+    }
+}
+
+/// `[kubernetes]`.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesConfig {
+    /// The kubeconfig; unset: `$KUBECONFIG`, `~/.kube/config`, in-cluster.
+    #[serde(default)]
+    pub kubeconfig: Option<PathBuf>,
+}
+
+/// `gpushare` or `alibaba`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Compatibility {
+    /// gpushare's own names.
+    #[default]
+    Gpushare,
+    /// Alibaba gpushare's names and annotations too.
+    Alibaba,
+}
+
+/// `[resources]`.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResourcesConfig {
+    /// The cluster unit.
+    #[serde(default)]
+    pub unit: MemoryUnit,
+    /// Resource names and annotations.
+    #[serde(default)]
+    pub compatibility: Compatibility,
+    /// Overrides the memory resource name.
+    #[serde(default)]
+    pub memory: Option<ResourceName>,
+    /// Overrides the count resource name.
+    #[serde(default)]
+    pub count: Option<ResourceName>,
+}
+
+impl ResourcesConfig {
+    /// The resource names in force.
+    #[must_use]
+    pub fn names(&self) -> ResourceNames {
+        let base = match self.compatibility {
+            Compatibility::Gpushare => ResourceNames::gpushare(),
+            Compatibility::Alibaba => ResourceNames::alibaba(),
+        };
+        ResourceNames {
+            memory: self.memory.clone().unwrap_or(base.memory),
+            count: self.count.clone().unwrap_or(base.count),
+        }
+    }
+}
+
+/// `[scheduling]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulingConfig {
+    /// Node ranking.
+    #[serde(default)]
+    pub node_policy: NodePolicy,
+    /// GPU choice within a node.
+    #[serde(default)]
+    pub gpu_policy: GpuPolicy,
+    /// How long an unseen bind is counted.
+    #[serde(default = "default_assume")]
+    pub assume_timeout_seconds: u64,
+}
+
+fn default_assume() -> u64 {
+    300
+}
+
+impl Default for SchedulingConfig {
+    fn default() -> Self {
+        SchedulingConfig {
+            node_policy: NodePolicy::default(),
+            gpu_policy: GpuPolicy::default(),
+            assume_timeout_seconds: default_assume(),
+        }
+    }
+}
+
+impl SchedulingConfig {
+    /// Both policies.
+    #[must_use]
+    pub fn policies(&self) -> Policies {
+        Policies { gpu: self.gpu_policy, node: self.node_policy }
+    }
+}
+
+impl Config {
+    /// Parses and validates configuration text; `path` only labels errors.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] with the line and the fix.
+    pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        let invalid = |message: String| ConfigError::Invalid { path: path.to_owned(), message };
+        let config: Config = toml::from_str(text).map_err(|e| invalid(e.to_string().trim_end().to_owned()))?;
+        let s = &config.server;
+        if !s.prefix.starts_with('/') || s.prefix.ends_with('/') || s.prefix.contains(['?', '#', ' ']) {
+            return Err(invalid(format!(
+                "server.prefix {:?} must be a URL path that starts with '/' and does not end with one, such as \"/gpushare-scheduler\"",
+                s.prefix
+            )));
+        }
+        if s.max_body_bytes < 1024 {
+            return Err(invalid(format!(
+                "server.max_body_bytes = {} is too small for any scheduler request; the default is {}",
+                s.max_body_bytes,
+                default_max_body()
+            )));
+        }
+        if !(1..=300).contains(&s.request_timeout_seconds) {
+            return Err(invalid(format!(
+                "server.request_timeout_seconds = {} must be between 1 and 300 (kube-scheduler's httpTimeout is 5 s by default)",
+                s.request_timeout_seconds
+            )));
+        }
+        match (&s.tls_cert, &s.tls_key) {
+            (Some(_), None) | (None, Some(_)) => {
+                return Err(invalid("server: set both tls_cert and tls_key to serve HTTPS, or neither".to_owned()));
+            }
+            (Some(c), Some(k)) if !c.is_absolute() || !k.is_absolute() => {
+                return Err(invalid("server: tls_cert and tls_key must be absolute paths".to_owned()));
+            }
+            _ => {}
+        }
+        if let Some(k) = &config.kubernetes.kubeconfig
+            && !k.is_absolute()
+        {
+            return Err(invalid(format!(
+                "kubernetes.kubeconfig {:?} must be an absolute path",
+                k.display().to_string()
+            )));
+        }
+        if config.scheduling.assume_timeout_seconds == 0 {
+            return Err(invalid("scheduling.assume_timeout_seconds must be above 0; the default is 300".to_owned()));
+        }
+        let names = config.resources.names();
+        if names.memory == names.count {
+            return Err(invalid(format!(
+                "resources: memory and count are both {:?}; they must be two different resources",
+                names.memory.as_str()
+            )));
+        }
+        Ok(config)
+    }
+
+    /// Reads `path`; a missing file is all defaults only when `must_exist` is false.
+    ///
+    /// # Errors
+    /// [`ConfigError`] if the file cannot be read or is invalid.
+    pub fn load(path: &Path, must_exist: bool) -> Result<Config, ConfigError> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => Config::parse(&text, path),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !must_exist => Config::parse("", path),
+            Err(source) => Err(ConfigError::Read { path: path.to_owned(), source }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, String> {
+        Config::parse(text, Path::new("/etc/gpushare/gpushare-extender.toml")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn the_shipped_file_is_the_defaults() {
+        let shipped = include_str!("../../etc/gpushare-extender.toml");
+        let c = parse(shipped).unwrap();
+        let d = parse("").unwrap();
+        assert_eq!(c.server.listen, d.server.listen);
+        assert_eq!(c.server.prefix, "/gpushare-scheduler");
+        assert_eq!(c.server.max_body_bytes, d.server.max_body_bytes);
+        assert_eq!(c.server.request_timeout_seconds, 5);
+        assert_eq!(c.resources.unit, MemoryUnit::Mib);
+        assert_eq!(c.resources.names(), ResourceNames::gpushare());
+        assert_eq!(c.scheduling.policies(), Policies::default());
+        assert_eq!(c.scheduling.assume_timeout_seconds, 300);
+        assert!(c.server.tls().is_none());
+    }
+
+    #[test]
+    fn every_key_can_be_set() {
+        let c = parse(
+            "[server]\nlisten = \"0.0.0.0:12345\"\nprefix = \"/x\"\nmax_body_bytes = 4096\nrequest_timeout_seconds = 9\n\
+             tls_cert = \"/c.pem\"\ntls_key = \"/k.pem\"\n[kubernetes]\nkubeconfig = \"/etc/kubernetes/scheduler.conf\"\n\
+             [resources]\nunit = \"GiB\"\ncompatibility = \"alibaba\"\n[scheduling]\nnode_policy = \"spread\"\n\
+             gpu_policy = \"spread\"\nassume_timeout_seconds = 60\n",
+        )
+        .unwrap();
+        assert_eq!(c.server.listen.port(), 12345);
+        assert!(c.server.tls().is_some());
+        assert_eq!(c.resources.names(), ResourceNames::alibaba());
+        assert_eq!(c.scheduling.policies(), Policies { gpu: GpuPolicy::Spread, node: NodePolicy::Spread });
+    }
+
+    #[test]
+    fn mistakes_name_the_line_and_the_fix() {
+        let e = parse("[server]\nlisten = \"127.0.0.1:1\"\nprefx = \"/a\"\n").unwrap_err();
+        assert!(e.contains("line 3") && e.contains("prefx"), "{e}");
+        let e = parse("[scheduling]\nnode_policy = \"pack\"\n").unwrap_err();
+        assert!(e.contains("line 2") && e.contains("binpack"), "{e}");
+        let e = parse("[server]\nprefix = \"gpushare/\"\n").unwrap_err();
+        assert!(e.contains("starts with '/'"), "{e}");
+        let e = parse("[server]\ntls_cert = \"/c.pem\"\n").unwrap_err();
+        assert!(e.contains("both tls_cert and tls_key"), "{e}");
+        let e = parse("[server]\nrequest_timeout_seconds = 0\n").unwrap_err();
+        assert!(e.contains("between 1 and 300"), "{e}");
+        let e = parse("[server]\nlisten = \"localhost\"\n").unwrap_err();
+        assert!(e.contains("line 2"), "{e}");
+        let e = parse("[resources]\nmemory = \"a.io/x\"\ncount = \"a.io/x\"\n").unwrap_err();
+        assert!(e.contains("two different resources"), "{e}");
+        assert!(Config::load(Path::new("/nonexistent/x.toml"), true).is_err());
+        assert!(Config::load(Path::new("/nonexistent/x.toml"), false).is_ok());
+    }
+}

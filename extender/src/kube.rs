@@ -1,0 +1,192 @@
+//! The API server: the client from a kubeconfig, the Node and Pod watches that feed the cluster
+//! view, and the [`Cluster`] calls the verbs make (read a pod, create a `pods/binding`).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use kube::api::PostParams;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::watcher;
+use kube::{Api, Client, Config};
+use serde_json::json;
+use thiserror::Error;
+
+use crate::objects::{NodeObject, PodObject};
+use crate::service::{Binding, Cluster, ClusterError, Extender};
+
+/// The API server cannot be set up.
+#[derive(Debug, Error)]
+pub enum KubeError {
+    /// The kubeconfig is missing or invalid.
+    #[error("kubeconfig {path}: {reason}")]
+    Kubeconfig {
+        /// The file, or where it was looked for.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// A client from the kubeconfig at `path`, or, without one, from `$KUBECONFIG`,
+/// `~/.kube/config` or the in-cluster service account.
+///
+/// # Errors
+/// [`KubeError::Kubeconfig`] naming the file and the problem.
+pub async fn client(path: Option<&Path>) -> Result<Client, KubeError> {
+    let config = match path {
+        Some(path) => {
+            let bad = |reason: String| KubeError::Kubeconfig { path: path.display().to_string(), reason };
+            let kubeconfig = Kubeconfig::read_from(path).map_err(|e| bad(e.to_string()))?;
+            Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+                .await
+                .map_err(|e| bad(e.to_string()))?
+        }
+        None => Config::infer().await.map_err(|e| KubeError::Kubeconfig {
+            path: std::env::var("KUBECONFIG").unwrap_or_else(|_| "~/.kube/config".to_owned()),
+            reason: e.to_string(),
+        })?,
+    };
+    Client::try_from(config).map_err(|e| KubeError::Kubeconfig { path: "(inferred)".to_owned(), reason: e.to_string() })
+}
+
+/// [`Cluster`] over a real API server.
+#[derive(Clone)]
+pub struct KubeCluster {
+    client: Client,
+}
+
+impl std::fmt::Debug for KubeCluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KubeCluster")
+    }
+}
+
+impl KubeCluster {
+    /// Calls through `client`.
+    #[must_use]
+    pub fn new(client: Client) -> Self {
+        KubeCluster { client }
+    }
+}
+
+fn classify(e: kube::Error) -> ClusterError {
+    match e {
+        kube::Error::Api(status) if status.code == 409 => ClusterError::Conflict(status.message),
+        kube::Error::Api(status) if status.code == 404 => ClusterError::NotFound(status.message),
+        kube::Error::Api(status) => ClusterError::Failed(format!("API server: {} ({})", status.message, status.code)),
+        e => ClusterError::Failed(e.to_string()),
+    }
+}
+
+impl Cluster for KubeCluster {
+    async fn get_pod(&self, namespace: &str, name: &str) -> Result<PodObject, ClusterError> {
+        Api::<PodObject>::namespaced(self.client.clone(), namespace).get(name).await.map_err(classify)
+    }
+
+    async fn bind(&self, b: &Binding) -> Result<(), ClusterError> {
+        let body = json!({
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": {"name": b.name, "namespace": b.namespace, "uid": b.uid, "annotations": b.annotations},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": b.node},
+        });
+        Api::<PodObject>::namespaced(self.client.clone(), &b.namespace)
+            .create_subresource::<_, serde_json::Value>("binding", &b.name, &PostParams::default(), &body)
+            .await
+            .map(drop)
+            .map_err(classify)
+    }
+}
+
+/// Keeps the extender's view current from the API server, forever: Nodes and Pods are
+/// watched; each watch (re)start's complete list replaces what the view had. The extender is
+/// ready once both first lists are in.
+pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
+    let nodes_synced = Arc::new(AtomicBool::new(false));
+    let pods_synced = Arc::new(AtomicBool::new(false));
+    let ready = {
+        let (n, p, e) = (nodes_synced.clone(), pods_synced.clone(), extender.clone());
+        move || {
+            if n.load(Ordering::SeqCst) && p.load(Ordering::SeqCst) && !e.is_ready() {
+                e.set_ready(true);
+                let (nodes, pods, _) = e.with_view(|v| v.counts());
+                tracing::info!(nodes, gpu_pods = pods, "cluster view synced; ready");
+            }
+        }
+    };
+    let nodes = {
+        let (ext, ready) = (extender.clone(), ready.clone());
+        let api: Api<NodeObject> = Api::all(client.clone());
+        async move {
+            let mut stream = watcher(api, watcher::Config::default()).boxed();
+            let mut relist: Vec<NodeObject> = Vec::new();
+            while let Some(event) = stream.next().await {
+                let found = match event {
+                    Ok(watcher::Event::Apply(n)) => ext.with_view(|v| v.apply_node(&n)),
+                    Ok(watcher::Event::InitApply(n)) => {
+                        relist.push(n);
+                        Vec::new()
+                    }
+                    Ok(watcher::Event::Delete(n)) => {
+                        ext.with_view(|v| v.delete_node(n.name()));
+                        Vec::new()
+                    }
+                    Ok(watcher::Event::Init) => {
+                        relist.clear();
+                        Vec::new()
+                    }
+                    Ok(watcher::Event::InitDone) => {
+                        let found = ext.with_view(|v| v.replace_nodes(&relist));
+                        relist.clear();
+                        nodes_synced.store(true, Ordering::SeqCst);
+                        ready();
+                        found
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "node watch failed; keeping the last view and retrying");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        Vec::new()
+                    }
+                };
+                for d in found {
+                    tracing::warn!(disagreement = %d, "a daemon's report differs from the extender's view");
+                }
+            }
+        }
+    };
+    let pods = {
+        let ext = extender.clone();
+        let api: Api<PodObject> = Api::all(client);
+        async move {
+            let mut stream = watcher(api, watcher::Config::default()).boxed();
+            let mut relist: Vec<PodObject> = Vec::new();
+            while let Some(event) = stream.next().await {
+                match event {
+                    Ok(watcher::Event::Apply(p)) => ext.with_view(|v| v.apply_pod(&p)),
+                    Ok(watcher::Event::InitApply(p)) => {
+                        // Only GPU pods are kept: a big cluster's relist stays small.
+                        if ext.with_view(|v| v.keeps(&p)) {
+                            relist.push(p);
+                        }
+                    }
+                    Ok(watcher::Event::Delete(p)) => ext.with_view(|v| v.delete_pod(p.uid())),
+                    Ok(watcher::Event::Init) => relist.clear(),
+                    Ok(watcher::Event::InitDone) => {
+                        ext.with_view(|v| v.replace_pods(&relist));
+                        relist.clear();
+                        pods_synced.store(true, Ordering::SeqCst);
+                        ready();
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "pod watch failed; keeping the last view and retrying");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                }
+            }
+        }
+    };
+    tokio::join!(nodes, pods);
+}

@@ -1,0 +1,235 @@
+//! The extender's Prometheus metrics, kept with atomics and rendered in the text exposition
+//! format: request latency histograms per verb, bind outcomes, disagreements with the daemons,
+//! and per-GPU used/total taken from the cluster view at scrape time.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Histogram bucket upper bounds, in seconds.
+pub const BUCKETS: [f64; 12] = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0];
+
+/// The verbs and pages timed.
+pub const VERBS: [&str; 4] = ["filter", "prioritize", "bind", "preempt"];
+
+/// How a bind ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BindOutcome {
+    /// Bound (or found already bound by an earlier try).
+    Bound,
+    /// The pod no longer fits the node.
+    NoFit,
+    /// The API server refused or failed.
+    Failed,
+    /// The request made no sense (unknown pod, wrong node).
+    Invalid,
+}
+
+impl BindOutcome {
+    const ALL: [BindOutcome; 4] = [BindOutcome::Bound, BindOutcome::NoFit, BindOutcome::Failed, BindOutcome::Invalid];
+
+    fn label(self) -> &'static str {
+        match self {
+            BindOutcome::Bound => "bound",
+            BindOutcome::NoFit => "no_fit",
+            BindOutcome::Failed => "failed",
+            BindOutcome::Invalid => "invalid",
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Histogram {
+    buckets: [AtomicU64; BUCKETS.len()],
+    count: AtomicU64,
+    sum_micros: AtomicU64,
+}
+
+impl Histogram {
+    fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        for (b, bound) in self.buckets.iter().zip(BUCKETS) {
+            if secs <= bound {
+                b.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_micros.fetch_add(u64::try_from(d.as_micros()).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+}
+
+/// One GPU's figures for the scrape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuSample {
+    /// Node.
+    pub node: String,
+    /// NVML index.
+    pub index: u32,
+    /// UUID.
+    pub uuid: String,
+    /// Used MiB in the reconciled view.
+    pub used_mib: u64,
+    /// Capacity in MiB.
+    pub total_mib: u64,
+    /// Healthy and not cordoned.
+    pub schedulable: bool,
+}
+
+/// All counters.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    latency: [Histogram; VERBS.len()],
+    binds: [AtomicU64; 4],
+    bad_requests: AtomicU64,
+}
+
+impl Metrics {
+    /// Records one verb's latency.
+    pub fn observe(&self, verb: &str, d: Duration) {
+        if let Some(i) = VERBS.iter().position(|v| *v == verb) {
+            self.latency[i].observe(d);
+        }
+    }
+
+    /// Counts a bind outcome.
+    pub fn bind(&self, outcome: BindOutcome) {
+        if let Some(i) = BindOutcome::ALL.iter().position(|o| *o == outcome) {
+            self.binds[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Counts a request refused with HTTP 400.
+    pub fn bad_request(&self) {
+        self.bad_requests.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Binds that ended with `outcome` so far.
+    #[must_use]
+    pub fn binds(&self, outcome: BindOutcome) -> u64 {
+        BindOutcome::ALL.iter().position(|o| *o == outcome).map_or(0, |i| self.binds[i].load(Ordering::Relaxed))
+    }
+
+    /// The exposition text; `gpus`, `disagreements` and `view` (nodes, pods, in-flight binds)
+    /// come from the view at scrape time.
+    #[must_use]
+    pub fn render(&self, gpus: &[GpuSample], disagreements: u64, view: (usize, usize, usize), ready: bool) -> String {
+        let mut out = String::new();
+        out.push_str("# HELP gpushare_extender_request_duration_seconds Time to answer kube-scheduler, per verb.\n");
+        out.push_str("# TYPE gpushare_extender_request_duration_seconds histogram\n");
+        for (verb, h) in VERBS.iter().zip(&self.latency) {
+            for (b, bound) in h.buckets.iter().zip(BUCKETS) {
+                let _ = writeln!(
+                    out,
+                    "gpushare_extender_request_duration_seconds_bucket{{verb=\"{verb}\",le=\"{bound}\"}} {}",
+                    b.load(Ordering::Relaxed)
+                );
+            }
+            let count = h.count.load(Ordering::Relaxed);
+            let _ = writeln!(
+                out,
+                "gpushare_extender_request_duration_seconds_bucket{{verb=\"{verb}\",le=\"+Inf\"}} {count}"
+            );
+            #[allow(clippy::cast_precision_loss)]
+            let sum = h.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+            let _ = writeln!(out, "gpushare_extender_request_duration_seconds_sum{{verb=\"{verb}\"}} {sum}");
+            let _ = writeln!(out, "gpushare_extender_request_duration_seconds_count{{verb=\"{verb}\"}} {count}");
+        }
+        out.push_str("# HELP gpushare_extender_binds_total Bind calls by outcome.\n");
+        out.push_str("# TYPE gpushare_extender_binds_total counter\n");
+        for (o, c) in BindOutcome::ALL.iter().zip(&self.binds) {
+            let _ = writeln!(
+                out,
+                "gpushare_extender_binds_total{{outcome=\"{}\"}} {}",
+                o.label(),
+                c.load(Ordering::Relaxed)
+            );
+        }
+        out.push_str("# HELP gpushare_extender_bad_requests_total Requests refused as malformed (HTTP 400).\n");
+        out.push_str("# TYPE gpushare_extender_bad_requests_total counter\n");
+        let _ = writeln!(out, "gpushare_extender_bad_requests_total {}", self.bad_requests.load(Ordering::Relaxed));
+        out.push_str(
+            "# HELP gpushare_extender_view_disagreements_total Allocations a daemon reported differently from the extender's view.\n",
+        );
+        out.push_str("# TYPE gpushare_extender_view_disagreements_total counter\n");
+        let _ = writeln!(out, "gpushare_extender_view_disagreements_total {disagreements}");
+        out.push_str("# HELP gpushare_extender_ready Whether the cluster view has synced.\n");
+        out.push_str("# TYPE gpushare_extender_ready gauge\n");
+        let _ = writeln!(out, "gpushare_extender_ready {}", u8::from(ready));
+        out.push_str("# HELP gpushare_extender_view_objects Objects in the cluster view.\n");
+        out.push_str("# TYPE gpushare_extender_view_objects gauge\n");
+        let _ = writeln!(out, "gpushare_extender_view_objects{{kind=\"nodes\"}} {}", view.0);
+        let _ = writeln!(out, "gpushare_extender_view_objects{{kind=\"gpu_pods\"}} {}", view.1);
+        let _ = writeln!(out, "gpushare_extender_view_objects{{kind=\"inflight_binds\"}} {}", view.2);
+        out.push_str("# HELP gpushare_gpu_memory_used_mib GPU memory in use, reconciled view.\n");
+        out.push_str("# TYPE gpushare_gpu_memory_used_mib gauge\n");
+        for g in gpus {
+            let _ = writeln!(
+                out,
+                "gpushare_gpu_memory_used_mib{{node=\"{}\",gpu=\"{}\",uuid=\"{}\"}} {}",
+                escape(&g.node),
+                g.index,
+                escape(&g.uuid),
+                g.used_mib
+            );
+        }
+        out.push_str("# HELP gpushare_gpu_memory_total_mib GPU memory that can be allocated.\n");
+        out.push_str("# TYPE gpushare_gpu_memory_total_mib gauge\n");
+        for g in gpus {
+            let _ = writeln!(
+                out,
+                "gpushare_gpu_memory_total_mib{{node=\"{}\",gpu=\"{}\",uuid=\"{}\"}} {}",
+                escape(&g.node),
+                g.index,
+                escape(&g.uuid),
+                g.total_mib
+            );
+        }
+        out.push_str("# HELP gpushare_gpu_schedulable Whether the GPU takes allocations (healthy, not cordoned).\n");
+        out.push_str("# TYPE gpushare_gpu_schedulable gauge\n");
+        for g in gpus {
+            let _ = writeln!(
+                out,
+                "gpushare_gpu_schedulable{{node=\"{}\",gpu=\"{}\",uuid=\"{}\"}} {}",
+                escape(&g.node),
+                g.index,
+                escape(&g.uuid),
+                u8::from(g.schedulable)
+            );
+        }
+        out
+    }
+}
+
+/// Escapes a label value.
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_cumulative_buckets_and_labels() {
+        let m = Metrics::default();
+        m.observe("filter", Duration::from_micros(700));
+        m.observe("filter", Duration::from_millis(30));
+        m.bind(BindOutcome::Bound);
+        let gpu = GpuSample {
+            node: "n\"1".into(),
+            index: 0,
+            uuid: "GPU-a".into(),
+            used_mib: 100,
+            total_mib: 200,
+            schedulable: true,
+        };
+        let text = m.render(&[gpu], 2, (1, 2, 0), true);
+        assert!(text.contains("gpushare_extender_request_duration_seconds_bucket{verb=\"filter\",le=\"0.0005\"} 0\n"));
+        assert!(text.contains("gpushare_extender_request_duration_seconds_bucket{verb=\"filter\",le=\"0.001\"} 1\n"));
+        assert!(text.contains("gpushare_extender_request_duration_seconds_bucket{verb=\"filter\",le=\"0.05\"} 2\n"));
+        assert!(text.contains("gpushare_extender_request_duration_seconds_count{verb=\"filter\"} 2\n"));
+        assert!(text.contains("gpushare_extender_binds_total{outcome=\"bound\"} 1\n"));
+        assert!(text.contains("gpushare_gpu_memory_used_mib{node=\"n\\\"1\",gpu=\"0\",uuid=\"GPU-a\"} 100\n"));
+        assert!(text.contains("gpushare_extender_view_disagreements_total 2\n"));
+    }
+}

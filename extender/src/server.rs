@@ -1,0 +1,251 @@
+//! The HTTP adapter: kube-scheduler's verbs under the configured prefix, health, readiness,
+//! metrics and the inspect view. Handlers only translate between JSON and [`Extender`] calls.
+//!
+//! | method | path | answer |
+//! |---|---|---|
+//! | POST | `<prefix>/filter`, `/prioritize`, `/bind`, `/preempt` | the extender JSON of `docs/extender.md`; a malformed body is HTTP 400 with the reason |
+//! | GET | `<prefix>/inspect`, `<prefix>/inspect/{node}` | the cluster view as JSON; an unknown node is 404 |
+//! | GET | `/healthz` | 200 while the process serves |
+//! | GET | `/readyz` | 200 once the view has synced, else 503 with the reason |
+//! | GET | `/metrics` | Prometheus text |
+//! | GET | `/version` | the version |
+//!
+//! Bodies over the configured limit get 413; a request not answered in time gets 503.
+
+use std::future::Future;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path as UrlPath, Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use thiserror::Error;
+use tokio::net::TcpListener;
+
+use crate::service::{Cluster, Extender};
+use crate::wire::{BindingArgs, BindingResult, ExtenderArgs, PreemptionArgs};
+
+/// Server settings.
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    /// URL prefix of the verbs, e.g. `/gpushare-scheduler`.
+    pub prefix: String,
+    /// Largest body.
+    pub max_body_bytes: usize,
+    /// Time to answer.
+    pub timeout: Duration,
+}
+
+/// TLS cannot be set up.
+#[derive(Debug, Error)]
+#[error("TLS {path}: {reason}")]
+pub struct TlsError {
+    /// The file.
+    pub path: String,
+    /// What is wrong.
+    pub reason: String,
+}
+
+struct App<C> {
+    ext: Arc<Extender<C>>,
+}
+
+impl<C> Clone for App<C> {
+    fn clone(&self) -> Self {
+        App { ext: self.ext.clone() }
+    }
+}
+
+fn json<T: Serialize>(status: StatusCode, value: &T) -> Response {
+    match serde_json::to_vec(value) {
+        Ok(body) => (status, [(header::CONTENT_TYPE, "application/json")], body).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("cannot encode the answer: {e}\n")).into_response(),
+    }
+}
+
+fn parse<C: Cluster, T: DeserializeOwned>(app: &App<C>, verb: &str, body: &Bytes) -> Result<T, Box<Response>> {
+    serde_json::from_slice(body).map_err(|e| {
+        app.ext.metrics().bad_request();
+        tracing::warn!(verb, error = %e, "malformed request");
+        Box::new((StatusCode::BAD_REQUEST, format!("malformed {verb} request: {e}\n")).into_response())
+    })
+}
+
+/// The router.
+pub fn router<C: Cluster>(ext: Arc<Extender<C>>, options: &ServerOptions) -> Router {
+    let p = options.prefix.trim_end_matches('/');
+    let timeout = options.timeout;
+    Router::new()
+        .route(&format!("{p}/filter"), post(filter::<C>))
+        .route(&format!("{p}/prioritize"), post(prioritize::<C>))
+        .route(&format!("{p}/bind"), post(bind::<C>))
+        .route(&format!("{p}/preempt"), post(preempt::<C>))
+        .route(&format!("{p}/inspect"), get(inspect::<C>))
+        .route(&format!("{p}/inspect/{{node}}"), get(inspect_node::<C>))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz::<C>))
+        .route("/metrics", get(metrics::<C>))
+        .route("/version", get(|| async { concat!(env!("CARGO_PKG_VERSION"), "\n") }))
+        .layer(DefaultBodyLimit::max(options.max_body_bytes))
+        .layer(axum::middleware::from_fn(move |req: Request, next: Next| async move {
+            let path = req.uri().path().to_owned();
+            match tokio::time::timeout(timeout, next.run(req)).await {
+                Ok(r) => r,
+                Err(_) => {
+                    tracing::warn!(path = %path, timeout_s = timeout.as_secs(), "request timed out");
+                    (StatusCode::SERVICE_UNAVAILABLE, format!("{path}: not answered within {} s\n", timeout.as_secs()))
+                        .into_response()
+                }
+            }
+        }))
+        .with_state(App { ext })
+}
+
+async fn filter<C: Cluster>(State(app): State<App<C>>, body: Bytes) -> Response {
+    let start = Instant::now();
+    let args: ExtenderArgs = match parse(&app, "filter", &body) {
+        Ok(a) => a,
+        Err(r) => return *r,
+    };
+    let result = app.ext.filter(&args);
+    app.ext.metrics().observe("filter", start.elapsed());
+    json(StatusCode::OK, &result)
+}
+
+async fn prioritize<C: Cluster>(State(app): State<App<C>>, body: Bytes) -> Response {
+    let start = Instant::now();
+    let args: ExtenderArgs = match parse(&app, "prioritize", &body) {
+        Ok(a) => a,
+        Err(r) => return *r,
+    };
+    let result = app.ext.prioritize(&args);
+    app.ext.metrics().observe("prioritize", start.elapsed());
+    json(StatusCode::OK, &result)
+}
+
+async fn bind<C: Cluster>(State(app): State<App<C>>, body: Bytes) -> Response {
+    let start = Instant::now();
+    let args: BindingArgs = match parse(&app, "bind", &body) {
+        Ok(a) => a,
+        Err(r) => return *r,
+    };
+    // The bind runs to its end even if this request times out, so its assumption is either
+    // confirmed or rolled back, never left half-done.
+    let ext = app.ext.clone();
+    let result = tokio::spawn(async move { ext.bind(&args).await })
+        .await
+        .unwrap_or_else(|e| BindingResult { error: format!("bind failed inside the extender: {e}") });
+    app.ext.metrics().observe("bind", start.elapsed());
+    json(StatusCode::OK, &result)
+}
+
+async fn preempt<C: Cluster>(State(app): State<App<C>>, body: Bytes) -> Response {
+    let start = Instant::now();
+    let args: PreemptionArgs = match parse(&app, "preempt", &body) {
+        Ok(a) => a,
+        Err(r) => return *r,
+    };
+    let result = app.ext.preempt(&args);
+    app.ext.metrics().observe("preempt", start.elapsed());
+    json(StatusCode::OK, &result)
+}
+
+async fn inspect<C: Cluster>(State(app): State<App<C>>) -> Response {
+    json(StatusCode::OK, &app.ext.report())
+}
+
+async fn inspect_node<C: Cluster>(State(app): State<App<C>>, UrlPath(node): UrlPath<String>) -> Response {
+    let report = app.ext.report().only(&node);
+    if report.nodes.is_empty() && report.unreadable.is_empty() {
+        return (StatusCode::NOT_FOUND, format!("node {node:?} is not a gpushare node in the extender's view\n"))
+            .into_response();
+    }
+    json(StatusCode::OK, &report)
+}
+
+async fn readyz<C: Cluster>(State(app): State<App<C>>) -> Response {
+    if app.ext.is_ready() {
+        (StatusCode::OK, "ready\n").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready: the view of nodes and pods has not synced with the API server\n")
+            .into_response()
+    }
+}
+
+async fn metrics<C: Cluster>(State(app): State<App<C>>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.ext.render_metrics()).into_response()
+}
+
+/// A TLS acceptor from PEM files.
+///
+/// # Errors
+/// [`TlsError`] naming the file that cannot be used.
+pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<tokio_rustls::TlsAcceptor, TlsError> {
+    use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let bad = |path: &Path, reason: String| TlsError { path: path.display().to_string(), reason };
+    let certs = CertificateDer::pem_file_iter(cert)
+        .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+        .map_err(|e| bad(cert, format!("cannot read a PEM certificate chain: {e}")))?;
+    if certs.is_empty() {
+        return Err(bad(cert, "holds no certificate".to_owned()));
+    }
+    let key = PrivateKeyDer::from_pem_file(key).map_err(|e| bad(key, format!("cannot read a PEM private key: {e}")))?;
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| bad(cert, e.to_string()))?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| bad(cert, format!("certificate and key do not go together: {e}")))?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+}
+
+/// Serves `router` on `listener` until `shutdown` resolves, over TLS when `tls` is given.
+///
+/// # Errors
+/// The listener failing.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let Some(acceptor) = tls else {
+        return axum::serve(listener, router).with_graceful_shutdown(shutdown).await;
+    };
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            () = &mut shutdown => return Ok(()),
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let (acceptor, router) = (acceptor.clone(), router.clone());
+        tokio::spawn(async move {
+            let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream)).await {
+                Ok(Ok(tls)) => tls,
+                Ok(Err(e)) => return tracing::debug!(peer = %peer, error = %e, "TLS handshake failed"),
+                Err(_) => return tracing::debug!(peer = %peer, "TLS handshake timed out"),
+            };
+            let service = hyper_util::service::TowerToHyperService::new(router);
+            let builder = hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+            if let Err(e) = builder.serve_connection(hyper_util::rt::TokioIo::new(tls), service).await {
+                tracing::debug!(peer = %peer, error = %e, "connection ended with an error");
+            }
+        });
+    }
+}

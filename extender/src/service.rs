@@ -1,0 +1,453 @@
+//! The extender's decisions: filter, prioritize, bind and preempt over the cluster view. The
+//! HTTP layer only translates JSON to these calls; the API server is reached through the
+//! [`Cluster`] seam (the real one is in [`crate::kube`]).
+//!
+//! Binds are serialized per node: under the node's lock the fit is checked again against the
+//! current view, GPUs are chosen, the in-flight assumption is recorded, and **one** Binding
+//! carries the assignment annotations (the API server copies a Binding's annotations onto the
+//! pod in the same update that sets `spec.nodeName`). A failed call rolls the assumption back;
+//! a retried bind of a pod already bound to the node with its assignment succeeds again.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use gpushare_core::PodRequest;
+use gpushare_core::codec::alibaba::AlibabaAnnotations;
+use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
+use gpushare_core::placement::Placer;
+use gpushare_core::schedule::Policies;
+use thiserror::Error;
+
+use crate::inspect::ClusterReport;
+use crate::metrics::{BindOutcome, Metrics};
+use crate::objects::PodObject;
+use crate::view::{Assumed, ClusterView, Holding};
+use crate::wire::{
+    BindingArgs, BindingResult, ExtenderArgs, FilterResult, HostPriority, MetaPod, MetaVictims, NodeList,
+    PreemptionArgs, PreemptionResult,
+};
+
+/// What the API server said to a call.
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
+pub enum ClusterError {
+    /// HTTP 409: the pod is already bound, or changed meanwhile.
+    #[error("conflict: {0}")]
+    Conflict(String),
+    /// HTTP 404.
+    #[error("not found: {0}")]
+    NotFound(String),
+    /// Anything else: unreachable, refused, timed out.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// A Binding to create.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Binding {
+    /// Pod namespace.
+    pub namespace: String,
+    /// Pod name.
+    pub name: String,
+    /// Pod UID (a precondition: a re-created pod of the same name is not bound by mistake).
+    pub uid: String,
+    /// Target node.
+    pub node: String,
+    /// Annotations the API server copies onto the pod.
+    pub annotations: BTreeMap<String, String>,
+}
+
+/// The API-server calls the verbs make.
+pub trait Cluster: Send + Sync + 'static {
+    /// Reads one pod.
+    fn get_pod(&self, namespace: &str, name: &str) -> impl Future<Output = Result<PodObject, ClusterError>> + Send;
+    /// Creates a `pods/binding`.
+    fn bind(&self, binding: &Binding) -> impl Future<Output = Result<(), ClusterError>> + Send;
+}
+
+/// One node's candidate victims: (node, victims as (UID, priority when known), PDB violations).
+type Candidates = (String, Vec<(String, Option<i32>)>, i64);
+
+struct State {
+    view: ClusterView,
+    placer: Placer,
+}
+
+/// The extender.
+pub struct Extender<C> {
+    state: Mutex<State>,
+    cluster: C,
+    policies: Policies,
+    metrics: Metrics,
+    ready: AtomicBool,
+    node_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl<C> std::fmt::Debug for Extender<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Extender").field("policies", &self.policies).finish_non_exhaustive()
+    }
+}
+
+fn now_ns() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
+impl<C: Cluster> Extender<C> {
+    /// An extender over `view`, calling the API server through `cluster`.
+    pub fn new(view: ClusterView, cluster: C, policies: Policies) -> Self {
+        Extender {
+            state: Mutex::new(State { view, placer: Placer::new() }),
+            cluster,
+            policies,
+            metrics: Metrics::default(),
+            ready: AtomicBool::new(false),
+            node_locks: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave the view half-updated in a way that
+        // matters more than stopping would: keep serving.
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Runs `f` on the view (the watchers feed it through this).
+    pub fn with_view<R>(&self, f: impl FnOnce(&mut ClusterView) -> R) -> R {
+        f(&mut self.state().view)
+    }
+
+    /// Marks the view synced (both initial lists applied) or not.
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::SeqCst);
+    }
+
+    /// Whether the view has synced.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+
+    /// The metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// The cluster as the view sees it.
+    pub fn report(&self) -> ClusterReport {
+        ClusterReport::from_view(&mut self.state().view)
+    }
+
+    /// The Prometheus exposition text.
+    pub fn render_metrics(&self) -> String {
+        let (report, disagreements, counts) = {
+            let mut s = self.state();
+            (ClusterReport::from_view(&mut s.view), s.view.disagreements(), s.view.counts())
+        };
+        self.metrics.render(&report.gpu_samples(), disagreements, counts, self.is_ready())
+    }
+
+    fn not_ready() -> String {
+        "the gpushare extender has not synced its view of nodes and pods yet; the scheduler will retry".to_owned()
+    }
+
+    fn expire(view: &mut ClusterView) {
+        for (uid, a) in view.expire(Instant::now()) {
+            tracing::warn!(pod = %format!("{}/{}", a.namespace, a.name), uid = %uid, node = %a.node, bound = a.bound,
+                "in-flight bind never showed in the watch; no longer counted");
+        }
+    }
+
+    /// `filter`: the candidate nodes where every GPU container of the pod fits.
+    pub fn filter(&self, args: &ExtenderArgs) -> FilterResult {
+        let candidates = args.candidates();
+        let mut result = FilterResult::default();
+        if !self.is_ready() {
+            result.error = Self::not_ready();
+            return result;
+        }
+        let mut passing = Vec::new();
+        {
+            let mut s = self.state();
+            let State { view, placer } = &mut *s;
+            Self::expire(view);
+            match view.request_of(&args.pod) {
+                Err(why) => {
+                    let reason = format!("pod {}: {why}", args.pod.key());
+                    for n in &candidates {
+                        result.failed_and_unresolvable.insert(n.clone(), reason.clone());
+                    }
+                }
+                Ok(request) if request.is_empty() => passing.clone_from(&candidates),
+                Ok(request) => {
+                    let gone = HashSet::from([args.pod.uid()]);
+                    for n in &candidates {
+                        match view.score(placer, n, &request, self.policies, &gone) {
+                            Ok(_) => passing.push(n.clone()),
+                            Err(r) if r.is_resolvable() => {
+                                result.failed_nodes.insert(n.clone(), r.to_string());
+                            }
+                            Err(r) => {
+                                result.failed_and_unresolvable.insert(n.clone(), r.to_string());
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if args.node_names.is_some() || args.nodes.is_none() {
+            result.node_names = Some(passing);
+        } else if let Some(list) = &args.nodes {
+            let keep: HashSet<&str> = passing.iter().map(String::as_str).collect();
+            let items = list.items.iter().filter(|n| keep.contains(NodeList::name_of(n))).cloned().collect();
+            result.nodes = Some(NodeList { items });
+        }
+        result
+    }
+
+    /// `prioritize`: 0–10 per candidate under the node policy; 0 where the pod does not fit.
+    pub fn prioritize(&self, args: &ExtenderArgs) -> Vec<HostPriority> {
+        let candidates = args.candidates();
+        let mut s = self.state();
+        let State { view, placer } = &mut *s;
+        let request = view.request_of(&args.pod).ok().filter(|r| !r.is_empty());
+        let gone = HashSet::from([args.pod.uid()]);
+        candidates
+            .into_iter()
+            .map(|host| {
+                let score = match &request {
+                    Some(r) if self.is_ready() => view.score(placer, &host, r, self.policies, &gone).unwrap_or(0),
+                    _ => 0,
+                };
+                HostPriority { host, score: i64::from(score) }
+            })
+            .collect()
+    }
+
+    fn node_lock(&self, node: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut locks = self.node_locks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        locks.entry(node.to_owned()).or_default().clone()
+    }
+
+    /// `bind`: places the pod on the node's GPUs and creates one Binding carrying the
+    /// assignment.
+    pub async fn bind(&self, args: &BindingArgs) -> BindingResult {
+        let outcome = self.bind_inner(args).await;
+        let (kind, error) = match outcome {
+            Ok(()) => (BindOutcome::Bound, String::new()),
+            Err((kind, e)) => (kind, e),
+        };
+        self.metrics.bind(kind);
+        let pod = format!("{}/{}", args.pod_namespace, args.pod_name);
+        if error.is_empty() {
+            tracing::info!(pod = %pod, node = %args.node, "bound");
+        } else {
+            tracing::warn!(pod = %pod, node = %args.node, error = %error, "bind refused");
+        }
+        BindingResult { error }
+    }
+
+    async fn bind_inner(&self, args: &BindingArgs) -> Result<(), (BindOutcome, String)> {
+        let invalid = |m: String| (BindOutcome::Invalid, m);
+        if args.pod_name.is_empty() || args.node.is_empty() {
+            return Err(invalid("bind needs PodName and Node".to_owned()));
+        }
+        if !self.is_ready() {
+            return Err((BindOutcome::Failed, Self::not_ready()));
+        }
+        let namespace = if args.pod_namespace.is_empty() { "default" } else { args.pod_namespace.as_str() };
+        let key = format!("{namespace}/{}", args.pod_name);
+        // The pod as the view has it, else as the API server has it (the watch may lag).
+        let known = {
+            let s = self.state();
+            let entry = if args.pod_uid.is_empty() {
+                s.view.pod_named(namespace, &args.pod_name)
+            } else {
+                s.view.pod(&args.pod_uid)
+            };
+            entry.map(|p| (p.uid.clone(), p.node.clone(), p.request.clone(), matches!(p.holding, Holding::Assigned(_))))
+        };
+        let (uid, bound_to, request, assigned) = match known {
+            Some(k) => k,
+            None => {
+                let pod = self.cluster.get_pod(namespace, &args.pod_name).await.map_err(|e| match e {
+                    ClusterError::NotFound(_) => invalid(format!("pod {key} does not exist")),
+                    e => (BindOutcome::Failed, format!("reading pod {key}: {e}")),
+                })?;
+                if !args.pod_uid.is_empty() && pod.uid() != args.pod_uid {
+                    return Err(invalid(format!(
+                        "pod {key} has UID {}, the scheduler asked for {}: it was re-created",
+                        pod.uid(),
+                        args.pod_uid
+                    )));
+                }
+                let holding = pod.annotations().contains_key(ASSIGNMENT_KEY);
+                let request = self.state().view.request_of(&pod);
+                (pod.uid().to_owned(), pod.node().map(str::to_owned), request, holding)
+            }
+        };
+        match bound_to.as_deref() {
+            Some(n) if n == args.node && (assigned || request.as_ref().is_ok_and(PodRequest::is_empty)) => {
+                return Ok(());
+            }
+            Some(n) => return Err(invalid(format!("pod {key} is already bound to {n}"))),
+            None => {}
+        }
+        let request = request.map_err(|why| invalid(format!("pod {key}: {why}")))?;
+
+        let lock = self.node_lock(&args.node);
+        let _serial = lock.lock().await;
+        let binding = {
+            let mut s = self.state();
+            let State { view, placer } = &mut *s;
+            Self::expire(view);
+            if let Some(a) = view.assumption(&uid) {
+                if a.bound && a.node == args.node {
+                    return Ok(()); // a retry of a bind that already went through
+                }
+                if a.bound {
+                    return Err(invalid(format!("pod {key} was just bound to {}", a.node)));
+                }
+            }
+            let mut annotations = BTreeMap::new();
+            if !request.is_empty() {
+                let gone = HashSet::from([uid.as_str()]);
+                let assignment = view
+                    .place(placer, &args.node, &request, self.policies.gpu, &gone)
+                    .map_err(|r| (BindOutcome::NoFit, format!("pod {key} no longer fits node {}: {r}", args.node)))?;
+                let encoded = assignment.encode().map_err(|e| invalid(format!("pod {key}: {e}")))?;
+                annotations.insert(ASSIGNMENT_KEY.to_owned(), encoded);
+                if view.config().alibaba
+                    && let Ok(inventory) = view.inventory(&args.node)
+                    && let Some(a) = AlibabaAnnotations::from_assignment(&assignment, inventory, &request, now_ns())
+                {
+                    annotations.extend(a.encode());
+                }
+                view.assume(&uid, Self::assumed(namespace, &args.pod_name, &args.node, assignment));
+            }
+            Binding {
+                namespace: namespace.to_owned(),
+                name: args.pod_name.clone(),
+                uid: uid.clone(),
+                node: args.node.clone(),
+                annotations,
+            }
+        };
+        match self.cluster.bind(&binding).await {
+            Ok(()) => {
+                self.state().view.confirm(&uid);
+                Ok(())
+            }
+            Err(ClusterError::Conflict(why)) => {
+                // Perhaps an earlier try of this very bind went through and its reply was lost.
+                let landed = self.cluster.get_pod(namespace, &args.pod_name).await.ok().filter(|p| {
+                    p.uid() == uid
+                        && p.node() == Some(args.node.as_str())
+                        && (binding.annotations.is_empty() || p.annotations().contains_key(ASSIGNMENT_KEY))
+                });
+                let mut s = self.state();
+                if let Some(pod) = landed {
+                    s.view.apply_pod(&pod);
+                    Ok(())
+                } else {
+                    s.view.forget(&uid);
+                    Err((BindOutcome::Failed, format!("binding pod {key} to {}: {why}", args.node)))
+                }
+            }
+            Err(e) => {
+                self.state().view.forget(&uid);
+                Err((BindOutcome::Failed, format!("binding pod {key} to {}: {e}", args.node)))
+            }
+        }
+    }
+
+    fn assumed(namespace: &str, name: &str, node: &str, assignment: Assignment) -> Assumed {
+        Assumed {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            node: node.to_owned(),
+            assignment,
+            bound: false,
+            since: Instant::now(),
+        }
+    }
+
+    /// `preempt`: per candidate node, the victims that really free enough memory on the GPUs
+    /// the pod needs — fewest and lowest-priority first. Nodes where even every candidate
+    /// victim would not make room are dropped.
+    ///
+    /// Victims holding no GPU memory on the node are kept as kube-scheduler chose them (it
+    /// needs them for other resources). Among GPU holders, victims are added lowest priority
+    /// first (larger holders first among equals) until the pod fits, then any whose removal
+    /// is not needed after all is given back, highest priority first.
+    pub fn preempt(&self, args: &PreemptionArgs) -> PreemptionResult {
+        let mut result = PreemptionResult::default();
+        let mut s = self.state();
+        let State { view, placer } = &mut *s;
+        let Ok(request) = view.request_of(&args.pod) else { return result };
+        let mut per_node: Vec<Candidates> = Vec::new();
+        if let Some(meta) = &args.node_name_to_meta_victims {
+            for (node, v) in meta {
+                let victims = v.pods.iter().map(|p| (p.uid.clone(), view.pod(&p.uid).map(|e| e.priority))).collect();
+                per_node.push((node.clone(), victims, v.num_pdb_violations));
+            }
+        } else if let Some(full) = &args.node_name_to_victims {
+            for (node, v) in full {
+                let victims = v.pods.iter().map(|p| (p.uid().to_owned(), Some(p.spec.priority.unwrap_or(0)))).collect();
+                per_node.push((node.clone(), victims, v.num_pdb_violations));
+            }
+        }
+        let me = args.pod.uid();
+        for (node, victims, pdb) in per_node {
+            if request.is_empty() {
+                let pods = victims.into_iter().map(|(uid, _)| MetaPod { uid }).collect();
+                result.node_name_to_meta_victims.insert(node, MetaVictims { pods, num_pdb_violations: pdb });
+                continue;
+            }
+            let Ok(usage) = view.usage(&node) else { continue };
+            let holders: HashMap<String, u64> = usage
+                .pods
+                .iter()
+                .map(|h| (h.uid.clone(), h.mib.iter().map(|m| m.get()).sum::<u64>()))
+                .filter(|(_, m)| *m > 0)
+                .collect();
+            let (mut gpu_victims, keep): (Vec<_>, Vec<_>) =
+                victims.into_iter().partition(|(uid, _)| holders.contains_key(uid));
+            gpu_victims.sort_by_key(|(uid, prio)| {
+                (prio.unwrap_or(0), std::cmp::Reverse(holders.get(uid).copied().unwrap_or(0)))
+            });
+            let fits = |view: &mut ClusterView, placer: &mut Placer, chosen: &[&str]| {
+                let mut gone: HashSet<&str> = chosen.iter().copied().collect();
+                gone.insert(me);
+                view.place(placer, &node, &request, self.policies.gpu, &gone).is_ok()
+            };
+            let mut chosen: Vec<&str> = Vec::new();
+            let mut ok = fits(view, placer, &chosen);
+            for (uid, _) in &gpu_victims {
+                if ok {
+                    break;
+                }
+                chosen.push(uid);
+                ok = fits(view, placer, &chosen);
+            }
+            if !ok {
+                continue;
+            }
+            for i in (0..chosen.len()).rev() {
+                let without: Vec<&str> = chosen.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, u)| *u).collect();
+                if fits(view, placer, &without) {
+                    chosen.remove(i);
+                }
+            }
+            let mut pods: Vec<MetaPod> = keep.into_iter().map(|(uid, _)| MetaPod { uid }).collect();
+            pods.extend(chosen.into_iter().map(|uid| MetaPod { uid: uid.to_owned() }));
+            let count = i64::try_from(pods.len()).unwrap_or(i64::MAX);
+            result.node_name_to_meta_victims.insert(node, MetaVictims { pods, num_pdb_violations: pdb.min(count) });
+        }
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests;

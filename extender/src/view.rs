@@ -1,0 +1,637 @@
+//! The cluster view: every gpushare node's GPUs and every GPU pod, as watched from the API
+//! server, and the binds the extender made that the watch has not shown yet. No I/O: the
+//! watchers feed it objects, the verbs read it.
+//!
+//! What a GPU has in use is reconciled from three sources, each pod counted once:
+//! - what the node's daemon publishes (`gpushare.io/node-state`): the memory its ledger holds,
+//!   per pod. **The daemon wins**: a pod it reports is counted as it reports it, whatever the
+//!   pod's annotation says, and a disagreement is logged and counted;
+//! - the assignment annotation of each non-terminal pod bound to the node that the daemon has
+//!   not reported yet (bound, not yet admitted by the kubelet), and with Alibaba compatibility
+//!   the `ALIYUN_COM_GPU_MEM_IDX` annotation of pods Alibaba's extender placed;
+//! - in-flight binds (assumptions) for pods whose binding the watch has not delivered yet; they
+//!   expire after a configurable time in case the watch never shows them.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use gpushare_core::codec::alibaba::AlibabaAnnotations;
+use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
+use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
+use gpushare_core::placement::{GpuPolicy, NodeView, Placer, Rejection};
+use gpushare_core::schedule::Policies;
+use gpushare_core::{MemoryUnit, Mib, NodeInventory, PodRequest, ResourceNames};
+
+use crate::objects::{NodeObject, PodObject};
+
+/// What the view needs to know about the cluster's settings.
+#[derive(Clone, Debug)]
+pub struct ViewConfig {
+    /// The cluster unit.
+    pub unit: MemoryUnit,
+    /// The resource names pods ask with.
+    pub names: ResourceNames,
+    /// Count pods placed by Alibaba's extender.
+    pub alibaba: bool,
+    /// How long an in-flight bind is counted without the watch showing it.
+    pub assume_ttl: Duration,
+}
+
+/// What a node's GPUs are, as far as the view knows.
+#[derive(Clone, Debug)]
+pub enum NodeGpus {
+    /// No `gpushare.io/node-state` annotation: no daemon publishes for this node.
+    NotSharing,
+    /// The annotation is there but cannot be read.
+    Invalid(String),
+    /// The daemon's last publication.
+    Reported(Box<NodeState>),
+}
+
+/// One node.
+#[derive(Clone, Debug)]
+pub struct NodeEntry {
+    /// Its address, for people.
+    pub address: String,
+    /// Its GPUs.
+    pub gpus: NodeGpus,
+    /// UIDs of the GPU pods bound to it.
+    pods: BTreeSet<String>,
+    /// Usage, computed on demand and dropped on every change.
+    cache: Option<Usage>,
+}
+
+/// What a pod holds, from its annotations.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Holding {
+    /// No placement annotation.
+    Nothing,
+    /// gpushare's assignment.
+    Assigned(Box<Assignment>),
+    /// Alibaba's annotations (only read with compatibility on).
+    Alibaba(AlibabaAnnotations),
+    /// An annotation that cannot be read.
+    Invalid(String),
+}
+
+/// One pod that asks for GPU memory.
+#[derive(Clone, Debug)]
+pub struct PodEntry {
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// UID.
+    pub uid: String,
+    /// Bound node.
+    pub node: Option<String>,
+    /// Scheduling priority.
+    pub priority: i32,
+    /// Succeeded or Failed.
+    pub terminal: bool,
+    /// Its request, or why it is invalid.
+    pub request: Result<PodRequest, String>,
+    /// Where it is placed.
+    pub holding: Holding,
+}
+
+/// A bind the extender made (or is making) that the watch has not shown yet.
+#[derive(Clone, Debug)]
+pub struct Assumed {
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// Target node.
+    pub node: String,
+    /// The assignment the Binding carries.
+    pub assignment: Assignment,
+    /// Whether the Binding call has returned success.
+    pub bound: bool,
+    /// When the bind started.
+    pub since: Instant,
+}
+
+/// A node's usage, attributed: what no known pod explains (`base`), and each pod's share.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Memory per GPU position the daemon reports but attributes to no pod.
+    pub base: Vec<Mib>,
+    /// Each holder's memory per GPU position.
+    pub pods: Vec<Holder>,
+    /// Pods bound to the node with a request but no placement yet (Alibaba's `PENDING`).
+    pub pending: Vec<(String, Mib)>,
+}
+
+/// One pod's memory on a node.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Holder {
+    /// UID.
+    pub uid: String,
+    /// `namespace/name`.
+    pub pod: String,
+    /// Memory per GPU position.
+    pub mib: Vec<Mib>,
+    /// Whether it is only an in-flight bind.
+    pub assumed: bool,
+}
+
+impl Usage {
+    /// Total per GPU position.
+    #[must_use]
+    pub fn total(&self) -> Vec<Mib> {
+        self.without(&HashSet::new())
+    }
+
+    /// Total per GPU position if the pods in `gone` released their memory.
+    #[must_use]
+    pub fn without(&self, gone: &HashSet<&str>) -> Vec<Mib> {
+        let mut used = self.base.clone();
+        for h in self.pods.iter().filter(|h| !gone.contains(h.uid.as_str())) {
+            for (u, m) in used.iter_mut().zip(&h.mib) {
+                *u = u.saturating_add(*m);
+            }
+        }
+        used
+    }
+}
+
+/// Why a node cannot take a pod at all, or the placement's own rejection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NodeRefusal {
+    /// The view has no such node.
+    Unknown,
+    /// No gpushare daemon publishes for it.
+    NotSharing,
+    /// Its published state cannot be read.
+    Invalid(String),
+    /// The placement says no.
+    Rejected(Rejection),
+}
+
+impl NodeRefusal {
+    /// Whether evicting pods could help (kube-scheduler's `FailedNodes`).
+    #[must_use]
+    pub fn is_resolvable(&self) -> bool {
+        matches!(self, NodeRefusal::Rejected(r) if r.is_resolvable())
+    }
+}
+
+impl std::fmt::Display for NodeRefusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NodeRefusal::Unknown => f.write_str("node is not in the gpushare extender's view (not watched yet?)"),
+            NodeRefusal::NotSharing => {
+                write!(f, "node publishes no {NODE_STATE_KEY} annotation: gpushared is not running there")
+            }
+            NodeRefusal::Invalid(why) => write!(f, "node's {NODE_STATE_KEY} annotation is unreadable: {why}"),
+            NodeRefusal::Rejected(r) => write!(f, "{r}"),
+        }
+    }
+}
+
+/// The whole view.
+#[derive(Debug)]
+pub struct ClusterView {
+    config: ViewConfig,
+    nodes: BTreeMap<String, NodeEntry>,
+    pods: HashMap<String, PodEntry>,
+    assumed: HashMap<String, Assumed>,
+    disagreements: u64,
+}
+
+impl ClusterView {
+    /// An empty view.
+    #[must_use]
+    pub fn new(config: ViewConfig) -> Self {
+        ClusterView { config, nodes: BTreeMap::new(), pods: HashMap::new(), assumed: HashMap::new(), disagreements: 0 }
+    }
+
+    /// The settings.
+    #[must_use]
+    pub fn config(&self) -> &ViewConfig {
+        &self.config
+    }
+
+    /// Reads a pod's request under the cluster's names and unit.
+    ///
+    /// # Errors
+    /// A person-readable reason when the request is invalid.
+    pub fn request_of(&self, pod: &PodObject) -> Result<PodRequest, String> {
+        PodRequest::from_spec(&pod.core_spec(), &self.config.names, self.config.unit).map_err(|e| e.to_string())
+    }
+
+    fn holding_of(&self, pod: &PodObject) -> Holding {
+        let annotations = pod.annotations();
+        if let Some(value) = annotations.get(ASSIGNMENT_KEY) {
+            return match Assignment::decode(value) {
+                Ok(a) => Holding::Assigned(Box::new(a)),
+                Err(e) => Holding::Invalid(e.to_string()),
+            };
+        }
+        if self.config.alibaba {
+            return match AlibabaAnnotations::decode(&annotations) {
+                Ok(Some(a)) => Holding::Alibaba(a),
+                Ok(None) => Holding::Nothing,
+                Err(e) => Holding::Invalid(e.to_string()),
+            };
+        }
+        Holding::Nothing
+    }
+
+    fn touch(&mut self, node: Option<&str>) {
+        if let Some(entry) = node.and_then(|n| self.nodes.get_mut(n)) {
+            entry.cache = None;
+        }
+    }
+
+    /// Adds or updates a node. Returns the disagreements between what its daemon now reports
+    /// and what the view believes, one readable line each (already counted).
+    pub fn apply_node(&mut self, node: &NodeObject) -> Vec<String> {
+        let name = node.name().to_owned();
+        let gpus = match node.annotation(NODE_STATE_KEY) {
+            None => NodeGpus::NotSharing,
+            Some(v) => match NodeState::decode(v) {
+                Ok(s) => NodeGpus::Reported(Box::new(s)),
+                Err(e) => NodeGpus::Invalid(e.to_string()),
+            },
+        };
+        let entry = self.nodes.entry(name.clone()).or_insert_with(|| NodeEntry {
+            address: String::new(),
+            gpus: NodeGpus::NotSharing,
+            pods: BTreeSet::new(),
+            cache: None,
+        });
+        let old_generation = match &entry.gpus {
+            NodeGpus::Reported(s) => Some(s.generation),
+            _ => None,
+        };
+        entry.address = node.address().to_owned();
+        entry.gpus = gpus;
+        entry.cache = None;
+        match &entry.gpus {
+            NodeGpus::Reported(s) if old_generation != Some(s.generation) => {
+                let found = self.disagreements_on(&name);
+                self.disagreements += found.len() as u64;
+                found
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// Removes a node.
+    pub fn delete_node(&mut self, name: &str) {
+        self.nodes.remove(name);
+    }
+
+    /// Replaces every node (a watch restart's full list).
+    pub fn replace_nodes<'a>(&mut self, nodes: impl IntoIterator<Item = &'a NodeObject>) -> Vec<String> {
+        let mut seen = HashSet::new();
+        let mut found = Vec::new();
+        for n in nodes {
+            seen.insert(n.name().to_owned());
+            found.extend(self.apply_node(n));
+        }
+        self.nodes.retain(|name, _| seen.contains(name));
+        found
+    }
+
+    /// Whether the view keeps `pod`: it asks for GPU memory or holds a placement.
+    #[must_use]
+    pub fn keeps(&self, pod: &PodObject) -> bool {
+        pod.asks_for_gpu(&self.config.names) || self.holding_of(pod) != Holding::Nothing
+    }
+
+    /// Adds or updates a pod. Pods that ask for no GPU and hold nothing are not kept.
+    pub fn apply_pod(&mut self, pod: &PodObject) {
+        let uid = pod.uid().to_owned();
+        self.remove_pod(&uid);
+        let holding = self.holding_of(pod);
+        if !pod.asks_for_gpu(&self.config.names) && holding == Holding::Nothing {
+            return;
+        }
+        let node = pod.node().map(str::to_owned);
+        // The watch caught up with a bind: the pod's own annotation counts from now on.
+        if node.is_some()
+            && matches!(holding, Holding::Assigned(_) | Holding::Alibaba(_))
+            && let Some(a) = self.assumed.remove(&uid)
+        {
+            self.touch(Some(&a.node));
+        }
+        let entry = PodEntry {
+            namespace: pod.namespace().to_owned(),
+            name: pod.name().to_owned(),
+            uid: uid.clone(),
+            node: node.clone(),
+            priority: pod.spec.priority.unwrap_or(0),
+            terminal: pod.is_terminal(),
+            request: self.request_of(pod),
+            holding,
+        };
+        if let Some(n) = &node {
+            if let Some(e) = self.nodes.get_mut(n) {
+                e.pods.insert(uid.clone());
+            }
+            self.touch(Some(n));
+        }
+        self.pods.insert(uid, entry);
+    }
+
+    fn remove_pod(&mut self, uid: &str) -> Option<PodEntry> {
+        let old = self.pods.remove(uid)?;
+        if let Some(n) = &old.node
+            && let Some(e) = self.nodes.get_mut(n)
+        {
+            e.pods.remove(uid);
+            e.cache = None;
+        }
+        Some(old)
+    }
+
+    /// Removes a pod and any bind assumed for it.
+    pub fn delete_pod(&mut self, uid: &str) {
+        self.remove_pod(uid);
+        if let Some(a) = self.assumed.remove(uid) {
+            self.touch(Some(&a.node));
+        }
+    }
+
+    /// Replaces every pod (a watch restart's full list).
+    pub fn replace_pods<'a>(&mut self, pods: impl IntoIterator<Item = &'a PodObject>) {
+        let old: Vec<String> = self.pods.keys().cloned().collect();
+        for uid in old {
+            self.remove_pod(&uid);
+        }
+        for p in pods {
+            self.apply_pod(p);
+        }
+    }
+
+    /// Records an in-flight bind.
+    pub fn assume(&mut self, uid: &str, assumed: Assumed) {
+        let node = assumed.node.clone();
+        if let Some(old) = self.assumed.insert(uid.to_owned(), assumed) {
+            self.touch(Some(&old.node));
+        }
+        self.touch(Some(&node));
+    }
+
+    /// Marks an in-flight bind as accepted by the API server.
+    pub fn confirm(&mut self, uid: &str) {
+        if let Some(a) = self.assumed.get_mut(uid) {
+            a.bound = true;
+        }
+    }
+
+    /// Drops an in-flight bind (the call failed).
+    pub fn forget(&mut self, uid: &str) -> Option<Assumed> {
+        let a = self.assumed.remove(uid)?;
+        self.touch(Some(&a.node));
+        Some(a)
+    }
+
+    /// Drops assumptions older than the configured time; returns them.
+    pub fn expire(&mut self, now: Instant) -> Vec<(String, Assumed)> {
+        let ttl = self.config.assume_ttl;
+        let old: Vec<String> = self
+            .assumed
+            .iter()
+            .filter(|(_, a)| now.saturating_duration_since(a.since) > ttl)
+            .map(|(uid, _)| uid.clone())
+            .collect();
+        old.into_iter().filter_map(|uid| self.forget(&uid).map(|a| (uid, a))).collect()
+    }
+
+    /// The assumption for a pod, if any.
+    #[must_use]
+    pub fn assumption(&self, uid: &str) -> Option<&Assumed> {
+        self.assumed.get(uid)
+    }
+
+    /// A pod by UID.
+    #[must_use]
+    pub fn pod(&self, uid: &str) -> Option<&PodEntry> {
+        self.pods.get(uid)
+    }
+
+    /// A pod by namespace and name.
+    #[must_use]
+    pub fn pod_named(&self, namespace: &str, name: &str) -> Option<&PodEntry> {
+        self.pods.values().find(|p| p.namespace == namespace && p.name == name)
+    }
+
+    /// A node.
+    #[must_use]
+    pub fn node(&self, name: &str) -> Option<&NodeEntry> {
+        self.nodes.get(name)
+    }
+
+    /// Node names, sorted.
+    pub fn node_names(&self) -> impl Iterator<Item = &str> {
+        self.nodes.keys().map(String::as_str)
+    }
+
+    /// How many nodes and GPU pods the view holds, and in-flight binds.
+    #[must_use]
+    pub fn counts(&self) -> (usize, usize, usize) {
+        (self.nodes.len(), self.pods.len(), self.assumed.len())
+    }
+
+    /// Disagreements with the daemons found so far.
+    #[must_use]
+    pub fn disagreements(&self) -> u64 {
+        self.disagreements
+    }
+
+    /// A node's inventory, when its daemon publishes one.
+    ///
+    /// # Errors
+    /// Why the node has none.
+    pub fn inventory(&self, node: &str) -> Result<&NodeInventory, NodeRefusal> {
+        match self.nodes.get(node).map(|e| &e.gpus) {
+            None => Err(NodeRefusal::Unknown),
+            Some(NodeGpus::NotSharing) => Err(NodeRefusal::NotSharing),
+            Some(NodeGpus::Invalid(why)) => Err(NodeRefusal::Invalid(why.clone())),
+            Some(NodeGpus::Reported(s)) => Ok(&s.inventory),
+        }
+    }
+
+    /// A node's usage, attributed to its holders.
+    ///
+    /// # Errors
+    /// Why the node has no GPUs to account.
+    pub fn usage(&mut self, node: &str) -> Result<&Usage, NodeRefusal> {
+        self.inventory(node)?;
+        let fresh = match self.nodes.get(node).and_then(|e| e.cache.as_ref()) {
+            Some(_) => None,
+            None => Some(self.compute_usage(node)),
+        };
+        let entry = self.nodes.get_mut(node).ok_or(NodeRefusal::Unknown)?;
+        if let Some(u) = fresh {
+            entry.cache = Some(u);
+        }
+        entry.cache.as_ref().ok_or(NodeRefusal::Unknown)
+    }
+
+    /// A pod's footprint per GPU position of `inventory`, from its holding.
+    fn footprint(&self, inventory: &NodeInventory, holding: &Holding) -> Option<Vec<Mib>> {
+        let mut mib = vec![Mib::ZERO; inventory.gpus().len()];
+        match holding {
+            Holding::Assigned(a) => {
+                for (uuid, m) in a.footprint() {
+                    let p = inventory.position_of(&uuid)?;
+                    mib[p] = mib[p].saturating_add(m);
+                }
+            }
+            Holding::Alibaba(a) if self.config.alibaba => {
+                let (p, m) = a.usage(inventory)?;
+                mib[p] = m;
+            }
+            _ => return None,
+        }
+        Some(mib)
+    }
+
+    fn compute_usage(&self, node: &str) -> Usage {
+        let Some(entry) = self.nodes.get(node) else { return Usage::default() };
+        let NodeGpus::Reported(state) = &entry.gpus else { return Usage::default() };
+        let inventory = &state.inventory;
+        let n = inventory.gpus().len();
+        // What the daemon attributes to each pod.
+        let mut reported: BTreeMap<&str, (String, Vec<Mib>)> = BTreeMap::new();
+        let mut attributed = vec![Mib::ZERO; n];
+        for a in &state.allocations {
+            let Some(p) = inventory.gpus().iter().position(|g| g.index == a.gpu) else { continue };
+            let key = format!("{}/{}", a.pod.namespace, a.pod.name);
+            let e = reported.entry(a.pod.uid.as_str()).or_insert_with(|| (key, vec![Mib::ZERO; n]));
+            e.1[p] = e.1[p].saturating_add(a.mib);
+            attributed[p] = attributed[p].saturating_add(a.mib);
+        }
+        let base = state.used.iter().zip(&attributed).map(|(u, a)| u.saturating_sub(*a)).collect();
+        let mut usage = Usage { base, pods: Vec::new(), pending: Vec::new() };
+        let mut counted: HashSet<&str> = HashSet::new();
+        for uid in &entry.pods {
+            let Some(pod) = self.pods.get(uid) else { continue };
+            let daemon = reported.remove(uid.as_str());
+            let own = if pod.terminal { None } else { self.footprint(inventory, &pod.holding) };
+            let mib = match (daemon, own) {
+                // The daemon wins; what it has not admitted yet (a container still to come) is added.
+                (Some((_, d)), Some(o)) => d.iter().zip(&o).map(|(d, o)| (*d).max(*o)).collect(),
+                (Some((_, d)), None) => d,
+                (None, Some(o)) => o,
+                (None, None) => {
+                    if !pod.terminal
+                        && pod.holding == Holding::Nothing
+                        && let Ok(r) = &pod.request
+                        && !r.is_empty()
+                    {
+                        usage.pending.push((format!("{}/{}", pod.namespace, pod.name), r.long_running_memory()));
+                    }
+                    continue;
+                }
+            };
+            counted.insert(uid.as_str());
+            usage.pods.push(Holder {
+                uid: uid.clone(),
+                pod: format!("{}/{}", pod.namespace, pod.name),
+                mib,
+                assumed: false,
+            });
+        }
+        // Pods the daemon holds that the view has elsewhere or not at all: the daemon wins.
+        for (uid, (key, mib)) in reported {
+            counted.insert(uid);
+            usage.pods.push(Holder { uid: uid.to_owned(), pod: key, mib, assumed: false });
+        }
+        for (uid, a) in &self.assumed {
+            if a.node != node || counted.contains(uid.as_str()) {
+                continue;
+            }
+            if let Some(mib) = self.footprint(inventory, &Holding::Assigned(Box::new(a.assignment.clone()))) {
+                usage.pods.push(Holder {
+                    uid: uid.clone(),
+                    pod: format!("{}/{}", a.namespace, a.name),
+                    mib,
+                    assumed: true,
+                });
+            }
+        }
+        usage.pods.sort_by(|a, b| a.pod.cmp(&b.pod).then_with(|| a.uid.cmp(&b.uid)));
+        usage.pending.sort();
+        usage
+    }
+
+    /// Where the daemon's report and the view disagree on `node`.
+    fn disagreements_on(&self, node: &str) -> Vec<String> {
+        let Some(entry) = self.nodes.get(node) else { return Vec::new() };
+        let NodeGpus::Reported(state) = &entry.gpus else { return Vec::new() };
+        let mut by_pod: BTreeMap<&str, (&gpushare_core::codec::node::PodRef, BTreeSet<u32>)> = BTreeMap::new();
+        for a in &state.allocations {
+            by_pod.entry(a.pod.uid.as_str()).or_insert_with(|| (&a.pod, BTreeSet::new())).1.insert(a.gpu);
+        }
+        let mut out = Vec::new();
+        for (uid, (pod, gpus)) in by_pod {
+            let who = format!("{}/{} (uid {uid})", pod.namespace, pod.name);
+            match self.pods.get(uid) {
+                None => out
+                    .push(format!("node {node}'s daemon holds memory for pod {who}, which the extender does not know")),
+                Some(p) if p.node.as_deref() != Some(node) => out.push(format!(
+                    "node {node}'s daemon holds memory for pod {who}, which the extender has on {}",
+                    p.node.as_deref().unwrap_or("no node")
+                )),
+                Some(PodEntry { holding: Holding::Assigned(a), .. }) => {
+                    let assigned: BTreeSet<u32> =
+                        a.containers.iter().flat_map(|c| c.gpus.iter().map(|g| g.index)).collect();
+                    if !gpus.is_subset(&assigned) {
+                        out.push(format!(
+                            "node {node}'s daemon holds pod {who} on GPU {gpus:?}, its assignment says GPU {assigned:?}; counting the daemon's"
+                        ));
+                    }
+                }
+                Some(_) => {}
+            }
+        }
+        out
+    }
+
+    /// Scores `node` for `pod` (0–10) with the pods in `gone` evicted (the pod itself, so an
+    /// earlier try of its own bind does not count against it), or says why it cannot take it.
+    ///
+    /// # Errors
+    /// The node's [`NodeRefusal`].
+    pub fn score(
+        &mut self,
+        placer: &mut Placer,
+        node: &str,
+        pod: &PodRequest,
+        policies: Policies,
+        gone: &HashSet<&str>,
+    ) -> Result<u8, NodeRefusal> {
+        let used = self.usage(node)?.without(gone);
+        let inventory = self.inventory(node)?;
+        let view = NodeView::new(inventory, &used).map_err(|e| NodeRefusal::Invalid(e.to_string()))?;
+        placer.score(view, pod, policies.gpu, policies.node).map_err(NodeRefusal::Rejected)
+    }
+
+    /// Places `pod` on `node` as things stand, with the pods in `gone` evicted.
+    ///
+    /// # Errors
+    /// The node's [`NodeRefusal`].
+    pub fn place(
+        &mut self,
+        placer: &mut Placer,
+        node: &str,
+        pod: &PodRequest,
+        policy: GpuPolicy,
+        gone: &HashSet<&str>,
+    ) -> Result<Assignment, NodeRefusal> {
+        let used = self.usage(node)?.without(gone);
+        let inventory = self.inventory(node)?;
+        let view = NodeView::new(inventory, &used).map_err(|e| NodeRefusal::Invalid(e.to_string()))?;
+        let placement = placer.place(view, pod, policy).map_err(NodeRefusal::Rejected)?;
+        Ok(Assignment::from_placement(node, inventory, pod, &placement))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,233 @@
+//! Tests of the cluster view: usage from assignments, the daemon winning disagreements,
+//! in-flight binds, terminal pods, Alibaba's pods, pending pods.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment, GpuShare};
+use gpushare_core::codec::node::{NODE_STATE_KEY, NodeAllocation, NodeState, PodRef};
+use gpushare_core::placement::Placer;
+use gpushare_core::schedule::Policies;
+use gpushare_core::{ContainerRole, Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory, ResourceNames};
+use serde_json::json;
+
+use super::*;
+use crate::objects::{NodeObject, PodObject};
+
+pub(crate) fn config(alibaba: bool) -> ViewConfig {
+    ViewConfig {
+        unit: MemoryUnit::Mib,
+        names: if alibaba { ResourceNames::alibaba() } else { ResourceNames::gpushare() },
+        alibaba,
+        assume_ttl: Duration::from_secs(300),
+    }
+}
+
+pub(crate) fn uuid(node: &str, i: u32) -> GpuUuid {
+    GpuUuid::new(format!("GPU-{node}-{i}")).unwrap()
+}
+
+/// A node whose daemon publishes `gpus` GPUs of `mib` each, with `allocations`.
+pub(crate) fn node(name: &str, gpus: u32, mib: u64, generation: u64, allocations: Vec<NodeAllocation>) -> NodeObject {
+    let list: Vec<Gpu> = (0..gpus)
+        .map(|i| {
+            let mut g = Gpu::new(i, uuid(name, i), "Tesla T4", Mib::new(mib));
+            g.minor = Some(i);
+            g
+        })
+        .collect();
+    let inventory = NodeInventory::new(MemoryUnit::Mib, list).unwrap();
+    let mut used = vec![Mib::ZERO; gpus as usize];
+    for a in &allocations {
+        used[a.gpu as usize] = used[a.gpu as usize].saturating_add(a.mib);
+    }
+    let state = NodeState { generation, daemon_version: "0.1.0".into(), inventory, used, allocations };
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "annotations": {NODE_STATE_KEY: state.encode().unwrap()}},
+        "status": {"addresses": [{"type": "InternalIP", "address": "10.0.0.1"}]}
+    }))
+    .unwrap()
+}
+
+pub(crate) fn assignment(node: &str, containers: &[(&str, &[(u32, u64)])]) -> Assignment {
+    Assignment {
+        node: node.into(),
+        unit: MemoryUnit::Mib,
+        containers: containers
+            .iter()
+            .map(|(name, gpus)| ContainerAssignment {
+                name: (*name).into(),
+                role: ContainerRole::App,
+                gpus: gpus.iter().map(|&(i, m)| GpuShare { index: i, uuid: uuid(node, i), mib: Mib::new(m) }).collect(),
+            })
+            .collect(),
+    }
+}
+
+/// A pod asking for `mib` in one container, optionally bound with an assignment.
+pub(crate) fn pod(name: &str, mib: u64, bound: Option<(&str, Assignment)>, phase: &str) -> PodObject {
+    let mut annotations = serde_json::Map::new();
+    let mut node = String::new();
+    if let Some((n, a)) = bound {
+        node = n.to_owned();
+        annotations.insert(ASSIGNMENT_KEY.into(), json!(a.encode().unwrap()));
+    }
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}"), "annotations": annotations},
+        "spec": {"nodeName": node, "containers": [{"name": "main", "resources": {"limits": {"gpushare.io/gpu-mem": mib.to_string()}}}]},
+        "status": {"phase": phase}
+    }))
+    .unwrap()
+}
+
+pub(crate) fn holding(pod: &str, container: &str, gpu: u32, mib: u64) -> NodeAllocation {
+    NodeAllocation {
+        pod: PodRef { namespace: "default".into(), name: pod.into(), uid: format!("uid-{pod}") },
+        container: container.into(),
+        gpu,
+        mib: Mib::new(mib),
+    }
+}
+
+fn used(view: &mut ClusterView, node: &str) -> Vec<u64> {
+    view.usage(node).unwrap().total().iter().map(|m| m.get()).collect()
+}
+
+#[test]
+fn bound_pods_count_by_their_assignment_until_the_daemon_reports_them() {
+    let mut v = ClusterView::new(config(false));
+    v.apply_node(&node("n1", 2, 1000, 1, vec![]));
+    v.apply_pod(&pod("a", 300, Some(("n1", assignment("n1", &[("main", &[(1, 300)])]))), "Pending"));
+    v.apply_pod(&pod("b", 200, None, "Pending")); // not bound: counts nowhere
+    assert_eq!(used(&mut v, "n1"), [0, 300]);
+    // The daemon admits it on the same GPU: counted once.
+    v.apply_node(&node("n1", 2, 1000, 2, vec![holding("a", "main", 1, 300)]));
+    assert_eq!(used(&mut v, "n1"), [0, 300]);
+    assert_eq!(v.disagreements(), 0);
+}
+
+#[test]
+fn the_daemon_wins_a_disagreement_and_it_is_counted() {
+    let mut v = ClusterView::new(config(false));
+    v.apply_node(&node("n1", 2, 1000, 1, vec![]));
+    v.apply_pod(&pod("a", 300, Some(("n1", assignment("n1", &[("main", &[(0, 300)])]))), "Running"));
+    // The daemon holds it on GPU1 instead, and holds a pod the extender never saw.
+    let found =
+        v.apply_node(&node("n1", 2, 1000, 2, vec![holding("a", "main", 1, 300), holding("ghost", "main", 0, 100)]));
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert!(found.iter().any(|f| f.contains("ghost") && f.contains("does not know")), "{found:?}");
+    assert!(found.iter().any(|f| f.contains("default/a") && f.contains("counting the daemon's")), "{found:?}");
+    assert_eq!(v.disagreements(), 2);
+    // The assignment's GPU0 share counts as the max with the daemon's per-GPU figure.
+    assert_eq!(used(&mut v, "n1"), [400, 300]);
+    // The same generation again is not a new disagreement.
+    v.apply_node(&node("n1", 2, 1000, 2, vec![holding("a", "main", 1, 300)]));
+    assert_eq!(v.disagreements(), 2);
+}
+
+#[test]
+fn terminal_pods_release_unless_the_daemon_still_holds_them() {
+    let mut v = ClusterView::new(config(false));
+    v.apply_node(&node("n1", 1, 1000, 1, vec![]));
+    v.apply_pod(&pod("done", 300, Some(("n1", assignment("n1", &[("main", &[(0, 300)])]))), "Succeeded"));
+    assert_eq!(used(&mut v, "n1"), [0]);
+    v.apply_node(&node("n1", 1, 1000, 2, vec![holding("done", "main", 0, 300)]));
+    assert_eq!(used(&mut v, "n1"), [300]);
+    v.delete_pod("uid-done");
+    assert_eq!(used(&mut v, "n1"), [300], "the daemon's report still counts until it republishes");
+    v.apply_node(&node("n1", 1, 1000, 3, vec![]));
+    assert_eq!(used(&mut v, "n1"), [0]);
+}
+
+#[test]
+fn in_flight_binds_count_until_the_watch_shows_them_and_roll_back_on_failure() {
+    let mut v = ClusterView::new(config(false));
+    v.apply_node(&node("n1", 1, 1000, 1, vec![]));
+    v.apply_pod(&pod("a", 600, None, "Pending"));
+    let a = assignment("n1", &[("main", &[(0, 600)])]);
+    let assumed = |a: &Assignment| Assumed {
+        namespace: "default".into(),
+        name: "a".into(),
+        node: "n1".into(),
+        assignment: a.clone(),
+        bound: false,
+        since: Instant::now(),
+    };
+    v.assume("uid-a", assumed(&a));
+    assert_eq!(used(&mut v, "n1"), [600]);
+    let mut placer = Placer::new();
+    let req = v.request_of(&pod("b", 600, None, "Pending")).unwrap();
+    let none = HashSet::new();
+    assert!(v.score(&mut placer, "n1", &req, Policies::default(), &none).unwrap_err().is_resolvable());
+    // The pod's own bind does not count against itself.
+    assert!(v.score(&mut placer, "n1", &req, Policies::default(), &HashSet::from(["uid-a"])).is_ok());
+    v.forget("uid-a");
+    assert_eq!(used(&mut v, "n1"), [0]);
+    // Bound: the watch's update replaces the assumption, counted once.
+    v.assume("uid-a", assumed(&a));
+    v.confirm("uid-a");
+    v.apply_pod(&pod("a", 600, Some(("n1", a.clone())), "Pending"));
+    assert!(v.assumption("uid-a").is_none());
+    assert_eq!(used(&mut v, "n1"), [600]);
+    // Expiry.
+    v.assume("uid-x", Assumed { name: "x".into(), since: Instant::now() - Duration::from_secs(301), ..assumed(&a) });
+    assert_eq!(used(&mut v, "n1"), [1200]);
+    let expired = v.expire(Instant::now());
+    assert_eq!(expired.len(), 1);
+    assert_eq!(used(&mut v, "n1"), [600]);
+}
+
+#[test]
+fn pods_placed_by_alibabas_extender_count_with_compatibility_on() {
+    let alibaba_pod = |name: &str| -> PodObject {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}"),
+                         "annotations": {"ALIYUN_COM_GPU_MEM_IDX": "1", "ALIYUN_COM_GPU_MEM_POD": "250",
+                                         "ALIYUN_COM_GPU_MEM_ASSIGNED": "true"}},
+            "spec": {"nodeName": "n1", "containers": [{"name": "main", "resources": {"limits": {"aliyun.com/gpu-mem": "250"}}}]},
+            "status": {"phase": "Running"}
+        }))
+        .unwrap()
+    };
+    let mut on = ClusterView::new(config(true));
+    on.apply_node(&node("n1", 2, 1000, 1, vec![]));
+    on.apply_pod(&alibaba_pod("old"));
+    assert_eq!(used(&mut on, "n1"), [0, 250]);
+    let mut off = ClusterView::new(config(false));
+    off.apply_node(&node("n1", 2, 1000, 1, vec![]));
+    off.apply_pod(&alibaba_pod("old"));
+    assert_eq!(used(&mut off, "n1"), [0, 0]);
+}
+
+#[test]
+fn bound_pods_without_a_placement_are_pending_and_refusals_say_why() {
+    let mut v = ClusterView::new(config(false));
+    v.apply_node(&node("n1", 1, 1000, 1, vec![]));
+    let mut p = pod("waiting", 100, None, "Pending");
+    p.spec.node_name = "n1".into();
+    v.apply_pod(&p);
+    assert_eq!(v.usage("n1").unwrap().pending, [("default/waiting".to_owned(), Mib::new(100))]);
+    let plain: NodeObject = serde_json::from_value(json!({"metadata": {"name": "cpu"}})).unwrap();
+    v.apply_node(&plain);
+    let broken: NodeObject =
+        serde_json::from_value(json!({"metadata": {"name": "bad", "annotations": {NODE_STATE_KEY: "{"}}})).unwrap();
+    v.apply_node(&broken);
+    let req = v.request_of(&pod("x", 100, None, "Pending")).unwrap();
+    let mut placer = Placer::new();
+    let none = HashSet::new();
+    let why = |v: &mut ClusterView, placer: &mut Placer, n: &str| {
+        v.score(placer, n, &req, Policies::default(), &none).unwrap_err()
+    };
+    assert_eq!(why(&mut v, &mut placer, "cpu"), NodeRefusal::NotSharing);
+    assert!(why(&mut v, &mut placer, "cpu").to_string().contains("gpushared is not running"));
+    assert!(matches!(why(&mut v, &mut placer, "bad"), NodeRefusal::Invalid(_)));
+    assert_eq!(why(&mut v, &mut placer, "nowhere"), NodeRefusal::Unknown);
+    assert!(!why(&mut v, &mut placer, "cpu").is_resolvable());
+    // Non-GPU pods are not kept at all.
+    let cpu_pod: PodObject = serde_json::from_value(json!({"metadata": {"name": "c", "uid": "c"}})).unwrap();
+    v.apply_pod(&cpu_pod);
+    assert!(v.pod("c").is_none());
+    // A relist drops what is gone.
+    v.replace_nodes(&[node("n1", 1, 1000, 2, vec![])]);
+    assert_eq!(v.node_names().collect::<Vec<_>>(), ["n1"]);
+}
