@@ -634,4 +634,4 @@ impl ClusterView {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

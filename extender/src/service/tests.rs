@@ -1,1 +1,199 @@
-//! Tests of the verbs.
+//! Tests of the verbs over the in-memory cluster fake: the filter's two failure maps, both
+//! node forms, binds that are atomic, serialized, idempotent and rolled back, and preemption
+//! that frees a GPU with the fewest, lowest-priority victims.
+
+use std::sync::Arc;
+
+use serde_json::json;
+
+use super::fake::FakeCluster;
+use super::*;
+use crate::view::tests::{assignment, config, holding, node, pod};
+use crate::wire::{MetaVictims, NodeList};
+
+fn extender(nodes: &[crate::objects::NodeObject], pods: &[PodObject]) -> Arc<Extender<FakeCluster>> {
+    let cluster = FakeCluster::default();
+    let mut view = ClusterView::new(config(false));
+    for n in nodes {
+        view.apply_node(n);
+    }
+    for p in pods {
+        view.apply_pod(p);
+        cluster.put(p.clone());
+    }
+    let ext = Arc::new(Extender::new(view, cluster, Policies::default()));
+    ext.set_ready(true);
+    ext
+}
+
+fn args(pod: &PodObject, nodes: &[&str]) -> ExtenderArgs {
+    ExtenderArgs { pod: pod.clone(), nodes: None, node_names: Some(nodes.iter().map(|n| (*n).to_owned()).collect()) }
+}
+
+fn bind_args(pod: &str, node: &str) -> BindingArgs {
+    BindingArgs {
+        pod_name: pod.into(),
+        pod_namespace: "default".into(),
+        pod_uid: format!("uid-{pod}"),
+        node: node.into(),
+    }
+}
+
+#[test]
+fn filter_sorts_nodes_into_fit_preemptable_and_hopeless() {
+    let cpu: crate::objects::NodeObject = serde_json::from_value(json!({"metadata": {"name": "cpu"}})).unwrap();
+    let full = pod("full", 900, Some(("busy", assignment("busy", &[("main", &[(0, 900)])]))), "Running");
+    let ext = extender(
+        &[node("free", 1, 1000, 1, vec![]), node("busy", 1, 1000, 1, vec![]), node("small", 1, 100, 1, vec![]), cpu],
+        &[full],
+    );
+    let want = pod("want", 500, None, "Pending");
+    let r = ext.filter(&args(&want, &["free", "busy", "small", "cpu", "ghost"]));
+    assert_eq!(r.node_names.as_deref(), Some(&["free".to_owned()][..]));
+    assert_eq!(r.failed_nodes.keys().collect::<Vec<_>>(), ["busy"]);
+    assert!(r.failed_nodes["busy"].contains("100 of 1000 MiB free"), "{:?}", r.failed_nodes);
+    assert_eq!(r.failed_and_unresolvable.keys().collect::<Vec<_>>(), ["cpu", "ghost", "small"]);
+    assert!(r.error.is_empty());
+    // nodeCacheCapable: false — the passing Node objects go back as they came.
+    let items = vec![json!({"metadata": {"name": "free"}, "extra": 1}), json!({"metadata": {"name": "busy"}})];
+    let r = ext.filter(&ExtenderArgs { pod: want.clone(), nodes: Some(NodeList { items }), node_names: None });
+    assert_eq!(r.nodes.unwrap().items, [json!({"metadata": {"name": "free"}, "extra": 1})]);
+    assert!(r.node_names.is_none());
+    // An invalid request fails every node, unresolvably, with the reason.
+    let mut bad = want.clone();
+    bad.spec.containers[0]
+        .resources
+        .limits
+        .insert("gpushare.io/gpu-mem".into(), gpushare_core::request::QuantityText("lots".into()));
+    let r = ext.filter(&args(&bad, &["free"]));
+    assert!(r.failed_and_unresolvable["free"].contains("lots"), "{r:?}");
+    // Before the view has synced: an error the scheduler retries.
+    ext.set_ready(false);
+    assert!(ext.filter(&args(&want, &["free"])).error.contains("not synced"));
+}
+
+#[test]
+fn prioritize_prefers_the_fuller_node_under_binpack() {
+    let p = pod("p", 500, Some(("half", assignment("half", &[("main", &[(0, 500)])]))), "Running");
+    let ext = extender(&[node("empty", 1, 1000, 1, vec![]), node("half", 1, 1000, 1, vec![])], &[p]);
+    let scores = ext.prioritize(&args(&pod("q", 400, None, "Pending"), &["empty", "half", "ghost"]));
+    let get = |h: &str| scores.iter().find(|s| s.host == h).unwrap().score;
+    assert!(get("half") > get("empty"), "{scores:?}");
+    assert_eq!(get("ghost"), 0);
+    assert!(scores.iter().all(|s| (0..=10).contains(&s.score)));
+}
+
+#[tokio::test]
+async fn bind_creates_one_binding_with_the_assignment_and_is_idempotent() {
+    let p = pod("p", 300, None, "Pending");
+    let ext = extender(&[node("n1", 2, 1000, 1, vec![])], &[p]);
+    let r = ext.bind(&bind_args("p", "n1")).await;
+    assert_eq!(r.error, "");
+    let bindings = ext.cluster.bindings();
+    assert_eq!(bindings.len(), 1);
+    let a = Assignment::decode(&bindings[0].annotations[ASSIGNMENT_KEY]).unwrap();
+    assert_eq!(a.node, "n1");
+    assert_eq!(a.containers[0].gpus.len(), 1);
+    assert_eq!(bindings[0].uid, "uid-p");
+    // Counted while the watch has not shown it.
+    assert_eq!(ext.report().nodes[0].gpus.iter().map(|g| g.used_mib).sum::<u64>(), 300);
+    // A retry of the same bind succeeds without a second Binding.
+    assert_eq!(ext.bind(&bind_args("p", "n1")).await.error, "");
+    assert_eq!(ext.cluster.bindings().len(), 1);
+    // The watch shows it bound; a retry still succeeds; binding elsewhere does not.
+    let bound = ext.cluster.pod("default", "p").unwrap();
+    ext.with_view(|v| v.apply_pod(&bound));
+    assert_eq!(ext.bind(&bind_args("p", "n1")).await.error, "");
+    assert!(ext.bind(&bind_args("p", "n2")).await.error.contains("already bound to n1"));
+    assert_eq!(ext.metrics().binds(BindOutcome::Bound), 3);
+}
+
+#[tokio::test]
+async fn a_failed_binding_rolls_back_and_a_lost_reply_is_recognized() {
+    let ext =
+        extender(&[node("n1", 1, 1000, 1, vec![])], &[pod("p", 600, None, "Pending"), pod("q", 600, None, "Pending")]);
+    ext.cluster.fail_next(ClusterError::Failed("connection reset".into()));
+    let r = ext.bind(&bind_args("p", "n1")).await;
+    assert!(r.error.contains("connection reset"), "{r:?}");
+    assert_eq!(ext.report().nodes[0].gpus[0].used_mib, 0, "the assumption is rolled back");
+    // The API server applied a binding but the reply was lost: the retry's 409 is recognized.
+    assert_eq!(ext.bind(&bind_args("q", "n1")).await.error, "");
+    ext.with_view(|v| v.forget("uid-q"));
+    let r = ext.bind(&bind_args("q", "n1")).await;
+    assert_eq!(r.error, "", "{r:?}");
+    assert_eq!(ext.metrics().binds(BindOutcome::Failed), 1);
+}
+
+#[tokio::test]
+async fn concurrent_binds_to_one_node_never_overcommit() {
+    let pods: Vec<PodObject> = (0..12).map(|i| pod(&format!("p{i}"), 250, None, "Pending")).collect();
+    let ext = extender(&[node("n1", 2, 1000, 1, vec![])], &pods);
+    let tasks: Vec<_> = (0..12)
+        .map(|i| {
+            let ext = ext.clone();
+            tokio::spawn(async move { ext.bind(&bind_args(&format!("p{i}"), "n1")).await })
+        })
+        .collect();
+    let mut ok = 0;
+    for t in tasks {
+        let r = t.await.unwrap();
+        if r.error.is_empty() {
+            ok += 1;
+        } else {
+            assert!(r.error.contains("no longer fits"), "{r:?}");
+        }
+    }
+    assert_eq!(ok, 8);
+    let report = ext.report();
+    assert!(report.nodes[0].gpus.iter().all(|g| g.used_mib <= g.total_mib));
+    assert_eq!(report.nodes[0].gpus.iter().map(|g| g.used_mib).sum::<u64>(), 2000);
+    assert_eq!(ext.metrics().binds(BindOutcome::NoFit), 4);
+}
+
+#[tokio::test]
+async fn bind_refuses_clearly() {
+    let ext = extender(&[node("n1", 1, 1000, 1, vec![])], &[pod("big", 2000, None, "Pending")]);
+    assert!(ext.bind(&bind_args("big", "n1")).await.error.contains("no longer fits node n1"));
+    assert!(ext.bind(&bind_args("absent", "n1")).await.error.contains("does not exist"));
+    let mut wrong = bind_args("big", "n1");
+    wrong.pod_uid = "other".into();
+    ext.with_view(|v| v.delete_pod("uid-big"));
+    assert!(ext.bind(&wrong).await.error.contains("re-created"));
+    assert!(ext.cluster.bindings().is_empty());
+}
+
+#[test]
+fn preemption_frees_one_gpu_with_the_fewest_lowest_priority_victims() {
+    let on = |name: &str, gpu: u32, mib: u64, prio: i32| {
+        let mut p = pod(name, mib, Some(("n1", assignment("n1", &[("main", &[(gpu, mib)])]))), "Running");
+        p.spec.priority = Some(prio);
+        p
+    };
+    // GPU0: a (400, prio 1), b (400, prio 5); GPU1: c (700, prio 0), d (300, prio 0).
+    let pods = [on("a", 0, 400, 1), on("b", 0, 400, 5), on("c", 1, 700, 0), on("d", 1, 300, 0)];
+    let ext =
+        extender(&[node("n1", 2, 1000, 1, vec![]), node("n2", 1, 1000, 1, vec![holding("x", "main", 0, 1000)])], &pods);
+    let mut want = pod("want", 600, None, "Pending");
+    want.spec.priority = Some(10);
+    let meta = |uids: &[&str]| MetaVictims {
+        pods: uids.iter().map(|u| MetaPod { uid: (*u).into() }).collect(),
+        num_pdb_violations: 1,
+    };
+    let args = PreemptionArgs {
+        pod: want,
+        node_name_to_victims: None,
+        node_name_to_meta_victims: Some(BTreeMap::from([
+            ("n1".to_owned(), meta(&["uid-a", "uid-b", "uid-c", "uid-d", "uid-cpu"])),
+            ("n2".to_owned(), meta(&[])),
+        ])),
+    };
+    let r = ext.preempt(&args);
+    // On n1, evicting c alone (700 on GPU1, priority 0) frees enough; a, b and d stay. The
+    // victim that holds no GPU memory stays as kube-scheduler chose it. n2 cannot be helped.
+    let n1 = &r.node_name_to_meta_victims["n1"];
+    let mut uids: Vec<&str> = n1.pods.iter().map(|p| p.uid.as_str()).collect();
+    uids.sort_unstable();
+    assert_eq!(uids, ["uid-c", "uid-cpu"]);
+    assert_eq!(n1.num_pdb_violations, 1);
+    assert!(!r.node_name_to_meta_victims.contains_key("n2"));
+}
