@@ -187,7 +187,7 @@ impl ClusterReport {
     /// Reads the view.
     pub fn from_view(view: &mut ClusterView) -> Self {
         let unit = view.config().unit;
-        let names: Vec<String> = view.node_names().map(str::to_owned).collect();
+        let names: Vec<String> = view.node_names().into_iter().map(str::to_owned).collect();
         let mut report = ClusterReport { unit, nodes: Vec::new(), unreadable: Vec::new() };
         for name in names {
             let Some(entry) = view.node(&name) else { continue };

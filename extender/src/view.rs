@@ -55,8 +55,6 @@ pub struct NodeEntry {
     pub address: String,
     /// Its GPUs.
     pub gpus: NodeGpus,
-    /// UIDs of the GPU pods bound to it.
-    pods: BTreeSet<String>,
     /// Usage, computed on demand and dropped on every change.
     cache: Option<Usage>,
 }
@@ -194,7 +192,10 @@ impl std::fmt::Display for NodeRefusal {
 #[derive(Debug)]
 pub struct ClusterView {
     config: ViewConfig,
-    nodes: BTreeMap<String, NodeEntry>,
+    nodes: HashMap<String, NodeEntry>,
+    /// UIDs of the GPU pods bound to each node name, whether or not the node is known yet (the
+    /// pod watch may deliver before the node watch).
+    bound: HashMap<String, BTreeSet<String>>,
     pods: HashMap<String, PodEntry>,
     assumed: HashMap<String, Assumed>,
     disagreements: u64,
@@ -204,7 +205,14 @@ impl ClusterView {
     /// An empty view.
     #[must_use]
     pub fn new(config: ViewConfig) -> Self {
-        ClusterView { config, nodes: BTreeMap::new(), pods: HashMap::new(), assumed: HashMap::new(), disagreements: 0 }
+        ClusterView {
+            config,
+            nodes: HashMap::new(),
+            bound: HashMap::new(),
+            pods: HashMap::new(),
+            assumed: HashMap::new(),
+            disagreements: 0,
+        }
     }
 
     /// The settings.
@@ -259,7 +267,6 @@ impl ClusterView {
         let entry = self.nodes.entry(name.clone()).or_insert_with(|| NodeEntry {
             address: String::new(),
             gpus: NodeGpus::NotSharing,
-            pods: BTreeSet::new(),
             cache: None,
         });
         let old_generation = match &entry.gpus {
@@ -329,9 +336,7 @@ impl ClusterView {
             holding,
         };
         if let Some(n) = &node {
-            if let Some(e) = self.nodes.get_mut(n) {
-                e.pods.insert(uid.clone());
-            }
+            self.bound.entry(n.clone()).or_default().insert(uid.clone());
             self.touch(Some(n));
         }
         self.pods.insert(uid, entry);
@@ -339,11 +344,14 @@ impl ClusterView {
 
     fn remove_pod(&mut self, uid: &str) -> Option<PodEntry> {
         let old = self.pods.remove(uid)?;
-        if let Some(n) = &old.node
-            && let Some(e) = self.nodes.get_mut(n)
-        {
-            e.pods.remove(uid);
-            e.cache = None;
+        if let Some(n) = &old.node {
+            if let Some(set) = self.bound.get_mut(n) {
+                set.remove(uid);
+                if set.is_empty() {
+                    self.bound.remove(n);
+                }
+            }
+            self.touch(Some(n));
         }
         Some(old)
     }
@@ -427,8 +435,11 @@ impl ClusterView {
     }
 
     /// Node names, sorted.
-    pub fn node_names(&self) -> impl Iterator<Item = &str> {
-        self.nodes.keys().map(String::as_str)
+    #[must_use]
+    pub fn node_names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.nodes.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        names
     }
 
     /// How many nodes and GPU pods the view holds, and in-flight binds.
@@ -510,7 +521,7 @@ impl ClusterView {
         let base = state.used.iter().zip(&attributed).map(|(u, a)| u.saturating_sub(*a)).collect();
         let mut usage = Usage { base, pods: Vec::new(), pending: Vec::new() };
         let mut counted: HashSet<&str> = HashSet::new();
-        for uid in &entry.pods {
+        for uid in self.bound.get(node).into_iter().flatten() {
             let Some(pod) = self.pods.get(uid) else { continue };
             let daemon = reported.remove(uid.as_str());
             let own = if pod.terminal { None } else { self.footprint(inventory, &pod.holding) };

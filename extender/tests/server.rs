@@ -7,124 +7,16 @@
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
-use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
-use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory, ResourceNames};
-use gpushare_extender::kube::{KubeCluster, client, watch};
-use gpushare_extender::server::{ServerOptions, router, serve};
-use gpushare_extender::service::Extender;
-use gpushare_extender::view::{ClusterView, ViewConfig};
+use gpushare_core::{GpuUuid, MemoryUnit, Mib};
 use gpushare_testkit::apiserver::ApiServer;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
-/// A node whose daemon publishes `gpus` GPUs of `mib` MiB.
-fn node_object(name: &str, gpus: u32, mib: u64) -> Value {
-    let list = (0..gpus)
-        .map(|i| {
-            let mut g = Gpu::new(i, GpuUuid::new(format!("GPU-{name}-{i}")).unwrap(), "Tesla T4", Mib::new(mib));
-            g.minor = Some(i);
-            g
-        })
-        .collect();
-    let inventory = NodeInventory::new(MemoryUnit::Mib, list).unwrap();
-    let state = NodeState {
-        generation: 1,
-        daemon_version: "0.1.0".into(),
-        used: vec![Mib::ZERO; gpus as usize],
-        inventory,
-        allocations: vec![],
-    };
-    json!({
-        "apiVersion": "v1", "kind": "Node",
-        "metadata": {"name": name, "annotations": {NODE_STATE_KEY: state.encode().unwrap()}},
-        "status": {"addresses": [{"type": "InternalIP", "address": "10.0.0.7"}]}
-    })
-}
-
-fn pod_object(name: &str, mib: u64) -> Value {
-    json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {"containers": [{"name": "main", "image": "cuda",
-                                 "resources": {"limits": {"gpushare.io/gpu-mem": mib.to_string()}}}]}
-    })
-}
-
-/// One HTTP/1.1 request; returns the status and the body.
-async fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).await.unwrap();
-    split_response(&raw)
-}
-
-fn split_response(raw: &[u8]) -> (u16, String) {
-    let text = String::from_utf8_lossy(raw).into_owned();
-    let status = text.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    // Chunked bodies (axum streams some): join the chunks.
-    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
-        let mut out = String::new();
-        let mut rest = body;
-        while let Some((size, tail)) = rest.split_once("\r\n") {
-            let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-            if n == 0 {
-                break;
-            }
-            out.push_str(&tail[..n]);
-            rest = &tail[n + 2..];
-        }
-        out
-    } else {
-        body.to_owned()
-    };
-    (status, body)
-}
-
-struct Harness {
-    api: ApiServer,
-    addr: SocketAddr,
-    ext: Arc<Extender<KubeCluster>>,
-    _dir: tempfile::TempDir,
-}
-
-async fn start(max_body_bytes: usize) -> Harness {
-    let api = ApiServer::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let kubeconfig = dir.path().join("kubeconfig");
-    api.write_kubeconfig(&kubeconfig).unwrap();
-    let client = client(Some(&kubeconfig)).await.unwrap();
-    let view = ClusterView::new(ViewConfig {
-        unit: MemoryUnit::Mib,
-        names: ResourceNames::gpushare(),
-        alibaba: false,
-        assume_ttl: Duration::from_secs(300),
-    });
-    let ext = Arc::new(Extender::new(view, KubeCluster::new(client.clone()), Default::default()));
-    let options =
-        ServerOptions { prefix: "/gpushare-scheduler".into(), max_body_bytes, timeout: Duration::from_secs(5) };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(serve(listener, router(ext.clone(), &options), None, std::future::pending()));
-    tokio::spawn(watch(client, ext.clone()));
-    Harness { api, addr, ext, _dir: dir }
-}
-
-async fn until(what: &str, mut f: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !f().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
+mod common;
+use common::{http, node_object, pod_object, split_response, start, until};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kube_scheduler_json_in_one_binding_out() {

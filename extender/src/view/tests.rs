@@ -200,6 +200,17 @@ fn pods_placed_by_alibabas_extender_count_with_compatibility_on() {
 }
 
 #[test]
+fn pods_seen_before_their_node_count_once_it_arrives() {
+    let mut v = ClusterView::new(config(false));
+    v.apply_pod(&pod("a", 300, Some(("n1", assignment("n1", &[("main", &[(0, 300)])]))), "Running"));
+    v.apply_node(&node("n1", 1, 1000, 1, vec![]));
+    assert_eq!(used(&mut v, "n1"), [300]);
+    v.replace_nodes(&[]);
+    v.replace_nodes(&[node("n1", 1, 1000, 2, vec![])]);
+    assert_eq!(used(&mut v, "n1"), [300]);
+}
+
+#[test]
 fn bound_pods_without_a_placement_are_pending_and_refusals_say_why() {
     let mut v = ClusterView::new(config(false));
     v.apply_node(&node("n1", 1, 1000, 1, vec![]));
@@ -229,5 +240,5 @@ fn bound_pods_without_a_placement_are_pending_and_refusals_say_why() {
     assert!(v.pod("c").is_none());
     // A relist drops what is gone.
     v.replace_nodes(&[node("n1", 1, 1000, 2, vec![])]);
-    assert_eq!(v.node_names().collect::<Vec<_>>(), ["n1"]);
+    assert_eq!(v.node_names(), ["n1"]);
 }

@@ -1,0 +1,138 @@
+//! The extender against the API-server stand-in over time: hundreds of binds racing into one
+//! node, a restart that rebuilds the same view, and a cluster switching over from Alibaba's
+//! extender with its pods still running.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+
+use gpushare_core::codec::alibaba;
+use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
+use serde_json::{Value, json};
+
+mod common;
+use common::{http, node_object, pod_object, start, start_with, until};
+
+fn bind_body(pod: &Value, node: &str) -> String {
+    json!({"PodName": pod["metadata"]["name"], "PodNamespace": "default", "PodUID": pod["metadata"]["uid"], "Node": node})
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundreds_of_racing_binds_into_one_node_never_overcommit() {
+    let h = start(1 << 20).await;
+    // 4 GPUs of 16 GiB take 64 pods of 1 GiB; 300 race for them.
+    h.api.create_node(node_object("gpu-a", 4, 16_384)).unwrap();
+    let pods: Vec<Value> =
+        (0..300).map(|i| h.api.create_pod("default", pod_object(&format!("p{i:03}"), 1024)).unwrap()).collect();
+    until("ready with every pod", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().1) == 300).await;
+    let addr = h.addr;
+    let tasks: Vec<_> = pods
+        .iter()
+        .map(|p| {
+            let body = bind_body(p, "gpu-a");
+            tokio::spawn(async move { http(addr, "POST", "/gpushare-scheduler/bind", &body).await })
+        })
+        .collect();
+    let (mut bound, mut refused) = (0, 0);
+    for t in tasks {
+        let (status, body) = t.await.unwrap();
+        assert_eq!(status, 200, "{body}");
+        let error = serde_json::from_str::<Value>(&body).unwrap()["Error"].as_str().unwrap().to_owned();
+        if error.is_empty() {
+            bound += 1;
+        } else {
+            assert!(error.contains("no longer fits node gpu-a"), "{error}");
+            refused += 1;
+        }
+    }
+    assert_eq!((bound, refused), (64, 236));
+    // What the API server holds: per GPU, never more than its 16 384 MiB.
+    let mut per_gpu: BTreeMap<String, u64> = BTreeMap::new();
+    let mut on_node = 0;
+    for p in h.api.list(gpushare_testkit::apiserver::Kind::Pod) {
+        let Some(a) = p.pointer(&format!("/metadata/annotations/{}", ASSIGNMENT_KEY.replace('/', "~1"))) else {
+            continue;
+        };
+        assert_eq!(p["spec"]["nodeName"], "gpu-a");
+        on_node += 1;
+        for (uuid, mib) in Assignment::decode(a.as_str().unwrap()).unwrap().footprint() {
+            *per_gpu.entry(uuid.to_string()).or_default() += mib.get();
+        }
+    }
+    assert_eq!(on_node, 64);
+    assert_eq!(per_gpu.len(), 4);
+    assert!(per_gpu.values().all(|m| *m == 16_384), "{per_gpu:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_extender_rebuilds_the_same_view() {
+    let mut h = start(1 << 20).await;
+    h.api.create_node(node_object("gpu-a", 2, 15_360)).unwrap();
+    h.api.create_node(node_object("gpu-b", 1, 15_360)).unwrap();
+    let pods: Vec<Value> = [3000, 5000, 7000, 1000, 2500]
+        .iter()
+        .enumerate()
+        .map(|(i, mib)| h.api.create_pod("default", pod_object(&format!("p{i}"), *mib)).unwrap())
+        .collect();
+    until("ready", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().1) == 5).await;
+    for (i, p) in pods.iter().enumerate() {
+        let node = if i % 2 == 0 { "gpu-a" } else { "gpu-b" };
+        let (_, body) = http(h.addr, "POST", "/gpushare-scheduler/bind", &bind_body(p, node)).await;
+        assert_eq!(body, r#"{"Error":""}"#);
+    }
+    until("no bind in flight", async || h.ext.with_view(|v| v.counts().2) == 0).await;
+    let before = h.ext.report();
+    assert_eq!(before.nodes.iter().flat_map(|n| &n.gpus).map(|g| g.used_mib).sum::<u64>(), 18_500);
+    h.restart(false).await;
+    until("the new extender ready", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().1) == 5).await;
+    assert_eq!(h.ext.report(), before);
+    // And it answers the same: the 15 360 MiB GPU of gpu-b with 6 000 used takes 9 000 more, not 10 000.
+    let q = h.api.create_pod("default", pod_object("q", 10_000)).unwrap();
+    until("q", async || h.ext.with_view(|v| v.counts().1) == 6).await;
+    let filter = json!({"Pod": q, "Nodes": null, "NodeNames": ["gpu-b"]}).to_string();
+    let (_, body) = http(h.addr, "POST", "/gpushare-scheduler/filter", &filter).await;
+    let result: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(result["NodeNames"], json!([]), "{body}");
+    assert!(result["FailedNodes"]["gpu-b"].as_str().unwrap().contains("9360 of 15360 MiB free"), "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_switches_over_from_alibabas_extender() {
+    let h = start_with(true, 1 << 20).await;
+    h.api.create_node(node_object("gpu-a", 2, 15_360)).unwrap();
+    // Running pods Alibaba's extender placed: GPU 1 (minor 1) holds 14 000 MiB.
+    let mut old = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "legacy", "namespace": "default",
+                     "annotations": {alibaba::IDX: "1", alibaba::POD: "14000", alibaba::DEV: "15360",
+                                     alibaba::ASSIGNED: "true", alibaba::ASSUME_TIME: "1700000000000000000"}},
+        "spec": {"nodeName": "gpu-a", "containers": [{"name": "main", "image": "cuda",
+                 "resources": {"limits": {alibaba::MEMORY_RESOURCE: "14000"}}}]},
+        "status": {"phase": "Running"}
+    });
+    old = h.api.create_pod("default", old).unwrap();
+    assert_eq!(old["spec"]["nodeName"], "gpu-a");
+    // A new pod, unchanged workload YAML: Alibaba's resource name.
+    let new = h
+        .api
+        .create_pod(
+            "default",
+            json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "fresh", "namespace": "default"},
+                   "spec": {"containers": [{"name": "main", "image": "cuda",
+                            "resources": {"limits": {alibaba::MEMORY_RESOURCE: "8000"}}}]}}),
+        )
+        .unwrap();
+    until("ready", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().1) == 2).await;
+    let report = h.ext.report();
+    assert_eq!(report.nodes[0].gpus[1].used_mib, 14_000, "Alibaba's pod is counted: {report:?}");
+    let (_, body) = http(h.addr, "POST", "/gpushare-scheduler/bind", &bind_body(&new, "gpu-a")).await;
+    assert_eq!(body, r#"{"Error":""}"#);
+    let stored = h.api.pod("default", "fresh").unwrap();
+    let annotations = &stored["metadata"]["annotations"];
+    let a = Assignment::decode(annotations[ASSIGNMENT_KEY].as_str().unwrap()).unwrap();
+    assert_eq!(a.containers[0].gpus[0].index, 0, "GPU 1 is Alibaba's pod's: only GPU 0 has room");
+    // Alibaba's annotations too, for its device plugin and tools still in the cluster.
+    assert_eq!(annotations[alibaba::IDX], "0");
+    assert_eq!(annotations[alibaba::POD], "8000");
+    assert_eq!(annotations[alibaba::ASSIGNED], "false");
+}
