@@ -140,7 +140,7 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
                     }
                     Ok(watcher::Event::InitDone) => {
                         let found = ext.with_view(|v| v.replace_nodes(&relist));
-                        relist.clear();
+                        relist = Vec::new();
                         nodes_synced.store(true, Ordering::SeqCst);
                         ready();
                         found
@@ -176,7 +176,8 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
                     Ok(watcher::Event::Init) => relist.clear(),
                     Ok(watcher::Event::InitDone) => {
                         ext.with_view(|v| v.replace_pods(&relist));
-                        relist.clear();
+                        // Not just cleared: a big cluster's list should not stay allocated.
+                        relist = Vec::new();
                         pods_synced.store(true, Ordering::SeqCst);
                         ready();
                     }

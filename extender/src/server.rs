@@ -24,8 +24,8 @@ use axum::http::{StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use serde::Deserialize;
 use serde::Serialize;
-use serde::de::DeserializeOwned;
 use thiserror::Error;
 use tokio::net::TcpListener;
 
@@ -70,7 +70,7 @@ fn json<T: Serialize>(status: StatusCode, value: &T) -> Response {
     }
 }
 
-fn parse<C: Cluster, T: DeserializeOwned>(app: &App<C>, verb: &str, body: &Bytes) -> Result<T, Box<Response>> {
+fn parse<'de, C: Cluster, T: Deserialize<'de>>(app: &App<C>, verb: &str, body: &'de [u8]) -> Result<T, Box<Response>> {
     serde_json::from_slice(body).map_err(|e| {
         app.ext.metrics().bad_request();
         tracing::warn!(verb, error = %e, "malformed request");

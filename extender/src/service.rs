@@ -26,7 +26,7 @@ use crate::metrics::{BindOutcome, Metrics};
 use crate::objects::PodObject;
 use crate::view::{Assumed, ClusterView, Holding};
 use crate::wire::{
-    BindingArgs, BindingResult, ExtenderArgs, FilterResult, HostPriority, MetaPod, MetaVictims, NodeList,
+    BindingArgs, BindingResult, ExtenderArgs, FilterResult, HostPriority, MetaPod, MetaVictims, Name, NodeList,
     PreemptionArgs, PreemptionResult,
 };
 
@@ -160,7 +160,7 @@ impl<C: Cluster> Extender<C> {
     }
 
     /// `filter`: the candidate nodes where every GPU container of the pod fits.
-    pub fn filter(&self, args: &ExtenderArgs) -> FilterResult {
+    pub fn filter<'a>(&self, args: &'a ExtenderArgs<'_>) -> FilterResult<'a> {
         let candidates = args.candidates();
         let mut result = FilterResult::default();
         if !self.is_ready() {
@@ -176,20 +176,20 @@ impl<C: Cluster> Extender<C> {
                 Err(why) => {
                     let reason = format!("pod {}: {why}", args.pod.key());
                     for n in &candidates {
-                        result.failed_and_unresolvable.insert(n.clone(), reason.clone());
+                        result.failed_and_unresolvable.insert((*n).to_owned(), reason.clone());
                     }
                 }
                 Ok(request) if request.is_empty() => passing.clone_from(&candidates),
                 Ok(request) => {
-                    let gone = HashSet::from([args.pod.uid()]);
+                    let gone = view.evicted(&[args.pod.uid()]);
                     for n in &candidates {
                         match view.score(placer, n, &request, self.policies, &gone) {
-                            Ok(_) => passing.push(n.clone()),
+                            Ok(_) => passing.push(*n),
                             Err(r) if r.is_resolvable() => {
-                                result.failed_nodes.insert(n.clone(), r.to_string());
+                                result.failed_nodes.insert((*n).to_owned(), r.to_string());
                             }
                             Err(r) => {
-                                result.failed_and_unresolvable.insert(n.clone(), r.to_string());
+                                result.failed_and_unresolvable.insert((*n).to_owned(), r.to_string());
                             }
                         }
                     }
@@ -197,9 +197,9 @@ impl<C: Cluster> Extender<C> {
             }
         }
         if args.node_names.is_some() || args.nodes.is_none() {
-            result.node_names = Some(passing);
+            result.node_names = Some(passing.into_iter().map(Name::from).collect());
         } else if let Some(list) = &args.nodes {
-            let keep: HashSet<&str> = passing.iter().map(String::as_str).collect();
+            let keep: HashSet<&str> = passing.into_iter().collect();
             let items = list.items.iter().filter(|n| keep.contains(NodeList::name_of(n))).cloned().collect();
             result.nodes = Some(NodeList { items });
         }
@@ -207,20 +207,20 @@ impl<C: Cluster> Extender<C> {
     }
 
     /// `prioritize`: 0–10 per candidate under the node policy; 0 where the pod does not fit.
-    pub fn prioritize(&self, args: &ExtenderArgs) -> Vec<HostPriority> {
+    pub fn prioritize<'a>(&self, args: &'a ExtenderArgs<'_>) -> Vec<HostPriority<'a>> {
         let candidates = args.candidates();
         let mut s = self.state();
         let State { view, placer } = &mut *s;
         let request = view.request_of(&args.pod).ok().filter(|r| !r.is_empty());
-        let gone = HashSet::from([args.pod.uid()]);
+        let gone = view.evicted(&[args.pod.uid()]);
         candidates
             .into_iter()
             .map(|host| {
                 let score = match &request {
-                    Some(r) if self.is_ready() => view.score(placer, &host, r, self.policies, &gone).unwrap_or(0),
+                    Some(r) if self.is_ready() => view.score(placer, host, r, self.policies, &gone).unwrap_or(0),
                     _ => 0,
                 };
-                HostPriority { host, score: i64::from(score) }
+                HostPriority { host: Name::from(host), score: i64::from(score) }
             })
             .collect()
     }
@@ -312,7 +312,7 @@ impl<C: Cluster> Extender<C> {
             }
             let mut annotations = BTreeMap::new();
             if !request.is_empty() {
-                let gone = HashSet::from([uid.as_str()]);
+                let gone = view.evicted(&[uid.as_str()]);
                 let assignment = view
                     .place(placer, &args.node, &request, self.policies.gpu, &gone)
                     .map_err(|r| (BindOutcome::NoFit, format!("pod {key} no longer fits node {}: {r}", args.node)))?;
@@ -418,8 +418,9 @@ impl<C: Cluster> Extender<C> {
                 (prio.unwrap_or(0), std::cmp::Reverse(holders.get(uid).copied().unwrap_or(0)))
             });
             let fits = |view: &mut ClusterView, placer: &mut Placer, chosen: &[&str]| {
-                let mut gone: HashSet<&str> = chosen.iter().copied().collect();
-                gone.insert(me);
+                let mut uids = chosen.to_vec();
+                uids.push(me);
+                let gone = view.evicted(&uids);
                 view.place(placer, &node, &request, self.policies.gpu, &gone).is_ok()
             };
             let mut chosen: Vec<&str> = Vec::new();

@@ -13,6 +13,7 @@
 //!   expire after a configurable time in case the watch never shows them.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::time::{Duration, Instant};
 
 use gpushare_core::codec::alibaba::AlibabaAnnotations;
@@ -23,6 +24,64 @@ use gpushare_core::schedule::Policies;
 use gpushare_core::{MemoryUnit, Mib, NodeInventory, PodRequest, ResourceNames};
 
 use crate::objects::{NodeObject, PodObject};
+
+/// `FxHash`: a fast hash for the view's short keys (node names, UIDs). They come from the API
+/// server, not from anyone who could choose colliding keys, so `SipHash`'s flood resistance is
+/// not needed, and it cost a quarter of a 5,000-node filter.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FxHasher(u64);
+
+impl FxHasher {
+    fn add(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+}
+
+impl Hasher for FxHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(c);
+            self.add(u64::from_le_bytes(w));
+        }
+        let rest = chunks.remainder();
+        if !rest.is_empty() {
+            let mut w = [0u8; 8];
+            w[..rest.len()].copy_from_slice(rest);
+            self.add(u64::from_le_bytes(w));
+        }
+    }
+
+    fn write_u8(&mut self, i: u8) {
+        self.add(u64::from(i));
+    }
+
+    fn write_usize(&mut self, i: usize) {
+        self.add(i as u64);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// A map keyed by node name or UID.
+pub type FxMap<K, V> = HashMap<K, V, BuildHasherDefault<FxHasher>>;
+
+/// Pods to count as gone (the pod being placed, preemption victims) and the nodes where they
+/// hold memory, found once per request so that untouched nodes cost nothing extra.
+#[derive(Clone, Debug, Default)]
+pub struct Evicted<'a> {
+    uids: HashSet<&'a str>,
+    nodes: Vec<String>,
+}
+
+impl Evicted<'_> {
+    fn touches(&self, node: &str) -> bool {
+        self.nodes.iter().any(|n| n == node)
+    }
+}
 
 /// What the view needs to know about the cluster's settings.
 #[derive(Clone, Debug)]
@@ -119,6 +178,8 @@ pub struct Usage {
     pub pods: Vec<Holder>,
     /// Pods bound to the node with a request but no placement yet (Alibaba's `PENDING`).
     pub pending: Vec<(String, Mib)>,
+    /// `base` plus every holder.
+    total: Vec<Mib>,
 }
 
 /// One pod's memory on a node.
@@ -138,7 +199,7 @@ impl Usage {
     /// Total per GPU position.
     #[must_use]
     pub fn total(&self) -> Vec<Mib> {
-        self.without(&HashSet::new())
+        self.total.clone()
     }
 
     /// Total per GPU position if the pods in `gone` released their memory.
@@ -192,12 +253,14 @@ impl std::fmt::Display for NodeRefusal {
 #[derive(Debug)]
 pub struct ClusterView {
     config: ViewConfig,
-    nodes: HashMap<String, NodeEntry>,
+    nodes: FxMap<String, NodeEntry>,
     /// UIDs of the GPU pods bound to each node name, whether or not the node is known yet (the
     /// pod watch may deliver before the node watch).
-    bound: HashMap<String, BTreeSet<String>>,
-    pods: HashMap<String, PodEntry>,
-    assumed: HashMap<String, Assumed>,
+    bound: FxMap<String, BTreeSet<String>>,
+    /// Nodes whose daemon reports each UID (normally one).
+    reported: FxMap<String, Vec<String>>,
+    pods: FxMap<String, PodEntry>,
+    assumed: FxMap<String, Assumed>,
     disagreements: u64,
 }
 
@@ -207,10 +270,11 @@ impl ClusterView {
     pub fn new(config: ViewConfig) -> Self {
         ClusterView {
             config,
-            nodes: HashMap::new(),
-            bound: HashMap::new(),
-            pods: HashMap::new(),
-            assumed: HashMap::new(),
+            nodes: FxMap::default(),
+            bound: FxMap::default(),
+            reported: FxMap::default(),
+            pods: FxMap::default(),
+            assumed: FxMap::default(),
             disagreements: 0,
         }
     }
@@ -264,6 +328,7 @@ impl ClusterView {
                 Err(e) => NodeGpus::Invalid(e.to_string()),
             },
         };
+        self.index_reports(&name, &gpus);
         let entry = self.nodes.entry(name.clone()).or_insert_with(|| NodeEntry {
             address: String::new(),
             gpus: NodeGpus::NotSharing,
@@ -286,9 +351,49 @@ impl ClusterView {
         }
     }
 
+    /// Keeps `reported` (UID → nodes whose daemon holds it) in step as `node` changes to `new`.
+    fn index_reports(&mut self, node: &str, new: &NodeGpus) {
+        if let Some(NodeGpus::Reported(old)) = self.nodes.get(node).map(|e| &e.gpus) {
+            for a in &old.allocations {
+                if let Some(nodes) = self.reported.get_mut(&a.pod.uid) {
+                    nodes.retain(|n| n != node);
+                    if nodes.is_empty() {
+                        self.reported.remove(&a.pod.uid);
+                    }
+                }
+            }
+        }
+        if let NodeGpus::Reported(state) = new {
+            for a in &state.allocations {
+                let nodes = self.reported.entry(a.pod.uid.clone()).or_default();
+                if !nodes.iter().any(|n| n == node) {
+                    nodes.push(node.to_owned());
+                }
+            }
+        }
+    }
+
     /// Removes a node.
     pub fn delete_node(&mut self, name: &str) {
+        self.index_reports(name, &NodeGpus::NotSharing);
         self.nodes.remove(name);
+    }
+
+    /// The pods in `uids` as gone, with the nodes where they hold memory.
+    #[must_use]
+    pub fn evicted<'a>(&self, uids: &[&'a str]) -> Evicted<'a> {
+        let mut nodes: Vec<String> = Vec::new();
+        for uid in uids {
+            let bound = self.pods.get(*uid).and_then(|p| p.node.clone());
+            let assumed = self.assumed.get(*uid).map(|a| a.node.clone());
+            let reported = self.reported.get(*uid).into_iter().flatten().cloned();
+            for n in bound.into_iter().chain(assumed).chain(reported) {
+                if !nodes.contains(&n) {
+                    nodes.push(n);
+                }
+            }
+        }
+        Evicted { uids: uids.iter().copied().collect(), nodes }
     }
 
     /// Replaces every node (a watch restart's full list).
@@ -299,7 +404,10 @@ impl ClusterView {
             seen.insert(n.name().to_owned());
             found.extend(self.apply_node(n));
         }
-        self.nodes.retain(|name, _| seen.contains(name));
+        let gone: Vec<String> = self.nodes.keys().filter(|n| !seen.contains(*n)).cloned().collect();
+        for name in gone {
+            self.delete_node(&name);
+        }
         found
     }
 
@@ -519,7 +627,7 @@ impl ClusterView {
             attributed[p] = attributed[p].saturating_add(a.mib);
         }
         let base = state.used.iter().zip(&attributed).map(|(u, a)| u.saturating_sub(*a)).collect();
-        let mut usage = Usage { base, pods: Vec::new(), pending: Vec::new() };
+        let mut usage = Usage { base, pods: Vec::new(), pending: Vec::new(), total: Vec::new() };
         let mut counted: HashSet<&str> = HashSet::new();
         for uid in self.bound.get(node).into_iter().flatten() {
             let Some(pod) = self.pods.get(uid) else { continue };
@@ -569,6 +677,7 @@ impl ClusterView {
         }
         usage.pods.sort_by(|a, b| a.pod.cmp(&b.pod).then_with(|| a.uid.cmp(&b.uid)));
         usage.pending.sort();
+        usage.total = usage.without(&HashSet::new());
         usage
     }
 
@@ -605,7 +714,31 @@ impl ClusterView {
         out
     }
 
-    /// Scores `node` for `pod` (0–10) with the pods in `gone` evicted (the pod itself, so an
+    /// Runs `f` on a node's inventory and its usage with the `evicted` pods gone: one lookup
+    /// when the usage is cached, no copy unless an evicted pod holds memory there.
+    fn with_node<R>(
+        &mut self,
+        node: &str,
+        evicted: &Evicted<'_>,
+        f: impl FnOnce(&NodeInventory, &[Mib]) -> R,
+    ) -> Result<R, NodeRefusal> {
+        if let Some(NodeEntry { gpus: NodeGpus::Reported(state), cache: Some(usage), .. }) = self.nodes.get(node) {
+            return Ok(if evicted.touches(node) {
+                f(&state.inventory, &usage.without(&evicted.uids))
+            } else {
+                f(&state.inventory, &usage.total)
+            });
+        }
+        self.usage(node)?;
+        match self.nodes.get(node) {
+            Some(NodeEntry { gpus: NodeGpus::Reported(state), cache: Some(usage), .. }) => {
+                Ok(f(&state.inventory, &usage.without(&evicted.uids)))
+            }
+            _ => Err(NodeRefusal::Unknown),
+        }
+    }
+
+    /// Scores `node` for `pod` (0–10) with the `evicted` pods gone (the pod itself, so an
     /// earlier try of its own bind does not count against it), or says why it cannot take it.
     ///
     /// # Errors
@@ -616,15 +749,15 @@ impl ClusterView {
         node: &str,
         pod: &PodRequest,
         policies: Policies,
-        gone: &HashSet<&str>,
+        evicted: &Evicted<'_>,
     ) -> Result<u8, NodeRefusal> {
-        let used = self.usage(node)?.without(gone);
-        let inventory = self.inventory(node)?;
-        let view = NodeView::new(inventory, &used).map_err(|e| NodeRefusal::Invalid(e.to_string()))?;
-        placer.score(view, pod, policies.gpu, policies.node).map_err(NodeRefusal::Rejected)
+        self.with_node(node, evicted, |inventory, used| {
+            let view = NodeView::new(inventory, used).map_err(|e| NodeRefusal::Invalid(e.to_string()))?;
+            placer.score(view, pod, policies.gpu, policies.node).map_err(NodeRefusal::Rejected)
+        })?
     }
 
-    /// Places `pod` on `node` as things stand, with the pods in `gone` evicted.
+    /// Places `pod` on `node` as things stand, with the `evicted` pods gone.
     ///
     /// # Errors
     /// The node's [`NodeRefusal`].
@@ -634,13 +767,13 @@ impl ClusterView {
         node: &str,
         pod: &PodRequest,
         policy: GpuPolicy,
-        gone: &HashSet<&str>,
+        evicted: &Evicted<'_>,
     ) -> Result<Assignment, NodeRefusal> {
-        let used = self.usage(node)?.without(gone);
-        let inventory = self.inventory(node)?;
-        let view = NodeView::new(inventory, &used).map_err(|e| NodeRefusal::Invalid(e.to_string()))?;
-        let placement = placer.place(view, pod, policy).map_err(NodeRefusal::Rejected)?;
-        Ok(Assignment::from_placement(node, inventory, pod, &placement))
+        self.with_node(node, evicted, |inventory, used| {
+            let view = NodeView::new(inventory, used).map_err(|e| NodeRefusal::Invalid(e.to_string()))?;
+            let placement = placer.place(view, pod, policy).map_err(NodeRefusal::Rejected)?;
+            Ok(Assignment::from_placement(node, inventory, pod, &placement))
+        })?
     }
 }
 

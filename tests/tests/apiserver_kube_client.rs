@@ -662,3 +662,40 @@ async fn malformed_requests_get_a_status_with_the_reason() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn lists_page_with_limit_and_continue() {
+    within(async {
+        let server = ApiServer::start().await.unwrap();
+        for i in 0..5 {
+            server.create_pod("default", pod_json(&format!("p{i}"), None)).unwrap();
+        }
+        server.create_pod("other", pod_json("q", None)).unwrap();
+        let pods: Api<Pod> = Api::all(client(&server).await);
+        let mut names = Vec::new();
+        let mut params = ListParams::default().limit(2);
+        let mut pages = 0;
+        loop {
+            let page = pods.list(&params).await.unwrap();
+            pages += 1;
+            names.extend(page.items.iter().map(|p| p.metadata.name.clone().unwrap()));
+            match page.metadata.continue_.filter(|c| !c.is_empty()) {
+                Some(token) => params = params.continue_token(&token),
+                None => break,
+            }
+        }
+        assert_eq!(pages, 3);
+        assert_eq!(names, ["p0", "p1", "p2", "p3", "p4", "q"]);
+        // The watcher pages its initial list the same way and sees every pod.
+        let seen = watcher(pods, watcher::Config::default().page_size(2))
+            .default_backoff()
+            .applied_objects()
+            .take(6)
+            .collect::<Vec<_>>()
+            .await;
+        assert_eq!(seen.len(), 6);
+        let (code, _) = raw(&server, "GET", "/api/v1/pods?limit=x", "application/json", "").await;
+        assert_eq!(code, 400);
+    })
+    .await;
+}

@@ -9,7 +9,7 @@ use serde_json::json;
 use super::fake::FakeCluster;
 use super::*;
 use crate::view::tests::{assignment, config, holding, node, pod};
-use crate::wire::{MetaVictims, NodeList};
+use crate::wire::{MetaVictims, Name, NodeList};
 
 fn extender(nodes: &[crate::objects::NodeObject], pods: &[PodObject]) -> Arc<Extender<FakeCluster>> {
     let cluster = FakeCluster::default();
@@ -26,8 +26,8 @@ fn extender(nodes: &[crate::objects::NodeObject], pods: &[PodObject]) -> Arc<Ext
     ext
 }
 
-fn args(pod: &PodObject, nodes: &[&str]) -> ExtenderArgs {
-    ExtenderArgs { pod: pod.clone(), nodes: None, node_names: Some(nodes.iter().map(|n| (*n).to_owned()).collect()) }
+fn args<'a>(pod: &PodObject, nodes: &[&'a str]) -> ExtenderArgs<'a> {
+    ExtenderArgs { pod: pod.clone(), nodes: None, node_names: Some(nodes.iter().map(|n| Name::from(*n)).collect()) }
 }
 
 fn bind_args(pod: &str, node: &str) -> BindingArgs {
@@ -48,15 +48,17 @@ fn filter_sorts_nodes_into_fit_preemptable_and_hopeless() {
         &[full],
     );
     let want = pod("want", 500, None, "Pending");
-    let r = ext.filter(&args(&want, &["free", "busy", "small", "cpu", "ghost"]));
-    assert_eq!(r.node_names.as_deref(), Some(&["free".to_owned()][..]));
+    let a = args(&want, &["free", "busy", "small", "cpu", "ghost"]);
+    let r = ext.filter(&a);
+    assert_eq!(r.node_names.as_deref(), Some(&[Name::from("free")][..]));
     assert_eq!(r.failed_nodes.keys().collect::<Vec<_>>(), ["busy"]);
     assert!(r.failed_nodes["busy"].contains("100 of 1000 MiB free"), "{:?}", r.failed_nodes);
     assert_eq!(r.failed_and_unresolvable.keys().collect::<Vec<_>>(), ["cpu", "ghost", "small"]);
     assert!(r.error.is_empty());
     // nodeCacheCapable: false — the passing Node objects go back as they came.
     let items = vec![json!({"metadata": {"name": "free"}, "extra": 1}), json!({"metadata": {"name": "busy"}})];
-    let r = ext.filter(&ExtenderArgs { pod: want.clone(), nodes: Some(NodeList { items }), node_names: None });
+    let a = ExtenderArgs { pod: want.clone(), nodes: Some(NodeList { items }), node_names: None };
+    let r = ext.filter(&a);
     assert_eq!(r.nodes.unwrap().items, [json!({"metadata": {"name": "free"}, "extra": 1})]);
     assert!(r.node_names.is_none());
     // An invalid request fails every node, unresolvably, with the reason.
@@ -65,7 +67,8 @@ fn filter_sorts_nodes_into_fit_preemptable_and_hopeless() {
         .resources
         .limits
         .insert("gpushare.io/gpu-mem".into(), gpushare_core::request::QuantityText("lots".into()));
-    let r = ext.filter(&args(&bad, &["free"]));
+    let a = args(&bad, &["free"]);
+    let r = ext.filter(&a);
     assert!(r.failed_and_unresolvable["free"].contains("lots"), "{r:?}");
     // Before the view has synced: an error the scheduler retries.
     ext.set_ready(false);
@@ -76,8 +79,9 @@ fn filter_sorts_nodes_into_fit_preemptable_and_hopeless() {
 fn prioritize_prefers_the_fuller_node_under_binpack() {
     let p = pod("p", 500, Some(("half", assignment("half", &[("main", &[(0, 500)])]))), "Running");
     let ext = extender(&[node("empty", 1, 1000, 1, vec![]), node("half", 1, 1000, 1, vec![])], &[p]);
-    let scores = ext.prioritize(&args(&pod("q", 400, None, "Pending"), &["empty", "half", "ghost"]));
-    let get = |h: &str| scores.iter().find(|s| s.host == h).unwrap().score;
+    let a = args(&pod("q", 400, None, "Pending"), &["empty", "half", "ghost"]);
+    let scores = ext.prioritize(&a);
+    let get = |h: &str| scores.iter().find(|s| s.host.as_str() == h).unwrap().score;
     assert!(get("half") > get("empty"), "{scores:?}");
     assert_eq!(get("ghost"), 0);
     assert!(scores.iter().all(|s| (0..=10).contains(&s.score)));

@@ -1,7 +1,6 @@
 //! Tests of the cluster view: usage from assignments, the daemon winning disagreements,
 //! in-flight binds, terminal pods, Alibaba's pods, pending pods.
 
-use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment, GpuShare};
@@ -157,10 +156,10 @@ fn in_flight_binds_count_until_the_watch_shows_them_and_roll_back_on_failure() {
     assert_eq!(used(&mut v, "n1"), [600]);
     let mut placer = Placer::new();
     let req = v.request_of(&pod("b", 600, None, "Pending")).unwrap();
-    let none = HashSet::new();
+    let none = Evicted::default();
     assert!(v.score(&mut placer, "n1", &req, Policies::default(), &none).unwrap_err().is_resolvable());
     // The pod's own bind does not count against itself.
-    assert!(v.score(&mut placer, "n1", &req, Policies::default(), &HashSet::from(["uid-a"])).is_ok());
+    assert!(v.score(&mut placer, "n1", &req, Policies::default(), &v.evicted(&["uid-a"])).is_ok());
     v.forget("uid-a");
     assert_eq!(used(&mut v, "n1"), [0]);
     // Bound: the watch's update replaces the assumption, counted once.
@@ -225,7 +224,7 @@ fn bound_pods_without_a_placement_are_pending_and_refusals_say_why() {
     v.apply_node(&broken);
     let req = v.request_of(&pod("x", 100, None, "Pending")).unwrap();
     let mut placer = Placer::new();
-    let none = HashSet::new();
+    let none = Evicted::default();
     let why = |v: &mut ClusterView, placer: &mut Placer, n: &str| {
         v.score(placer, n, &req, Policies::default(), &none).unwrap_err()
     };

@@ -258,10 +258,28 @@ fn list_or_watch(
     if matches!(query.get("watch").map(String::as_str), Some("true" | "1")) {
         return watch::start(shared, filter, query);
     }
+    // Paging as the real server does it: `limit`, and an opaque `continue` token (here the
+    // list's resourceVersion and the last key served). Later pages read the current objects;
+    // a watch from the first page's resourceVersion replays whatever changed meanwhile.
+    let limit = match query.get("limit").map(|l| l.parse::<usize>()) {
+        None | Some(Ok(0)) => usize::MAX,
+        Some(Ok(n)) => n,
+        Some(Err(_)) => return Err(ApiError::bad_request("limit must be a whole number")),
+    };
     let store = shared.lock();
-    let list = json!({"kind": kind.list_kind(), "apiVersion": "v1",
-                      "metadata": {"resourceVersion": store.resource_version().to_string()},
-                      "items": store.list(&filter)});
+    let (rv, after) = match query.get("continue").filter(|c| !c.is_empty()) {
+        None => (store.resource_version().to_string(), None),
+        Some(token) => match token.split_once(':') {
+            Some((rv, after)) if rv.parse::<u64>().is_ok() => (rv.to_owned(), Some(after)),
+            _ => return Err(ApiError::bad_request("continue key is not valid")),
+        },
+    };
+    let (items, last) = store.list_page(&filter, after, limit);
+    let mut metadata = json!({"resourceVersion": rv});
+    if let Some(last) = last {
+        metadata["continue"] = json!(format!("{rv}:{last}"));
+    }
+    let list = json!({"kind": kind.list_kind(), "apiVersion": "v1", "metadata": metadata, "items": items});
     Ok(json_response(StatusCode::OK, &list))
 }
 

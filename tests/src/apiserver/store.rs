@@ -99,11 +99,30 @@ impl Store {
     }
 
     pub(super) fn list(&self, filter: &Filter) -> Vec<Value> {
-        self.objects
-            .iter()
-            .filter(|(k, v)| k.kind == filter.kind() && filter.matches(v))
-            .map(|(_, v)| v.clone())
-            .collect()
+        self.list_page(filter, None, usize::MAX).0
+    }
+
+    /// At most `limit` matching objects after the one at `after` (`namespace/name`), in key
+    /// order, and the key of the last one when more remain.
+    pub(super) fn list_page(&self, filter: &Filter, after: Option<&str>, limit: usize) -> (Vec<Value>, Option<String>) {
+        let start = after.map(|a| {
+            let (namespace, name) = a.split_once('/').unwrap_or(("", a));
+            Key::new(filter.kind(), namespace, name)
+        });
+        let range = match &start {
+            Some(k) => self.objects.range((std::ops::Bound::Excluded(k.clone()), std::ops::Bound::Unbounded)),
+            None => self.objects.range(..),
+        };
+        let mut items = Vec::new();
+        let mut last = None;
+        for (k, v) in range.filter(|(k, v)| k.kind == filter.kind() && filter.matches(v)) {
+            if items.len() == limit {
+                return (items, last);
+            }
+            items.push(v.clone());
+            last = Some(format!("{}/{}", k.namespace, k.name));
+        }
+        (items, None)
     }
 
     /// Live events from now on.
