@@ -5,7 +5,8 @@
 //! node, and reads the extender's resident memory.
 //!
 //! Run: `cargo bench -p gpushare-extender --bench load`. Results: BENCHMARKS.md.
-//! `LOAD_NODES`, `LOAD_PODS_PER_NODE`, `LOAD_SECONDS` and `LOAD_CONNECTIONS` change the sizes.
+//! `LOAD_NODES`, `LOAD_PODS_PER_NODE`, `LOAD_SECONDS` and `LOAD_CONNECTIONS` change the sizes;
+//! `LOAD_EXTENDER_ENV=K=V,K=V` sets the extender's environment.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::cast_precision_loss)]
 
 use std::net::SocketAddr;
@@ -115,11 +116,11 @@ impl Conn {
     }
 }
 
-fn percentile(sorted: &[Duration], p: f64) -> f64 {
+fn percentile(sorted: &[Duration], p: usize) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }
-    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    let i = (sorted.len() - 1) * p / 100;
     sorted[i].as_secs_f64() * 1e3
 }
 
@@ -169,7 +170,7 @@ async fn measure(addr: SocketAddr, verb: &str, body: &[u8], seconds: u64, connec
     for t in tasks {
         total += t.await.unwrap();
     }
-    (percentile(&lat, 0.5), percentile(&lat, 0.99), single, total as f64 / seconds as f64)
+    (percentile(&lat, 50), percentile(&lat, 99), single, total as f64 / seconds as f64)
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -217,6 +218,12 @@ async fn main() {
         .arg("--config")
         .arg(&config)
         .env("RUST_LOG", "warn")
+        .envs(std::env::var("LOAD_EXTENDER_ENV").ok().iter().flat_map(|v| {
+            v.split(',')
+                .filter_map(|kv| kv.split_once('='))
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect::<Vec<_>>()
+        }))
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .spawn()

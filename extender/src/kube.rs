@@ -141,6 +141,7 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
                     Ok(watcher::Event::InitDone) => {
                         let found = ext.with_view(|v| v.replace_nodes(&relist));
                         relist = Vec::new();
+                        crate::memory::release_free_memory();
                         nodes_synced.store(true, Ordering::SeqCst);
                         ready();
                         found
@@ -178,6 +179,7 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
                         ext.with_view(|v| v.replace_pods(&relist));
                         // Not just cleared: a big cluster's list should not stay allocated.
                         relist = Vec::new();
+                        crate::memory::release_free_memory();
                         pods_synced.store(true, Ordering::SeqCst);
                         ready();
                     }

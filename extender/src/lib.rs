@@ -7,11 +7,12 @@
 //! - [`service`]: the verbs, over the view and the [`service::Cluster`] seam;
 //! - [`wire`]: kube-scheduler's extender JSON;
 //! - [`server`]: the HTTP adapter; [`kube`]: the API server; [`config`]: the config file;
-//! - [`metrics`], [`inspect`], [`simulate`].
+//! - [`metrics`], [`inspect`], [`simulate`], [`memory`].
 
 pub mod config;
 pub mod inspect;
 pub mod kube;
+pub mod memory;
 pub mod metrics;
 pub mod objects;
 pub mod server;
