@@ -24,7 +24,7 @@ use thiserror::Error;
 use crate::inspect::ClusterReport;
 use crate::metrics::{BindOutcome, Metrics};
 use crate::objects::PodObject;
-use crate::view::{Assumed, ClusterView, Holding};
+use crate::view::{Assumed, ClusterView, Evicted, Holding, NodeRefusal};
 use crate::wire::{
     BindingArgs, BindingResult, ExtenderArgs, FilterResult, HostPriority, MetaPod, MetaVictims, Name, NodeList,
     PreemptionArgs, PreemptionResult,
@@ -116,7 +116,10 @@ impl<C: Cluster> Extender<C> {
 
     /// Runs `f` on the view (the watchers feed it through this).
     pub fn with_view<R>(&self, f: impl FnOnce(&mut ClusterView) -> R) -> R {
-        f(&mut self.state().view)
+        let mut s = self.state();
+        let r = f(&mut s.view);
+        s.view.refresh();
+        r
     }
 
     /// Marks the view synced (both initial lists applied) or not.
@@ -157,6 +160,7 @@ impl<C: Cluster> Extender<C> {
             tracing::warn!(pod = %format!("{}/{}", a.namespace, a.name), uid = %uid, node = %a.node, bound = a.bound,
                 "in-flight bind never showed in the watch; no longer counted");
         }
+        view.refresh();
     }
 
     /// `filter`: the candidate nodes where every GPU container of the pod fits.
@@ -182,8 +186,9 @@ impl<C: Cluster> Extender<C> {
                 Ok(request) if request.is_empty() => passing.clone_from(&candidates),
                 Ok(request) => {
                     let gone = view.evicted(&[args.pod.uid()]);
-                    for n in &candidates {
-                        match view.score(placer, n, &request, self.policies, &gone) {
+                    let verdicts = self.verdicts(view, placer, &candidates, &request, &gone);
+                    for (n, verdict) in candidates.iter().zip(verdicts) {
+                        match verdict {
                             Ok(_) => passing.push(*n),
                             Err(r) if r.is_resolvable() => {
                                 result.failed_nodes.insert((*n).to_owned(), r.to_string());
@@ -213,16 +218,29 @@ impl<C: Cluster> Extender<C> {
         let State { view, placer } = &mut *s;
         let request = view.request_of(&args.pod).ok().filter(|r| !r.is_empty());
         let gone = view.evicted(&[args.pod.uid()]);
+        let scores: Vec<u8> = match &request {
+            Some(r) if self.is_ready() => {
+                self.verdicts(view, placer, &candidates, r, &gone).into_iter().map(|v| v.unwrap_or(0)).collect()
+            }
+            _ => vec![0; candidates.len()],
+        };
         candidates
             .into_iter()
-            .map(|host| {
-                let score = match &request {
-                    Some(r) if self.is_ready() => view.score(placer, host, r, self.policies, &gone).unwrap_or(0),
-                    _ => 0,
-                };
-                HostPriority { host: Name::from(host), score: i64::from(score) }
-            })
+            .zip(scores)
+            .map(|(host, score)| HostPriority { host: Name::from(host), score: i64::from(score) })
             .collect()
+    }
+
+    /// Each candidate's score or refusal, in order.
+    fn verdicts(
+        &self,
+        view: &ClusterView,
+        placer: &mut Placer,
+        names: &[&str],
+        request: &PodRequest,
+        gone: &Evicted<'_>,
+    ) -> Vec<Result<u8, NodeRefusal>> {
+        names.iter().map(|n| view.score(placer, n, request, self.policies, gone)).collect()
     }
 
     fn node_lock(&self, node: &str) -> Arc<tokio::sync::Mutex<()>> {
@@ -325,6 +343,7 @@ impl<C: Cluster> Extender<C> {
                     annotations.extend(a.encode());
                 }
                 view.assume(&uid, Self::assumed(namespace, &args.pod_name, &args.node, assignment));
+                view.refresh();
             }
             Binding {
                 namespace: namespace.to_owned(),
@@ -349,14 +368,19 @@ impl<C: Cluster> Extender<C> {
                 let mut s = self.state();
                 if let Some(pod) = landed {
                     s.view.apply_pod(&pod);
+                    s.view.refresh();
                     Ok(())
                 } else {
                     s.view.forget(&uid);
+                    s.view.refresh();
                     Err((BindOutcome::Failed, format!("binding pod {key} to {}: {why}", args.node)))
                 }
             }
             Err(e) => {
-                self.state().view.forget(&uid);
+                let mut s = self.state();
+                s.view.forget(&uid);
+                s.view.refresh();
+                drop(s);
                 Err((BindOutcome::Failed, format!("binding pod {key} to {}: {e}", args.node)))
             }
         }
@@ -417,7 +441,7 @@ impl<C: Cluster> Extender<C> {
             gpu_victims.sort_by_key(|(uid, prio)| {
                 (prio.unwrap_or(0), std::cmp::Reverse(holders.get(uid).copied().unwrap_or(0)))
             });
-            let fits = |view: &mut ClusterView, placer: &mut Placer, chosen: &[&str]| {
+            let fits = |view: &ClusterView, placer: &mut Placer, chosen: &[&str]| {
                 let mut uids = chosen.to_vec();
                 uids.push(me);
                 let gone = view.evicted(&uids);

@@ -257,6 +257,8 @@ pub struct ClusterView {
     /// UIDs of the GPU pods bound to each node name, whether or not the node is known yet (the
     /// pod watch may deliver before the node watch).
     bound: FxMap<String, BTreeSet<String>>,
+    /// Nodes whose usage changed since the last [`ClusterView::refresh`].
+    dirty: Vec<String>,
     /// Nodes whose daemon reports each UID (normally one).
     reported: FxMap<String, Vec<String>>,
     pods: FxMap<String, PodEntry>,
@@ -273,6 +275,7 @@ impl ClusterView {
             nodes: FxMap::default(),
             bound: FxMap::default(),
             reported: FxMap::default(),
+            dirty: Vec::new(),
             pods: FxMap::default(),
             assumed: FxMap::default(),
             disagreements: 0,
@@ -312,8 +315,24 @@ impl ClusterView {
     }
 
     fn touch(&mut self, node: Option<&str>) {
-        if let Some(entry) = node.and_then(|n| self.nodes.get_mut(n)) {
+        if let Some(n) = node
+            && let Some(entry) = self.nodes.get_mut(n)
+        {
             entry.cache = None;
+            self.dirty.push(n.to_owned());
+        }
+    }
+
+    /// Recomputes the usage of every node changed since the last call, so that readers find
+    /// it cached. Call after a batch of changes.
+    pub fn refresh(&mut self) {
+        for name in std::mem::take(&mut self.dirty) {
+            if let Some(NodeEntry { gpus: NodeGpus::Reported(_), cache: None, .. }) = self.nodes.get(&name) {
+                let usage = self.compute_usage(&name);
+                if let Some(e) = self.nodes.get_mut(&name) {
+                    e.cache = Some(usage);
+                }
+            }
         }
     }
 
@@ -341,6 +360,8 @@ impl ClusterView {
         entry.address = node.address().to_owned();
         entry.gpus = gpus;
         entry.cache = None;
+        self.dirty.push(name.clone());
+        let Some(entry) = self.nodes.get(&name) else { return Vec::new() };
         match &entry.gpus {
             NodeGpus::Reported(s) if old_generation != Some(s.generation) => {
                 let found = self.disagreements_on(&name);
@@ -717,24 +738,22 @@ impl ClusterView {
     /// Runs `f` on a node's inventory and its usage with the `evicted` pods gone: one lookup
     /// when the usage is cached, no copy unless an evicted pod holds memory there.
     fn with_node<R>(
-        &mut self,
+        &self,
         node: &str,
         evicted: &Evicted<'_>,
         f: impl FnOnce(&NodeInventory, &[Mib]) -> R,
     ) -> Result<R, NodeRefusal> {
-        if let Some(NodeEntry { gpus: NodeGpus::Reported(state), cache: Some(usage), .. }) = self.nodes.get(node) {
-            return Ok(if evicted.touches(node) {
-                f(&state.inventory, &usage.without(&evicted.uids))
-            } else {
-                f(&state.inventory, &usage.total)
-            });
-        }
-        self.usage(node)?;
-        match self.nodes.get(node) {
-            Some(NodeEntry { gpus: NodeGpus::Reported(state), cache: Some(usage), .. }) => {
-                Ok(f(&state.inventory, &usage.without(&evicted.uids)))
-            }
-            _ => Err(NodeRefusal::Unknown),
+        let entry = self.nodes.get(node).ok_or(NodeRefusal::Unknown)?;
+        let inventory = match &entry.gpus {
+            NodeGpus::Reported(s) => &s.inventory,
+            NodeGpus::NotSharing => return Err(NodeRefusal::NotSharing),
+            NodeGpus::Invalid(why) => return Err(NodeRefusal::Invalid(why.clone())),
+        };
+        match &entry.cache {
+            Some(usage) if !evicted.touches(node) => Ok(f(inventory, &usage.total)),
+            Some(usage) => Ok(f(inventory, &usage.without(&evicted.uids))),
+            // Not refreshed yet: computed for this call only.
+            None => Ok(f(inventory, &self.compute_usage(node).without(&evicted.uids))),
         }
     }
 
@@ -744,7 +763,7 @@ impl ClusterView {
     /// # Errors
     /// The node's [`NodeRefusal`].
     pub fn score(
-        &mut self,
+        &self,
         placer: &mut Placer,
         node: &str,
         pod: &PodRequest,
@@ -762,7 +781,7 @@ impl ClusterView {
     /// # Errors
     /// The node's [`NodeRefusal`].
     pub fn place(
-        &mut self,
+        &self,
         placer: &mut Placer,
         node: &str,
         pod: &PodRequest,
