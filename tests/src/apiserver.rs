@@ -3,7 +3,9 @@
 //! and Nodes on `127.0.0.1`:
 //!
 //! - list with field selectors (`=`, `==`, `!=` on any dotted path) and label selectors
-//!   (`k=v`, `k!=v`, `k`, `!k`, `k in (a,b)`, `k notin (a,b)`); `limit`/`continue` are ignored;
+//!   (`k=v`, `k!=v`, `k`, `!k`, `k in (a,b)`, `k notin (a,b)`); paging with `limit` and
+//!   `continue` (later pages read the current objects; the list keeps the first page's
+//!   resourceVersion, so a watch from it replays what changed);
 //! - watch from a resourceVersion over a bounded event history, with bookmarks, `sendInitialEvents`,
 //!   `timeoutSeconds`, `DELETED`/`ADDED` when an update moves an object out of or into a watch's
 //!   selector, and an `ERROR` event with a `410 Expired` Status once the history has moved on;

@@ -191,7 +191,7 @@ async fn create_get_list_with_selectors_and_delete() {
         assert_eq!(list(ListParams::default().fields("spec.nodeName=")).await, ["c"]);
         assert_eq!(list(ListParams::default().labels("app=x")).await, ["a"]);
         assert_eq!(list(ListParams::default().labels("!app")).await, ["b", "c"]);
-        assert_eq!(list(ListParams::default().limit(1)).await, ["a", "b", "c"], "limit is ignored");
+        assert_eq!(list(ListParams::default().limit(1)).await, ["a"], "one page of one");
         let everywhere: Api<Pod> = Api::all(client.clone());
         let on_a = everywhere.list(&ListParams::default().fields("spec.nodeName=node-a")).await.unwrap();
         assert_eq!(on_a.metadata.resource_version, Some(server.resource_version().to_string()));
