@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use gpushare_core::MemoryUnit;
 use gpushare_core::placement::{GpuPolicy, NodePolicy};
+pub use gpushare_core::request::Compatibility;
 use gpushare_core::request::{ResourceName, ResourceNames};
 use gpushare_core::schedule::Policies;
 use serde::Deserialize;
@@ -129,17 +130,6 @@ pub struct KubernetesConfig {
     pub kubeconfig: Option<PathBuf>,
 }
 
-/// `gpushare` or `alibaba`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Compatibility {
-    /// gpushare's own names.
-    #[default]
-    Gpushare,
-    /// Alibaba gpushare's names and annotations too.
-    Alibaba,
-}
-
 /// `[resources]`.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -162,14 +152,7 @@ impl ResourcesConfig {
     /// The resource names in force.
     #[must_use]
     pub fn names(&self) -> ResourceNames {
-        let base = match self.compatibility {
-            Compatibility::Gpushare => ResourceNames::gpushare(),
-            Compatibility::Alibaba => ResourceNames::alibaba(),
-        };
-        ResourceNames {
-            memory: self.memory.clone().unwrap_or(base.memory),
-            count: self.count.clone().unwrap_or(base.count),
-        }
+        ResourceNames::configured(self.compatibility, self.memory.clone(), self.count.clone())
     }
 }
 

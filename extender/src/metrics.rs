@@ -160,43 +160,31 @@ impl Metrics {
         let _ = writeln!(out, "gpushare_extender_view_objects{{kind=\"nodes\"}} {}", view.0);
         let _ = writeln!(out, "gpushare_extender_view_objects{{kind=\"gpu_pods\"}} {}", view.1);
         let _ = writeln!(out, "gpushare_extender_view_objects{{kind=\"inflight_binds\"}} {}", view.2);
-        out.push_str("# HELP gpushare_gpu_memory_used_mib GPU memory in use, reconciled view.\n");
-        out.push_str("# TYPE gpushare_gpu_memory_used_mib gauge\n");
-        for g in gpus {
-            let _ = writeln!(
-                out,
-                "gpushare_gpu_memory_used_mib{{node=\"{}\",gpu=\"{}\",uuid=\"{}\"}} {}",
-                escape(&g.node),
-                g.index,
-                escape(&g.uuid),
-                g.used_mib
-            );
-        }
-        out.push_str("# HELP gpushare_gpu_memory_total_mib GPU memory that can be allocated.\n");
-        out.push_str("# TYPE gpushare_gpu_memory_total_mib gauge\n");
-        for g in gpus {
-            let _ = writeln!(
-                out,
-                "gpushare_gpu_memory_total_mib{{node=\"{}\",gpu=\"{}\",uuid=\"{}\"}} {}",
-                escape(&g.node),
-                g.index,
-                escape(&g.uuid),
-                g.total_mib
-            );
-        }
-        out.push_str("# HELP gpushare_gpu_schedulable Whether the GPU takes allocations (healthy, not cordoned).\n");
-        out.push_str("# TYPE gpushare_gpu_schedulable gauge\n");
-        for g in gpus {
-            let _ = writeln!(
-                out,
-                "gpushare_gpu_schedulable{{node=\"{}\",gpu=\"{}\",uuid=\"{}\"}} {}",
-                escape(&g.node),
-                g.index,
-                escape(&g.uuid),
-                u8::from(g.schedulable)
-            );
-        }
+        per_gpu(&mut out, "gpushare_gpu_memory_used_mib", "GPU memory in use, reconciled view.", gpus, |g| g.used_mib);
+        per_gpu(&mut out, "gpushare_gpu_memory_total_mib", "GPU memory that can be allocated.", gpus, |g| g.total_mib);
+        per_gpu(
+            &mut out,
+            "gpushare_gpu_schedulable",
+            "Whether the GPU takes allocations (healthy, not cordoned).",
+            gpus,
+            |g| u64::from(g.schedulable),
+        );
         out
+    }
+}
+
+/// One gauge with a sample per GPU.
+fn per_gpu(out: &mut String, name: &str, help: &str, gpus: &[GpuSample], value: impl Fn(&GpuSample) -> u64) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+    for g in gpus {
+        let _ = writeln!(
+            out,
+            "{name}{{node=\"{}\",gpu=\"{}\",uuid=\"{}\"}} {}",
+            escape(&g.node),
+            g.index,
+            escape(&g.uuid),
+            value(g)
+        );
     }
 }
 

@@ -103,7 +103,29 @@ pub struct ResourceNames {
     pub count: ResourceName,
 }
 
+/// Which names, annotations and env vars a cluster uses: the one setting the daemon and the
+/// extender share (`[resources] compatibility` in both configuration files).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Compatibility {
+    /// gpushare's own names.
+    #[default]
+    Gpushare,
+    /// Alibaba gpushare's names, annotations and env vars too.
+    Alibaba,
+}
+
 impl ResourceNames {
+    /// The names under `compatibility`, with either one overridden.
+    #[must_use]
+    pub fn configured(compatibility: Compatibility, memory: Option<ResourceName>, count: Option<ResourceName>) -> Self {
+        let base = match compatibility {
+            Compatibility::Gpushare => ResourceNames::gpushare(),
+            Compatibility::Alibaba => ResourceNames::alibaba(),
+        };
+        ResourceNames { memory: memory.unwrap_or(base.memory), count: count.unwrap_or(base.count) }
+    }
+
     /// gpushare's own names: `gpushare.io/gpu-mem` and `gpushare.io/gpu-count`.
     #[must_use]
     pub fn gpushare() -> Self {

@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+pub use gpushare_core::request::Compatibility;
 use gpushare_core::request::{ResourceName, ResourceNames};
 use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib};
 use serde::Deserialize;
@@ -181,17 +182,6 @@ fn default_ledger() -> AbsPath {
     abs("/var/lib/gpushare/ledger.db")
 }
 
-/// Which names, annotations and env vars the cluster uses.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Compatibility {
-    /// gpushare's own names.
-    #[default]
-    Gpushare,
-    /// Alibaba gpushare's names, annotations and env vars too.
-    Alibaba,
-}
-
 /// `[resources]`.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -234,14 +224,7 @@ impl ResourcesConfig {
     /// The resource names in force.
     #[must_use]
     pub fn names(&self) -> ResourceNames {
-        let base = match self.compatibility {
-            Compatibility::Gpushare => ResourceNames::gpushare(),
-            Compatibility::Alibaba => ResourceNames::alibaba(),
-        };
-        ResourceNames {
-            memory: self.memory.clone().unwrap_or(base.memory),
-            count: self.count.clone().unwrap_or(base.count),
-        }
+        ResourceNames::configured(self.compatibility, self.memory.clone(), self.count.clone())
     }
 }
 
