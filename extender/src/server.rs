@@ -108,26 +108,33 @@ pub fn router<C: Cluster>(ext: Arc<Extender<C>>, options: &ServerOptions) -> Rou
         .with_state(App { ext })
 }
 
-async fn filter<C: Cluster>(State(app): State<App<C>>, body: Bytes) -> Response {
+/// Parses a verb's body, answers it with `answer`, and times it.
+fn verb<'de, C: Cluster, A: Deserialize<'de>>(
+    app: &App<C>,
+    name: &str,
+    body: &'de [u8],
+    answer: impl FnOnce(&A) -> Response,
+) -> Response {
     let start = Instant::now();
-    let args: ExtenderArgs = match parse(&app, "filter", &body) {
+    let args: A = match parse(app, name, body) {
         Ok(a) => a,
         Err(r) => return *r,
     };
-    let result = app.ext.filter(&args);
-    app.ext.metrics().observe("filter", start.elapsed());
-    json(StatusCode::OK, &result)
+    let response = answer(&args);
+    app.ext.metrics().observe(name, start.elapsed());
+    response
+}
+
+async fn filter<C: Cluster>(State(app): State<App<C>>, body: Bytes) -> Response {
+    verb(&app, "filter", &body, |args: &ExtenderArgs| json(StatusCode::OK, &app.ext.filter(args)))
 }
 
 async fn prioritize<C: Cluster>(State(app): State<App<C>>, body: Bytes) -> Response {
-    let start = Instant::now();
-    let args: ExtenderArgs = match parse(&app, "prioritize", &body) {
-        Ok(a) => a,
-        Err(r) => return *r,
-    };
-    let result = app.ext.prioritize(&args);
-    app.ext.metrics().observe("prioritize", start.elapsed());
-    json(StatusCode::OK, &result)
+    verb(&app, "prioritize", &body, |args: &ExtenderArgs| json(StatusCode::OK, &app.ext.prioritize(args)))
+}
+
+async fn preempt<C: Cluster>(State(app): State<App<C>>, body: Bytes) -> Response {
+    verb(&app, "preempt", &body, |args: &PreemptionArgs| json(StatusCode::OK, &app.ext.preempt(args)))
 }
 
 async fn bind<C: Cluster>(State(app): State<App<C>>, body: Bytes) -> Response {
@@ -143,17 +150,6 @@ async fn bind<C: Cluster>(State(app): State<App<C>>, body: Bytes) -> Response {
         .await
         .unwrap_or_else(|e| BindingResult { error: format!("bind failed inside the extender: {e}") });
     app.ext.metrics().observe("bind", start.elapsed());
-    json(StatusCode::OK, &result)
-}
-
-async fn preempt<C: Cluster>(State(app): State<App<C>>, body: Bytes) -> Response {
-    let start = Instant::now();
-    let args: PreemptionArgs = match parse(&app, "preempt", &body) {
-        Ok(a) => a,
-        Err(r) => return *r,
-    };
-    let result = app.ext.preempt(&args);
-    app.ext.metrics().observe("preempt", start.elapsed());
     json(StatusCode::OK, &result)
 }
 
