@@ -16,15 +16,17 @@ use std::sync::{Arc, Mutex};
 
 use gpushare_core::codec::alibaba;
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment};
-use gpushare_core::codec::node::PodRef;
+use gpushare_core::codec::node::{NodeAllocation, NodeState, PodRef};
 use gpushare_core::devices::DeviceMap;
 use gpushare_core::placement::footprint;
-use gpushare_core::{ContainerRole, GpuUuid, Mib, NodeInventory, PodRequest, ResourceNames};
+use gpushare_core::{ContainerRole, GpuUuid, Health, Mib, NodeInventory, PodRequest, ResourceNames};
 use thiserror::Error;
+use tokio::sync::watch;
 
 use crate::config::Compatibility;
 use crate::ledger::{Ledger, LedgerError, NewRow, Row, request_key};
 use crate::pods::{PodStore, PodView, StoredPod};
+use crate::reconcile::{KnownPod, KubeletView, Repair};
 
 /// Why a kubelet call cannot be served. Every message says what an operator can do.
 #[derive(Debug, Error)]
@@ -117,7 +119,9 @@ struct Held {
     /// [`key_hash`] of the row's device set: most `Allocate` calls are for a new set, and this
     /// tells them so without reading the ledger.
     key_hash: u64,
-    uid: String,
+    /// The ledger row.
+    id: i64,
+    pod: PodRef,
     container: String,
     role: ContainerRole,
     gpu: GpuUuid,
@@ -128,7 +132,8 @@ impl From<&Row> for Held {
     fn from(r: &Row) -> Self {
         Held {
             key_hash: key_hash(&r.request_key),
-            uid: r.pod.uid.clone(),
+            id: r.id,
+            pod: r.pod.clone(),
             container: r.container.clone(),
             role: r.role,
             gpu: r.gpu_uuid.clone(),
@@ -140,6 +145,9 @@ impl From<&Row> for Held {
 #[derive(Debug)]
 struct State {
     ledger: Ledger,
+    /// The GPUs with their current health and cordon (the static facts are also in
+    /// [`Allocator::inventory`]).
+    inventory: NodeInventory,
     /// The live rows, in allocation order.
     held: Vec<Held>,
     /// Proposals by device-set key.
@@ -187,6 +195,9 @@ pub struct Allocator {
     devices: DeviceMap,
     pods: PodStore,
     state: Mutex<State>,
+    /// Bumped after every change of the ledger's live rows or of a GPU's health, so the
+    /// node annotation and the systemd status follow.
+    changes: watch::Sender<u64>,
 }
 
 impl Allocator {
@@ -203,6 +214,7 @@ impl Allocator {
         ledger: Ledger,
     ) -> Result<Self, LedgerError> {
         let devices = DeviceMap::new(&inventory);
+        let live_inventory = inventory.clone();
         let held = ledger.live()?.iter().map(Held::from).collect();
         Ok(Allocator {
             node,
@@ -211,8 +223,21 @@ impl Allocator {
             inventory,
             devices,
             pods,
-            state: Mutex::new(State { ledger, held, proposals: BTreeMap::new(), admitting: None }),
+            state: Mutex::new(State {
+                ledger,
+                inventory: live_inventory,
+                held,
+                proposals: BTreeMap::new(),
+                admitting: None,
+            }),
+            changes: watch::Sender::new(0),
         })
+    }
+
+    /// This node's name.
+    #[must_use]
+    pub fn node(&self) -> &str {
+        &self.node
     }
 
     /// The inventory served.
@@ -254,7 +279,11 @@ impl Allocator {
     pub fn release_pod(&self, uid: &str, reason: &str) -> Result<usize, LedgerError> {
         let mut state = self.lock();
         let n = state.ledger.release_pod(uid, reason)?;
-        state.held.retain(|h| h.uid != uid);
+        state.held.retain(|h| h.pod.uid != uid);
+        drop(state);
+        if n > 0 {
+            self.changed();
+        }
         Ok(n)
     }
 
@@ -273,7 +302,7 @@ impl Allocator {
         units: Option<usize>,
         want_notes: bool,
     ) -> (Vec<Candidate>, Vec<String>) {
-        let held: BTreeSet<(&str, &str)> = held.iter().map(|h| (h.uid.as_str(), h.container.as_str())).collect();
+        let held: BTreeSet<(&str, &str)> = held.iter().map(|h| (h.pod.uid.as_str(), h.container.as_str())).collect();
         let mut out = Vec::new();
         let mut notes = Vec::new();
         for pod in pods {
@@ -492,7 +521,7 @@ impl Allocator {
         let pod_name = format!("{}/{}", cand.view().pod.namespace, cand.view().pod.name);
         let mut rows = Vec::with_capacity(cand.container().gpus.len());
         for g in &cand.container().gpus {
-            let gpu = self
+            let gpu = state
                 .inventory
                 .gpus()
                 .iter()
@@ -516,6 +545,8 @@ impl Allocator {
         state.held.extend(written.iter().map(Held::from));
         state.proposals.remove(&key);
         state.admitting = Some(cand.view().pod.uid.clone());
+        drop(state);
+        self.changed();
         tracing::info!(
             pod = %pod_name,
             container = %cand.container().name,
@@ -553,7 +584,7 @@ impl Allocator {
         let gpus: BTreeSet<&GpuUuid> = new.iter().map(|r| &r.gpu_uuid).collect();
         let mut pods: PodRows = BTreeMap::new();
         for h in held.iter().filter(|h| gpus.contains(&h.gpu)) {
-            pods.entry(h.uid.clone()).or_default().push((h.role, h.gpu.clone(), h.mib));
+            pods.entry(h.pod.uid.clone()).or_default().push((h.role, h.gpu.clone(), h.mib));
         }
         let before = used(&pods);
         for r in new {
@@ -643,6 +674,217 @@ impl Allocator {
             env.insert(alibaba::CONTAINER.to_owned(), unit.whole_units(Mib::new(container_mib)).to_string());
         }
         env
+    }
+}
+
+/// The state of the node's GPUs and ledger, as the systemd status and logs summarize it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Summary {
+    /// GPUs served.
+    pub gpus: usize,
+    /// Of which healthy.
+    pub healthy: usize,
+    /// Live ledger rows.
+    pub allocations: usize,
+}
+
+impl Allocator {
+    fn changed(&self) {
+        self.changes.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// A receiver that sees a new value after every change of the live allocations or of a
+    /// GPU's health.
+    #[must_use]
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    /// The GPUs with their current health and cordon.
+    #[must_use]
+    pub fn current_inventory(&self) -> NodeInventory {
+        self.lock().inventory.clone()
+    }
+
+    /// GPU count, healthy GPUs, live allocations.
+    #[must_use]
+    pub fn summary(&self) -> Summary {
+        let state = self.lock();
+        Summary {
+            gpus: state.inventory.gpus().len(),
+            healthy: state.inventory.gpus().iter().filter(|g| g.health.is_healthy()).count(),
+            allocations: state.held.len(),
+        }
+    }
+
+    /// Proves the allocation path is not stuck: takes its lock and asks the ledger a question.
+    ///
+    /// # Errors
+    /// [`LedgerError`] if the ledger does not answer.
+    pub fn probe(&self) -> Result<(), LedgerError> {
+        self.lock().ledger.schema_version().map(|_| ())
+    }
+
+    /// Sets a GPU's health, recording a change in the ledger history. Returns whether it
+    /// changed. An unhealthy GPU takes no new allocation; existing ones are kept.
+    ///
+    /// # Errors
+    /// [`AllocError::Ledger`] if the history cannot be written (the health is set anyway:
+    /// refusing allocations on a failing GPU matters more than its history).
+    pub fn set_health(&self, index: u32, health: Health) -> Result<bool, AllocError> {
+        let mut state = self.lock();
+        let Some(gpu) = state.inventory.gpu_mut(index) else { return Ok(false) };
+        if gpu.health == health {
+            return Ok(false);
+        }
+        let detail = match &health {
+            Health::Healthy => format!("GPU{index} ({}) is healthy again", gpu.uuid),
+            Health::Unhealthy { reason } => format!("GPU{index} ({}) is unhealthy: {reason}", gpu.uuid),
+        };
+        gpu.health = health;
+        let recorded = state.ledger.record_event("health", &detail);
+        drop(state);
+        self.changed();
+        recorded?;
+        Ok(true)
+    }
+
+    /// Makes the ledger agree with the kubelet's PodResources answer (see [`crate::reconcile`]);
+    /// rows younger than `grace_ms` are not released. Every repair is logged and recorded in
+    /// the history. Returns the repairs made.
+    ///
+    /// # Errors
+    /// [`AllocError::Ledger`] if the ledger cannot be read or written; repairs before the
+    /// failure are kept.
+    pub fn reconcile(&self, kubelet: &KubeletView, grace_ms: i64) -> Result<Vec<Repair>, AllocError> {
+        let pods = self.pods.snapshot();
+        let known = |ns: &str, name: &str, container: &str| {
+            let p = pods
+                .iter()
+                .filter(|p| p.view.pod.namespace == ns && p.view.pod.name == name)
+                .min_by_key(|p| p.view.terminal)?;
+            let role = match &p.assignment {
+                Some(Ok(a)) => a.containers.iter().find(|c| c.name == container).map(|c| c.role),
+                _ => None,
+            };
+            Some(KnownPod { pod: p.view.pod.clone(), role: role.unwrap_or(ContainerRole::App) })
+        };
+        let mut state = self.lock();
+        let live = state.ledger.live()?;
+        let repairs = crate::reconcile::plan(&live, kubelet, known, crate::ledger::now_ms(), grace_ms);
+        let mut done = Vec::with_capacity(repairs.len());
+        for repair in repairs {
+            match &repair {
+                Repair::Release { rows, pod, container, reason } => {
+                    state.ledger.release_rows(rows, reason)?;
+                    state.held.retain(|h| !rows.contains(&h.id));
+                    let detail = format!("released {}/{} container {container:?}: {reason}", pod.namespace, pod.name);
+                    tracing::warn!(pod = %format!("{}/{}", pod.namespace, pod.name), container = %container, %reason, "reconcile: released");
+                    state.ledger.record_event("reconcile", &detail)?;
+                }
+                Repair::Adopt { pod, container, role, device_ids, reason } => {
+                    match self.adopt(&mut state, pod, container, *role, device_ids) {
+                        Ok(gpus) => {
+                            let detail = format!(
+                                "adopted {gpus} for {}/{} container {container:?}: {reason}",
+                                pod.namespace, pod.name
+                            );
+                            tracing::warn!(pod = %format!("{}/{}", pod.namespace, pod.name), container = %container, %gpus, "reconcile: adopted");
+                            state.ledger.record_event("reconcile", &detail)?;
+                        }
+                        Err(AllocError::Ledger(e)) => return Err(AllocError::Ledger(e)),
+                        Err(e) => {
+                            tracing::error!(pod = %format!("{}/{}", pod.namespace, pod.name), container = %container, error = %e, "reconcile: cannot adopt what the kubelet holds");
+                            state.ledger.record_event(
+                                "reconcile",
+                                &format!("could not adopt {}/{} container {container:?}: {e}", pod.namespace, pod.name),
+                            )?;
+                            continue;
+                        }
+                    }
+                }
+                Repair::Unknown { holding } => {
+                    tracing::warn!(
+                        pod = %format!("{}/{}", holding.namespace, holding.name),
+                        container = %holding.container,
+                        devices = holding.device_ids.len(),
+                        "reconcile: the kubelet holds devices for a pod not bound to this node as far as gpushared knows"
+                    );
+                    continue;
+                }
+            }
+            done.push(repair);
+        }
+        drop(state);
+        if !done.is_empty() {
+            self.changed();
+        }
+        Ok(done)
+    }
+
+    /// Records `device_ids` as held by `pod`'s `container`; returns the GPUs, for the history.
+    fn adopt(
+        &self,
+        state: &mut State,
+        pod: &PodRef,
+        container: &str,
+        role: ContainerRole,
+        device_ids: &[String],
+    ) -> Result<String, AllocError> {
+        let unit = self.inventory.unit().mib_per_unit();
+        let mut per_gpu: BTreeMap<usize, u64> = BTreeMap::new();
+        for id in device_ids {
+            let (pos, _) = self.devices.resolve(id).ok_or_else(|| AllocError::UnknownDevice(id.clone()))?;
+            *per_gpu.entry(pos).or_default() += unit;
+        }
+        let rows: Vec<NewRow> = per_gpu
+            .iter()
+            .filter_map(|(&pos, &mib)| {
+                let g = state.inventory.gpus().get(pos)?;
+                Some(NewRow {
+                    pod: pod.clone(),
+                    container: container.to_owned(),
+                    role,
+                    gpu_uuid: g.uuid.clone(),
+                    gpu_index: g.index,
+                    mib: Mib::new(mib),
+                    device_ids: device_ids.to_vec(),
+                })
+            })
+            .collect();
+        self.check_room(&state.held, &rows, &format!("{}/{}", pod.namespace, pod.name))?;
+        let written = state.ledger.allocate(&rows)?;
+        state.held.extend(written.iter().map(Held::from));
+        Ok(rows.iter().map(|r| format!("GPU{} {} MiB", r.gpu_index, r.mib.get())).collect::<Vec<_>>().join(", "))
+    }
+
+    /// What this node publishes: its GPUs, the memory its ledger holds on each (by the
+    /// init-container rule) and the holders.
+    #[must_use]
+    pub fn node_state(&self, generation: u64, daemon_version: &str) -> NodeState {
+        let state = self.lock();
+        let inventory = state.inventory.clone();
+        let mut per_pod: BTreeMap<&str, Vec<&Held>> = BTreeMap::new();
+        for h in &state.held {
+            per_pod.entry(h.pod.uid.as_str()).or_default().push(h);
+        }
+        let mut used = vec![Mib::ZERO; inventory.gpus().len()];
+        for rows in per_pod.values() {
+            for (gpu, mib) in footprint(rows.iter().map(|h| (h.role, [(h.gpu.clone(), h.mib)]))) {
+                if let Some(pos) = inventory.position_of(&gpu) {
+                    used[pos] = used[pos].saturating_add(mib);
+                }
+            }
+        }
+        let allocations = state
+            .held
+            .iter()
+            .filter_map(|h| {
+                let gpu = inventory.gpus().iter().find(|g| g.uuid == h.gpu)?;
+                Some(NodeAllocation { pod: h.pod.clone(), container: h.container.clone(), gpu: gpu.index, mib: h.mib })
+            })
+            .collect();
+        NodeState { generation, daemon_version: daemon_version.to_owned(), inventory, used, allocations }
     }
 }
 

@@ -115,6 +115,12 @@ pub struct Config {
     /// A static GPU list for hosts without NVML; when present, NVML is not used.
     #[serde(default)]
     pub gpus: Vec<StaticGpu>,
+    /// Reconciliation with the kubelet.
+    #[serde(default)]
+    pub reconcile: ReconcileConfig,
+    /// GPU health.
+    #[serde(default)]
+    pub health: HealthConfig,
 }
 
 /// `[kubelet]`.
@@ -127,11 +133,115 @@ pub struct KubeletConfig {
     /// The plugin's socket file name in that directory.
     #[serde(default = "default_socket_name")]
     pub socket_name: FileName,
+    /// The kubelet's PodResources API socket.
+    #[serde(default = "default_pod_resources_socket")]
+    pub pod_resources_socket: AbsPath,
 }
 
 impl Default for KubeletConfig {
     fn default() -> Self {
-        KubeletConfig { device_plugin_dir: default_device_plugin_dir(), socket_name: default_socket_name() }
+        KubeletConfig {
+            device_plugin_dir: default_device_plugin_dir(),
+            socket_name: default_socket_name(),
+            pod_resources_socket: default_pod_resources_socket(),
+        }
+    }
+}
+
+fn default_pod_resources_socket() -> AbsPath {
+    abs("/var/lib/kubelet/pod-resources/kubelet.sock")
+}
+
+/// `[reconcile]`: the ledger against the kubelet's PodResources record.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReconcileConfig {
+    /// Seconds between reconciliations (one also follows every kubelet (re)registration).
+    #[serde(default = "default_reconcile_interval")]
+    pub interval_seconds: Seconds,
+    /// Rows younger than this are never released by a reconciliation (the kubelet records an
+    /// allocation only after `Allocate` returned).
+    #[serde(default = "default_reconcile_grace")]
+    pub grace_seconds: Seconds,
+}
+
+impl Default for ReconcileConfig {
+    fn default() -> Self {
+        ReconcileConfig { interval_seconds: default_reconcile_interval(), grace_seconds: default_reconcile_grace() }
+    }
+}
+
+fn default_reconcile_interval() -> Seconds {
+    Seconds(60)
+}
+
+fn default_reconcile_grace() -> Seconds {
+    Seconds(30)
+}
+
+/// `[health]`: how GPU faults turn a GPU unhealthy, and how it recovers.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HealthConfig {
+    /// Xid codes that are the application's fault, not the GPU's: ignored.
+    #[serde(default = "default_ignored_xids")]
+    pub ignored_xids: Vec<u64>,
+    /// Seconds between probes of every GPU (a GPU that stops answering is unhealthy).
+    #[serde(default = "default_probe_interval")]
+    pub probe_interval_seconds: Seconds,
+    /// An unhealthy GPU with no new fault for this long that answers a probe is healthy again;
+    /// 0 turns automatic recovery off.
+    #[serde(default = "default_recovery")]
+    pub recovery_seconds: u64,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            ignored_xids: default_ignored_xids(),
+            probe_interval_seconds: default_probe_interval(),
+            recovery_seconds: default_recovery(),
+        }
+    }
+}
+
+/// The application Xids NVIDIA's device plugin also ignores: 13 (graphics engine exception),
+/// 31 (GPU memory page fault), 43 (GPU stopped processing), 45 (preemptive cleanup), 68
+/// (video processor exception), 109 (context switch timeout).
+pub const DEFAULT_IGNORED_XIDS: [u64; 6] = [13, 31, 43, 45, 68, 109];
+
+fn default_ignored_xids() -> Vec<u64> {
+    DEFAULT_IGNORED_XIDS.to_vec()
+}
+
+fn default_probe_interval() -> Seconds {
+    Seconds(5)
+}
+
+fn default_recovery() -> u64 {
+    300
+}
+
+/// A whole number of seconds, at least 1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Seconds(u64);
+
+impl Seconds {
+    /// The duration.
+    #[must_use]
+    pub fn duration(self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for Seconds {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = u64::deserialize(d)?;
+        if n == 0 {
+            Err(serde::de::Error::custom("0 seconds is not allowed; write at least 1"))
+        } else {
+            Ok(Seconds(n))
+        }
     }
 }
 
@@ -385,6 +495,12 @@ mod tests {
         assert_eq!(c.resources.names(), ResourceNames::gpushare());
         assert!(c.resources.numa_topology);
         assert!(c.gpus.is_empty());
+        assert_eq!(c.kubelet.pod_resources_socket.path(), Path::new("/var/lib/kubelet/pod-resources/kubelet.sock"));
+        assert_eq!(c.reconcile.interval_seconds.duration().as_secs(), 60);
+        assert_eq!(c.reconcile.grace_seconds.duration().as_secs(), 30);
+        assert_eq!(c.health.ignored_xids, vec![13, 31, 43, 45, 68, 109]);
+        assert_eq!(c.health.probe_interval_seconds.duration().as_secs(), 5);
+        assert_eq!(c.health.recovery_seconds, 300);
     }
 
     #[test]
@@ -395,6 +511,14 @@ node_name = "gpu-node-a"
 [kubelet]
 device_plugin_dir = "/tmp/dp"
 socket_name = "x.sock"
+pod_resources_socket = "/tmp/pr/kubelet.sock"
+[reconcile]
+interval_seconds = 5
+grace_seconds = 2
+[health]
+ignored_xids = [13]
+probe_interval_seconds = 1
+recovery_seconds = 0
 [kubernetes]
 kubeconfig = "/tmp/kubeconfig"
 [ledger]
@@ -421,6 +545,10 @@ numa_node = 1
         assert_eq!(c.resources.names().memory.as_str(), "aliyun.com/gpu-mem");
         assert_eq!(c.resources.names().count.as_str(), "example.com/gpus");
         assert_eq!(c.gpus[0].to_gpu().numa_node, Some(1));
+        assert_eq!(c.kubelet.pod_resources_socket.path(), Path::new("/tmp/pr/kubelet.sock"));
+        assert_eq!(c.reconcile.interval_seconds.duration().as_secs(), 5);
+        assert_eq!(c.health.ignored_xids, vec![13]);
+        assert_eq!(c.health.recovery_seconds, 0);
     }
 
     #[test]
@@ -444,6 +572,9 @@ numa_node = 1
             ("node_name = \"Node_A\"", &["not a Kubernetes node name"]),
             ("[resources]\ncount = \"gpushare.io/gpu-mem\"", &["must be two different resources"]),
             ("[ledger", &["line 1"]),
+            ("[reconcile]\ninterval_seconds = 0", &["line 2", "write at least 1"]),
+            ("[health]\nignored_xids = [-1]", &["line 2"]),
+            ("[health]\nprobe_interval = 3", &["line 2", "unknown field `probe_interval`", "probe_interval_seconds"]),
         ];
         for (text, wants) in cases {
             let err = parse(text).unwrap_err();

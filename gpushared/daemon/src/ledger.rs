@@ -180,7 +180,9 @@ fn sql(path: &Path, what: &'static str) -> impl FnOnce(rusqlite::Error) -> Ledge
     move |source| LedgerError::Sqlite { path, what, source }
 }
 
-fn now_ms() -> i64 {
+/// Now, in Unix milliseconds (the ledger's clock).
+#[must_use]
+pub fn now_ms() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
@@ -353,6 +355,29 @@ impl Ledger {
                 params![now_ms(), reason, pod_uid],
             )
             .map_err(self.err("releasing a pod"))
+    }
+
+    /// Releases these live rows (a reconciliation repair), keeping them as history. Returns
+    /// how many were live.
+    ///
+    /// # Errors
+    /// [`LedgerError`] if SQLite refuses; then nothing is released.
+    pub fn release_rows(&mut self, ids: &[i64], reason: &str) -> Result<usize, LedgerError> {
+        let at = now_ms();
+        let path = self.path.clone();
+        let sqlite = |what| sql(&path, what);
+        let tx = self.conn.transaction().map_err(sqlite("starting a release"))?;
+        let mut n = 0;
+        for id in ids {
+            n += tx
+                .prepare_cached(
+                    "UPDATE allocations SET released_at = ?1, release_reason = ?2 WHERE id = ?3 AND released_at IS NULL",
+                )
+                .and_then(|mut update| update.execute(params![at, reason, id]))
+                .map_err(sqlite("releasing an allocation"))?;
+        }
+        tx.commit().map_err(sqlite("committing a release"))?;
+        Ok(n)
     }
 
     /// Live rows (not released), oldest first.

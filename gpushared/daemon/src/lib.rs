@@ -6,16 +6,24 @@
 //! - [`config`]: the configuration file;
 //! - [`discovery`]: the host's GPUs, from NVML or the configuration;
 //! - [`kube`]: the watch of the pods bound to this node;
+//! - [`kubelet_watch`]: kubelet restarts, seen in the device-plugin directory;
 //! - [`ledger`]: the SQLite allocation ledger;
 //! - [`memory`]: keeping resident memory small after the kubelet's large device lists;
 //! - [`plugin`]: the kubelet device plugin API and registration;
-//! - [`pods`]: the pods bound to this node, as last seen.
+//! - [`pods`]: the pods bound to this node, as last seen;
+//! - [`publish`]: the node-state annotation on this node's Node;
+//! - [`reconcile`]: the ledger against the kubelet's PodResources record;
+//! - [`systemd`]: readiness, status and the watchdog for `Type=notify`.
 
 pub mod allocator;
 pub mod config;
 pub mod discovery;
 pub mod kube;
+pub mod kubelet_watch;
 pub mod ledger;
 pub mod memory;
 pub mod plugin;
 pub mod pods;
+pub mod publish;
+pub mod reconcile;
+pub mod systemd;

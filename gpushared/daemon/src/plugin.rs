@@ -10,6 +10,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt as _;
 use gpushare_core::NodeInventory;
 use gpushare_core::devices::DeviceMap;
 use gpushare_proto::deviceplugin::device_plugin_server::{DevicePlugin, DevicePluginServer};
@@ -21,7 +22,7 @@ use gpushare_proto::deviceplugin::{
 };
 use gpushare_proto::{DEVICE_PLUGIN_VERSION, HEALTHY, UNHEALTHY};
 use tokio::sync::watch;
-use tokio_stream::{Stream, StreamExt as _};
+use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::allocator::{AllocError, Allocator};
@@ -77,13 +78,29 @@ fn status(e: &AllocError) -> Status {
 pub struct Plugin {
     alloc: Arc<Allocator>,
     devices: watch::Receiver<DeviceSnapshot>,
+    /// Set to `true` to end every `ListAndWatch` stream (the server is being replaced).
+    stop: watch::Receiver<bool>,
 }
 
 impl Plugin {
     /// A service answering from `alloc`, streaming device lists from `devices`.
     #[must_use]
     pub fn new(alloc: Arc<Allocator>, devices: watch::Receiver<DeviceSnapshot>) -> Self {
-        Plugin { alloc, devices }
+        Plugin { alloc, devices, stop: watch::Sender::new(false).subscribe() }
+    }
+
+    /// The same, ending its `ListAndWatch` streams once `stop` turns `true`.
+    #[must_use]
+    pub fn with_stop(mut self, stop: watch::Receiver<bool>) -> Self {
+        self.stop = stop;
+        self
+    }
+}
+
+/// Resolves once `stop` turns `true`; never if its sender is gone without doing so.
+async fn stopped(mut stop: watch::Receiver<bool>) {
+    if stop.wait_for(|s| *s).await.is_err() {
+        std::future::pending::<()>().await;
     }
 }
 
@@ -99,7 +116,8 @@ impl DevicePlugin for Plugin {
 
     async fn list_and_watch(&self, _: Request<Empty>) -> Result<Response<Self::ListAndWatchStream>, Status> {
         let stream = tokio_stream::wrappers::WatchStream::new(self.devices.clone())
-            .map(|snapshot| Ok(ListAndWatchResponse { devices: snapshot.list() }));
+            .map(|snapshot| Ok(ListAndWatchResponse { devices: snapshot.list() }))
+            .take_until(Box::pin(stopped(self.stop.clone())));
         Ok(Response::new(Box::pin(stream)))
     }
 
@@ -190,6 +208,44 @@ pub async fn serve(
         .add_service(DevicePluginServer::new(plugin))
         .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), shutdown)
         .await
+}
+
+/// One generation of the plugin server: its socket, serving until [`Server::stop`]. A kubelet
+/// restart deletes the socket, and the daemon starts a new generation.
+#[derive(Debug)]
+pub struct Server {
+    socket: PathBuf,
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+}
+
+impl Server {
+    /// Binds `socket` (replacing a stale file) and serves `plugin` on it.
+    ///
+    /// # Errors
+    /// The I/O error if the socket cannot be bound.
+    pub fn start(plugin: Plugin, socket: &Path) -> std::io::Result<Server> {
+        let listener = bind(socket)?;
+        let stop = watch::Sender::new(false);
+        let plugin = plugin.with_stop(stop.subscribe());
+        let task = tokio::spawn(serve(plugin, listener, stopped(stop.subscribe())));
+        Ok(Server { socket: socket.to_owned(), stop, task })
+    }
+
+    /// Ends the `ListAndWatch` streams and stops serving (waiting up to 5 s for calls in
+    /// flight); removes the socket if it is still this server's.
+    pub async fn stop(self, remove_socket: bool) {
+        let _ = self.stop.send(true);
+        match tokio::time::timeout(Duration::from_secs(5), self.task).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "the plugin server ended with an error"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "the plugin server task failed"),
+            Err(_) => tracing::warn!("the plugin server did not stop within 5 s"),
+        }
+        if remove_socket {
+            let _ = std::fs::remove_file(&self.socket);
+        }
+    }
 }
 
 /// Registers with the kubelet at `kubelet_sock`, retrying with backoff (100 ms doubling to 5 s)

@@ -1,0 +1,422 @@
+//! Reconciliation of the ledger with the kubelet's own record, the PodResources API (`List`):
+//! which container holds which of this daemon's device IDs. The plan is a pure function of
+//! the ledger's live rows and the kubelet's answer ([`plan`]); the allocator applies it
+//! ([`crate::allocator::Allocator::reconcile`]) and records every repair in the history.
+//!
+//! The rules, in the order they are checked for each live row group (one container's rows):
+//! - the kubelet holds the same device set for the same pod and container: kept;
+//! - an init container's rows are kept while its pod is listed (the kubelet's `List` shows only
+//!   long-running containers, and hands an init container's devices on to the next container);
+//!   a sidecar's likewise (older kubelets do not list them);
+//! - rows younger than the grace period are kept (the kubelet records an allocation only after
+//!   `Allocate` returned, and lists a pod only once it is active);
+//! - the kubelet holds the device set for another pod: released ("wrong owner"), and the set
+//!   adopted for the pod the kubelet names;
+//! - otherwise the kubelet no longer holds the devices: released.
+//!
+//! Device sets the kubelet holds that no live row records are adopted for the pod and
+//! container it names, when that pod is known (its UID comes from the pods bound to this node);
+//! a set still recorded for another container waits for the next round.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use gpushare_core::ContainerRole;
+use gpushare_core::codec::node::PodRef;
+use gpushare_proto::podresources::ListPodResourcesResponse;
+
+use crate::ledger::{Row, request_key};
+
+/// One container's devices of this daemon's resource, as the kubelet reports them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Holding {
+    /// Namespace.
+    pub namespace: String,
+    /// Pod name.
+    pub name: String,
+    /// Container name.
+    pub container: String,
+    /// Device IDs.
+    pub device_ids: Vec<String>,
+}
+
+/// The kubelet's answer, reduced to what reconciliation needs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KubeletView {
+    /// Every pod the kubelet lists (namespace, name), with or without devices.
+    pub pods: BTreeSet<(String, String)>,
+    /// The containers holding devices of `resource`.
+    pub holdings: Vec<Holding>,
+}
+
+impl KubeletView {
+    /// Reduces a `List` answer to the devices of `resource`.
+    #[must_use]
+    pub fn from_list(list: &ListPodResourcesResponse, resource: &str) -> Self {
+        let mut view = KubeletView::default();
+        for pod in &list.pod_resources {
+            view.pods.insert((pod.namespace.clone(), pod.name.clone()));
+            for c in &pod.containers {
+                let device_ids: Vec<String> = c
+                    .devices
+                    .iter()
+                    .filter(|d| d.resource_name == resource)
+                    .flat_map(|d| d.device_ids.iter().cloned())
+                    .collect();
+                if !device_ids.is_empty() {
+                    view.holdings.push(Holding {
+                        namespace: pod.namespace.clone(),
+                        name: pod.name.clone(),
+                        container: c.name.clone(),
+                        device_ids,
+                    });
+                }
+            }
+        }
+        view
+    }
+}
+
+/// What the daemon knows of a pod the kubelet names: its UID and the role of the container.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KnownPod {
+    /// The pod.
+    pub pod: PodRef,
+    /// The container's role, from the pod's spec or assignment (`App` if unknown).
+    pub role: ContainerRole,
+}
+
+/// One repair.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Repair {
+    /// Release these live rows of one container.
+    Release {
+        /// Ledger row ids.
+        rows: Vec<i64>,
+        /// The pod.
+        pod: PodRef,
+        /// The container.
+        container: String,
+        /// Why, for the history.
+        reason: String,
+    },
+    /// Record the devices the kubelet holds for a container the ledger lacks.
+    Adopt {
+        /// The pod.
+        pod: PodRef,
+        /// The container.
+        container: String,
+        /// Its role.
+        role: ContainerRole,
+        /// The devices the kubelet holds for it.
+        device_ids: Vec<String>,
+        /// Why, for the history.
+        reason: String,
+    },
+    /// The kubelet holds devices for a pod this daemon does not know: nothing can be recorded.
+    Unknown {
+        /// What the kubelet said.
+        holding: Holding,
+    },
+}
+
+/// The repairs that make the ledger's live rows agree with the kubelet. `known` resolves a
+/// pod named by the kubelet (namespace, name, container); rows allocated less than `grace_ms`
+/// before `now_ms` are never released.
+#[must_use]
+pub fn plan(
+    live: &[Row],
+    kubelet: &KubeletView,
+    known: impl Fn(&str, &str, &str) -> Option<KnownPod>,
+    now_ms: i64,
+    grace_ms: i64,
+) -> Vec<Repair> {
+    // The kubelet's holdings by device-set key.
+    let mut held_by: BTreeMap<String, &Holding> = BTreeMap::new();
+    for h in &kubelet.holdings {
+        held_by.insert(request_key(&h.device_ids), h);
+    }
+    // The ledger's rows by container, in ledger order.
+    let mut groups: BTreeMap<(&str, &str), Vec<&Row>> = BTreeMap::new();
+    for r in live {
+        groups.entry((r.pod.uid.as_str(), r.container.as_str())).or_default().push(r);
+    }
+    let mut groups: Vec<Vec<&Row>> = groups.into_values().collect();
+    groups.sort_by_key(|rows| rows.first().map_or(0, |r| r.id));
+
+    let mut repairs = Vec::new();
+    let mut matched: BTreeSet<String> = BTreeSet::new();
+    for rows in groups {
+        let Some(first) = rows.first() else { continue };
+        let pod_listed = kubelet.pods.contains(&(first.pod.namespace.clone(), first.pod.name.clone()));
+        let same_pod = |h: &Holding| h.namespace == first.pod.namespace && h.name == first.pod.name;
+        let release = |reason: String| Repair::Release {
+            rows: rows.iter().map(|r| r.id).collect(),
+            pod: first.pod.clone(),
+            container: first.container.clone(),
+            reason,
+        };
+        match held_by.get(&first.request_key) {
+            Some(h) if same_pod(h) && h.container == first.container => {
+                matched.insert(first.request_key.clone());
+            }
+            Some(h) if same_pod(h) && first.role == ContainerRole::Init => {}
+            _ if pod_listed && first.role != ContainerRole::App => {}
+            _ if now_ms.saturating_sub(first.allocated_at) < grace_ms => {}
+            Some(h) if !same_pod(h) => repairs.push(release(format!(
+                "reconcile: the kubelet holds these devices for {}/{} container {:?}",
+                h.namespace, h.name, h.container
+            ))),
+            Some(h) => repairs.push(release(format!(
+                "reconcile: the kubelet holds these devices for container {:?} of the same pod",
+                h.container
+            ))),
+            None if pod_listed => repairs.push(release(format!(
+                "reconcile: the kubelet no longer holds these devices for container {:?}",
+                first.container
+            ))),
+            None => repairs.push(release("reconcile: the kubelet no longer runs this pod".to_owned())),
+        }
+    }
+    // A set still recorded for another container (an init container's devices handed on, or
+    // a row in its grace period) waits for the next round rather than being counted twice.
+    let released: BTreeSet<i64> = repairs
+        .iter()
+        .filter_map(|r| match r {
+            Repair::Release { rows, .. } => Some(rows.iter().copied()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    let kept: BTreeSet<&str> =
+        live.iter().filter(|r| !released.contains(&r.id)).map(|r| r.request_key.as_str()).collect();
+    for (key, h) in &held_by {
+        if matched.contains(key) || kept.contains(key.as_str()) {
+            continue;
+        }
+        match known(&h.namespace, &h.name, &h.container) {
+            Some(k) => repairs.push(Repair::Adopt {
+                pod: k.pod,
+                container: h.container.clone(),
+                role: k.role,
+                device_ids: h.device_ids.clone(),
+                reason: format!(
+                    "reconcile: the kubelet holds {} devices for {}/{} container {:?} that the ledger lacked",
+                    h.device_ids.len(),
+                    h.namespace,
+                    h.name,
+                    h.container
+                ),
+            }),
+            None => repairs.push(Repair::Unknown { holding: (*h).clone() }),
+        }
+    }
+    repairs
+}
+
+/// The kubelet's PodResources API cannot be asked.
+#[derive(Debug, thiserror::Error)]
+pub enum PodResourcesError {
+    /// The socket cannot be dialled.
+    #[error(
+        "cannot reach the kubelet's PodResources API at {socket}: {reason}; set [kubelet] pod_resources_socket to \
+         the kubelet's pod-resources socket"
+    )]
+    Unreachable {
+        /// The socket.
+        socket: String,
+        /// What failed.
+        reason: String,
+    },
+    /// The kubelet answered `List` with an error.
+    #[error("the kubelet's PodResources List at {socket} failed: {status}")]
+    List {
+        /// The socket.
+        socket: String,
+        /// The gRPC status.
+        status: String,
+    },
+}
+
+/// Asks the kubelet's PodResources `List` on `socket` (within `timeout`).
+///
+/// # Errors
+/// [`PodResourcesError`] when the kubelet cannot be reached or refuses.
+pub async fn list(
+    socket: &std::path::Path,
+    timeout: std::time::Duration,
+) -> Result<ListPodResourcesResponse, PodResourcesError> {
+    use gpushare_proto::podresources::ListPodResourcesRequest;
+    use gpushare_proto::podresources::pod_resources_lister_client::PodResourcesListerClient;
+    let name = socket.display().to_string();
+    let ask = async {
+        let channel = gpushare_proto::uds::connect(socket)
+            .await
+            .map_err(|e| PodResourcesError::Unreachable { socket: name.clone(), reason: e.to_string() })?;
+        // A full MiB-mode node lists 131 072 device IDs (about 1.3 MB).
+        PodResourcesListerClient::new(channel)
+            .max_decoding_message_size(64 * 1024 * 1024)
+            .list(ListPodResourcesRequest {})
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|s| PodResourcesError::List {
+                socket: name.clone(),
+                status: format!("{:?}: {}", s.code(), s.message()),
+            })
+    };
+    tokio::time::timeout(timeout, ask).await.unwrap_or_else(|_| {
+        Err(PodResourcesError::Unreachable { socket: name.clone(), reason: format!("no answer within {timeout:?}") })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpushare_core::{GpuUuid, Mib};
+
+    fn pod(name: &str) -> PodRef {
+        PodRef { namespace: "default".into(), name: name.into(), uid: format!("uid-{name}") }
+    }
+
+    fn row(id: i64, p: &str, container: &str, role: ContainerRole, ids: &[&str], at: i64) -> Row {
+        let ids: Vec<String> = ids.iter().map(|s| (*s).to_owned()).collect();
+        Row {
+            id,
+            pod: pod(p),
+            container: container.into(),
+            role,
+            gpu_uuid: GpuUuid::new("GPU-a").unwrap(),
+            gpu_index: 0,
+            mib: Mib::new(u64::try_from(ids.len()).unwrap()),
+            request_key: request_key(&ids),
+            device_ids: ids,
+            allocated_at: at,
+            released_at: None,
+            release_reason: None,
+        }
+    }
+
+    fn holding(p: &str, container: &str, ids: &[&str]) -> Holding {
+        Holding {
+            namespace: "default".into(),
+            name: p.into(),
+            container: container.into(),
+            device_ids: ids.iter().map(|s| (*s).to_owned()).collect(),
+        }
+    }
+
+    fn kubelet(pods: &[&str], holdings: Vec<Holding>) -> KubeletView {
+        KubeletView { pods: pods.iter().map(|p| ("default".to_owned(), (*p).to_owned())).collect(), holdings }
+    }
+
+    fn known(ns: &str, name: &str, _: &str) -> Option<KnownPod> {
+        (ns == "default" && name != "stranger").then(|| KnownPod { pod: pod(name), role: ContainerRole::App })
+    }
+
+    const NOW: i64 = 1_000_000;
+    const GRACE: i64 = 30_000;
+    const OLD: i64 = NOW - 60_000;
+
+    #[test]
+    fn agreement_needs_no_repair() {
+        let live = [row(1, "a", "main", ContainerRole::App, &["x1", "x2"], OLD)];
+        let k = kubelet(&["a"], vec![holding("a", "main", &["x2", "x1"])]);
+        assert_eq!(plan(&live, &k, known, NOW, GRACE), vec![]);
+    }
+
+    #[test]
+    fn rows_the_kubelet_no_longer_holds_are_released_after_the_grace_period() {
+        let live = [
+            row(1, "gone", "main", ContainerRole::App, &["x1"], OLD),
+            row(2, "new", "main", ContainerRole::App, &["x2"], NOW - 1_000),
+            row(3, "alive", "old", ContainerRole::App, &["x3"], OLD),
+        ];
+        let k = kubelet(&["alive"], vec![]);
+        let repairs = plan(&live, &k, known, NOW, GRACE);
+        assert_eq!(repairs.len(), 2, "{repairs:?}");
+        assert!(
+            matches!(&repairs[0], Repair::Release { rows, reason, .. } if rows == &[1] && reason.contains("no longer runs this pod"))
+        );
+        assert!(
+            matches!(&repairs[1], Repair::Release { rows, reason, .. } if rows == &[3] && reason.contains("no longer holds these devices for container \"old\""))
+        );
+    }
+
+    #[test]
+    fn init_containers_and_sidecars_are_kept_while_their_pod_is_listed() {
+        let live = [
+            row(1, "a", "setup", ContainerRole::Init, &["x1"], OLD),
+            row(2, "a", "proxy", ContainerRole::Sidecar, &["x2"], OLD),
+            row(3, "a", "main", ContainerRole::App, &["x1"], OLD),
+        ];
+        let k = kubelet(&["a"], vec![holding("a", "main", &["x1"])]);
+        assert_eq!(plan(&live, &k, known, NOW, GRACE), vec![]);
+        // Once the pod is gone, everything goes.
+        let repairs = plan(&live, &kubelet(&[], vec![]), known, NOW, GRACE);
+        assert_eq!(repairs.len(), 3);
+    }
+
+    #[test]
+    fn devices_the_ledger_lacks_are_adopted_for_known_pods_only() {
+        let k = kubelet(&["a", "stranger"], vec![holding("a", "main", &["x1"]), holding("stranger", "c", &["x9"])]);
+        let repairs = plan(&[], &k, known, NOW, GRACE);
+        assert_eq!(repairs.len(), 2);
+        assert!(matches!(&repairs[0], Repair::Adopt { pod, container, device_ids, .. }
+            if pod.uid == "uid-a" && container == "main" && device_ids == &["x1"]));
+        assert!(matches!(&repairs[1], Repair::Unknown { holding } if holding.name == "stranger"));
+    }
+
+    #[test]
+    fn a_wrong_owner_is_released_and_the_right_one_adopted() {
+        let live = [row(1, "a", "main", ContainerRole::App, &["x1", "x2"], OLD)];
+        let k = kubelet(&["a", "b"], vec![holding("b", "worker", &["x1", "x2"])]);
+        let repairs = plan(&live, &k, known, NOW, GRACE);
+        assert_eq!(repairs.len(), 2, "{repairs:?}");
+        assert!(matches!(&repairs[0], Repair::Release { rows, reason, .. }
+            if rows == &[1] && reason.contains("for default/b container \"worker\"")));
+        assert!(
+            matches!(&repairs[1], Repair::Adopt { pod, container, .. } if pod.name == "b" && container == "worker")
+        );
+    }
+
+    #[test]
+    fn only_this_resource_counts() {
+        use gpushare_proto::podresources::{ContainerDevices, ContainerResources, PodResources};
+        let list = ListPodResourcesResponse {
+            pod_resources: vec![PodResources {
+                name: "a".into(),
+                namespace: "ns".into(),
+                containers: vec![
+                    ContainerResources {
+                        name: "main".into(),
+                        devices: vec![
+                            ContainerDevices {
+                                resource_name: "gpushare.io/gpu-mem".into(),
+                                device_ids: vec!["x1".into()],
+                                topology: None,
+                            },
+                            ContainerDevices {
+                                resource_name: "nvidia.com/gpu".into(),
+                                device_ids: vec!["GPU-1".into()],
+                                topology: None,
+                            },
+                        ],
+                        ..Default::default()
+                    },
+                    ContainerResources { name: "other".into(), ..Default::default() },
+                ],
+                ..Default::default()
+            }],
+        };
+        let view = KubeletView::from_list(&list, "gpushare.io/gpu-mem");
+        assert_eq!(view.pods.len(), 1);
+        assert_eq!(
+            view.holdings,
+            vec![Holding {
+                namespace: "ns".into(),
+                name: "a".into(),
+                container: "main".into(),
+                device_ids: vec!["x1".into()]
+            }]
+        );
+    }
+}

@@ -1,0 +1,250 @@
+//! systemd integration (`Type=notify`): `READY=1`, `STATUS=`, `STOPPING=1` and the watchdog,
+//! sent as sd_notify datagrams to `$NOTIFY_SOCKET` (a path, or `@name` in the abstract
+//! namespace). Without `$NOTIFY_SOCKET` every call does nothing, as libsystemd's does.
+//!
+//! The watchdog ping is earned, not timed: every half of `$WATCHDOG_USEC`, [`watchdog`] runs a
+//! liveness probe (in the daemon: take the allocator's lock and ask the ledger a question) on
+//! the async runtime's blocking pool, and pings only if the probe answers within that half.
+//! A stuck runtime, a deadlocked allocator or a hung ledger stops the pings, and systemd
+//! restarts the daemon.
+
+use std::os::unix::net::{SocketAddr, UnixDatagram};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Where notifications go.
+#[derive(Clone, Debug)]
+pub struct Notifier {
+    target: Option<Arc<Target>>,
+}
+
+#[derive(Debug)]
+struct Target {
+    socket: UnixDatagram,
+    addr: SocketAddr,
+    name: String,
+}
+
+impl Notifier {
+    /// The notifier systemd asked for through `$NOTIFY_SOCKET`; silent if it is unset. An
+    /// unusable address is logged once and the notifier stays silent.
+    #[must_use]
+    pub fn from_env() -> Self {
+        match std::env::var("NOTIFY_SOCKET") {
+            Ok(addr) if !addr.is_empty() => Self::to(&addr),
+            _ => Notifier { target: None },
+        }
+    }
+
+    /// A notifier sending to `addr` (a path, or `@name` for the abstract namespace).
+    #[must_use]
+    pub fn to(addr: &str) -> Self {
+        let parsed = if let Some(name) = addr.strip_prefix('@') {
+            abstract_addr(name.as_bytes())
+        } else if addr.starts_with('/') {
+            SocketAddr::from_pathname(addr)
+        } else {
+            Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "neither a path nor @abstract"))
+        };
+        let target = parsed.and_then(|a| UnixDatagram::unbound().map(|s| (s, a)));
+        match target {
+            Ok((socket, addr_)) => {
+                Notifier { target: Some(Arc::new(Target { socket, addr: addr_, name: addr.to_owned() })) }
+            }
+            Err(e) => {
+                tracing::warn!(notify_socket = %addr, error = %e, "NOTIFY_SOCKET is unusable; systemd will not hear from gpushared");
+                Notifier { target: None }
+            }
+        }
+    }
+
+    /// Whether notifications go anywhere.
+    #[must_use]
+    pub fn is_enabled(&self) -> bool {
+        self.target.is_some()
+    }
+
+    /// Sends `lines` (`KEY=VALUE`, one per line) as one datagram. Failures are logged, never
+    /// fatal: systemd not listening must not stop the daemon.
+    pub fn send(&self, lines: &[&str]) {
+        let Some(t) = &self.target else { return };
+        let payload = lines.join("\n");
+        if let Err(e) = t.socket.send_to_addr(payload.as_bytes(), &t.addr) {
+            tracing::debug!(notify_socket = %t.name, error = %e, "sd_notify failed");
+        }
+    }
+
+    /// `READY=1` with a status line.
+    pub fn ready(&self, status: &str) {
+        let status = format!("STATUS={}", one_line(status));
+        self.send(&["READY=1", &status]);
+    }
+
+    /// `STATUS=` (one line).
+    pub fn status(&self, status: &str) {
+        self.send(&[&format!("STATUS={}", one_line(status))]);
+    }
+
+    /// `STOPPING=1` with a status line.
+    pub fn stopping(&self, status: &str) {
+        let status = format!("STATUS={}", one_line(status));
+        self.send(&["STOPPING=1", &status]);
+    }
+
+    /// `WATCHDOG=1`.
+    pub fn watchdog_ping(&self) {
+        self.send(&["WATCHDOG=1"]);
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn abstract_addr(name: &[u8]) -> std::io::Result<SocketAddr> {
+    use std::os::linux::net::SocketAddrExt as _;
+    SocketAddr::from_abstract_name(name)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn abstract_addr(_: &[u8]) -> std::io::Result<SocketAddr> {
+    Err(std::io::Error::new(std::io::ErrorKind::Unsupported, "abstract sockets are Linux-only"))
+}
+
+/// `STATUS=` must be one line.
+fn one_line(s: &str) -> String {
+    s.replace(['\n', '\r'], " ")
+}
+
+/// The watchdog interval systemd asked for: `$WATCHDOG_USEC`, if `$WATCHDOG_PID` is unset or
+/// this process.
+#[must_use]
+pub fn watchdog_interval() -> Option<Duration> {
+    let usec: u64 = std::env::var("WATCHDOG_USEC").ok()?.parse().ok().filter(|&u| u > 0)?;
+    if let Ok(pid) = std::env::var("WATCHDOG_PID")
+        && pid.parse::<u32>().ok() != Some(std::process::id())
+    {
+        return None;
+    }
+    Some(Duration::from_micros(usec))
+}
+
+/// Pings `notifier` every half of `interval` while `alive` answers `true` within that half;
+/// runs until the task is dropped. A probe that fails or hangs withholds the ping (logged once
+/// per episode), so systemd's watchdog fires if the daemon stays stuck.
+pub async fn watchdog<F>(notifier: Notifier, interval: Duration, alive: F)
+where
+    F: Fn() -> bool + Send + Sync + 'static,
+{
+    let half = interval / 2;
+    let alive = Arc::new(alive);
+    let mut tick = tokio::time::interval(half);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut stuck = false;
+    loop {
+        tick.tick().await;
+        let probe = Arc::clone(&alive);
+        let answered = tokio::time::timeout(half, tokio::task::spawn_blocking(move || probe())).await;
+        match answered {
+            Ok(Ok(true)) => {
+                if stuck {
+                    tracing::info!("the daemon answers again; watchdog pings resume");
+                    stuck = false;
+                }
+                notifier.watchdog_ping();
+            }
+            other => {
+                if !stuck {
+                    let why = match other {
+                        Ok(Ok(_)) => "the liveness probe failed".to_owned(),
+                        Ok(Err(e)) => format!("the liveness probe panicked: {e}"),
+                        Err(_) => format!("the liveness probe did not answer within {half:?}"),
+                    };
+                    tracing::error!(reason = %why, "withholding the systemd watchdog ping");
+                    stuck = true;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    fn listener() -> (tempfile::TempDir, UnixDatagram, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("notify.sock");
+        let sock = UnixDatagram::bind(&path).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        (dir, sock, path.display().to_string())
+    }
+
+    fn recv(sock: &UnixDatagram) -> String {
+        let mut buf = [0u8; 4096];
+        let n = sock.recv(&mut buf).unwrap();
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    }
+
+    #[test]
+    fn ready_status_and_stopping_are_datagrams_systemd_understands() {
+        let (_dir, sock, path) = listener();
+        let n = Notifier::to(&path);
+        assert!(n.is_enabled());
+        n.ready("serving 2 GPUs,\n3 allocations");
+        assert_eq!(recv(&sock), "READY=1\nSTATUS=serving 2 GPUs, 3 allocations");
+        n.status("waiting for the kubelet");
+        assert_eq!(recv(&sock), "STATUS=waiting for the kubelet");
+        n.stopping("stopping");
+        assert_eq!(recv(&sock), "STOPPING=1\nSTATUS=stopping");
+    }
+
+    #[test]
+    fn the_abstract_namespace_works_and_nothing_is_silent() {
+        let name = format!("gpushare-test-{}", std::process::id());
+        let sock = UnixDatagram::bind_addr(&abstract_addr(name.as_bytes()).unwrap()).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        Notifier::to(&format!("@{name}")).watchdog_ping();
+        assert_eq!(recv(&sock), "WATCHDOG=1");
+        // Unusable or absent targets are silent, never a failure.
+        assert!(!Notifier::to("relative/path").is_enabled());
+        Notifier { target: None }.ready("x");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pings_stop_while_the_probe_is_stuck_and_resume_after() {
+        let (_dir, sock, path) = listener();
+        sock.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        let stuck = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stuck);
+        let task = tokio::spawn(watchdog(Notifier::to(&path), Duration::from_millis(200), move || {
+            while flag.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            true
+        }));
+        let count = |ms: u64| {
+            let deadline = std::time::Instant::now() + Duration::from_millis(ms);
+            let mut n = 0;
+            let mut buf = [0u8; 64];
+            while std::time::Instant::now() < deadline {
+                if let Ok(len) = sock.recv(&mut buf) {
+                    assert_eq!(&buf[..len], b"WATCHDOG=1");
+                    n += 1;
+                }
+            }
+            n
+        };
+        let healthy = tokio::task::block_in_place(|| count(1000));
+        assert!(healthy >= 6, "about 10 pings a second while alive, got {healthy}");
+        stuck.store(true, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let while_stuck = tokio::task::block_in_place(|| {
+            let _ = count(100);
+            count(1000)
+        });
+        assert_eq!(while_stuck, 0, "no ping while the probe hangs");
+        stuck.store(false, Ordering::SeqCst);
+        let after = tokio::task::block_in_place(|| count(1000));
+        assert!(after >= 4, "pings resume, got {after}");
+        task.abort();
+    }
+}
