@@ -12,8 +12,12 @@ use gpushared::allocator::Allocator;
 use gpushared::config::{Config, DEFAULT_PATH};
 use gpushared::discovery::{Discovery, NvmlDiscovery, StaticDiscovery};
 use gpushared::ledger::Ledger;
+use gpushared::kubelet_watch::KubeletWatch;
 use gpushared::plugin::{self, Plugin};
 use gpushared::pods::PodStore;
+use gpushared::publish::{self, KubeNode};
+use gpushared::systemd::Notifier;
+use std::time::Duration;
 use tokio::sync::watch;
 
 /// gpushare's node daemon: serves the kubelet's device plugin API for GPU memory.
@@ -80,6 +84,8 @@ async fn terminated() {
 }
 
 async fn run(config: Config) -> anyhow::Result<()> {
+    let notifier = Notifier::from_env();
+    notifier.status("starting: discovering GPUs");
     let node = config
         .node_name()
         .context("cannot tell this node's name: set node_name in the configuration or the NODE_NAME variable")?;
@@ -99,21 +105,9 @@ async fn run(config: Config) -> anyhow::Result<()> {
         tracing::warn!("no GPUs found: the kubelet gets an empty device list");
     }
     let numa = config.resources.numa_topology;
-    let size = list_and_watch_size(&inventory, numa);
-    if size > KUBELET_MAX_MESSAGE_BYTES {
-        let hint = if numa && list_and_watch_size(&inventory, false) <= KUBELET_MAX_MESSAGE_BYTES {
-            "set [resources] numa_topology = false, or unit = \"GiB\" on every node and the extender"
-        } else {
-            "set [resources] unit = \"GiB\" on every node and the extender"
-        };
-        bail!(
-            "this node's device list ({} devices of 1 {}) would be {size} bytes, over the kubelet's {KUBELET_MAX_MESSAGE_BYTES}-byte \
-             message limit, and the kubelet would drop every device; {hint}",
-            gpushare_core::devices::DeviceMap::new(&inventory).total(),
-            inventory.unit(),
-        );
-    }
+    check_list_size(&inventory, numa)?;
 
+    notifier.status("starting: restoring the ledger");
     let opened = Ledger::open(config.ledger.path.path())?;
     if let Some((aside, why)) = &opened.moved_aside {
         tracing::error!(
@@ -128,7 +122,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
         .name("ledger-checkpoint".into())
         .spawn(move || {
             loop {
-                std::thread::sleep(std::time::Duration::from_secs(10));
+                std::thread::sleep(Duration::from_secs(10));
                 if let Err(e) = checkpointer.checkpoint() {
                     tracing::warn!(error = %e, "ledger checkpoint failed; will retry");
                 }
@@ -144,52 +138,220 @@ async fn run(config: Config) -> anyhow::Result<()> {
         pods.clone(),
         opened.ledger,
     )?);
-    tracing::info!(live = alloc.live()?.len(), ledger = %config.ledger.path.path().display(), "ledger restored");
+    tracing::info!(live = alloc.summary().allocations, ledger = %config.ledger.path.path().display(), "ledger restored");
 
     let client = gpushared::kube::client(config.kubernetes.kubeconfig.path()).await?;
-    let watch_task = tokio::spawn(gpushared::kube::watch_pods(client, node.clone(), pods, Arc::clone(&alloc)));
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(gpushared::kube::watch_pods(client.clone(), node.clone(), pods, Arc::clone(&alloc)));
+    tasks.spawn(publish::run(KubeNode::new(client, node.clone()), Arc::clone(&alloc), publish::Timing::default()));
 
-    let (devices_tx, devices_rx) =
-        watch::channel(plugin::DeviceSnapshot { inventory: Arc::new(inventory.clone()), numa });
-    let socket = config.socket_path();
-    let listener = plugin::bind(&socket).with_context(|| format!("binding the plugin socket {}", socket.display()))?;
+    // The kubelet's device list follows the GPUs' health.
+    let (devices_tx, devices_rx) = watch::channel(plugin::DeviceSnapshot { inventory: Arc::new(inventory), numa });
+    tasks.spawn(follow_health(Arc::clone(&alloc), devices_tx));
     // The device list sent to the kubelet is built only while it is sent; hand its pages back.
-    let trim_task = tokio::spawn(async {
-        let mut every = tokio::time::interval(std::time::Duration::from_secs(10));
+    tasks.spawn(async {
+        let mut every = tokio::time::interval(Duration::from_secs(10));
         loop {
             every.tick().await;
             let _ = tokio::task::spawn_blocking(gpushared::memory::release_free_memory).await;
         }
     });
-    let (stop_tx, mut stop_rx) = watch::channel(false);
-    let server = tokio::spawn(plugin::serve(Plugin::new(Arc::clone(&alloc), devices_rx), listener, async move {
-        let _ = stop_rx.wait_for(|stop| *stop).await;
-    }));
-    tracing::info!(socket = %socket.display(), resource = %alloc.resource(), "serving the device plugin API");
 
-    let registration = plugin::register(
-        config.kubelet_socket(),
-        config.kubelet.socket_name.as_str().to_owned(),
-        alloc.resource().to_owned(),
-    );
+    let socket = config.socket_path();
+    let dir = config.kubelet.device_plugin_dir.path().to_owned();
+    let plugin = Plugin::new(Arc::clone(&alloc), devices_rx);
+    let mut server = plugin::Server::start(plugin.clone(), &socket)
+        .with_context(|| format!("binding the plugin socket {}", socket.display()))?;
+    let mut kubelet = KubeletWatch::new(&dir, &socket);
+    tracing::info!(socket = %socket.display(), resource = %alloc.resource(), inotify = kubelet.uses_inotify(), "serving the device plugin API");
+
+    let registered = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let status = Status { alloc: Arc::clone(&alloc), registered: Arc::clone(&registered), kubelet: config.kubelet_socket() };
+    notifier.ready(&status.line());
+    tasks.spawn(report_status(notifier.clone(), status.clone()));
+    if let Some(interval) = gpushared::systemd::watchdog_interval() {
+        let probe = Arc::clone(&alloc);
+        tracing::info!(interval = ?interval, "systemd watchdog on; pinging at half the interval while the allocator answers");
+        tasks.spawn(gpushared::systemd::watchdog(notifier.clone(), interval, move || probe.probe().is_ok()));
+    }
+    let reconcile_now = Arc::new(tokio::sync::Notify::new());
+    tasks.spawn(reconcile_loop(
+        Arc::clone(&alloc),
+        config.kubelet.pod_resources_socket.path().to_owned(),
+        config.reconcile.clone(),
+        Arc::clone(&reconcile_now),
+    ));
+
+    let register = || {
+        Box::pin(plugin::register(
+            config.kubelet_socket(),
+            config.kubelet.socket_name.as_str().to_owned(),
+            alloc.resource().to_owned(),
+        ))
+    };
+    let mut registration = Some(register());
     let stopped = terminated();
     tokio::pin!(stopped);
-    tokio::select! {
-        r = registration => {
-            r.map_err(|s| anyhow::anyhow!("the kubelet refused the registration: {}", s.message()))?;
-            stopped.await;
+    loop {
+        tokio::select! {
+            Some(r) = async { match registration.as_mut() { Some(f) => Some(f.await), None => None } } => {
+                registration = None;
+                r.map_err(|s| anyhow::anyhow!("the kubelet refused the registration: {}", s.message()))?;
+                registered.store(true, std::sync::atomic::Ordering::SeqCst);
+                status.changed();
+                reconcile_now.notify_one();
+            }
+            change = kubelet.changed() => {
+                if change.plugin_socket_lost {
+                    tracing::warn!(socket = %socket.display(), "the plugin socket was removed (a kubelet restart?); serving on a new one");
+                    server.stop(false).await;
+                    server = plugin::Server::start(plugin.clone(), &socket)
+                        .with_context(|| format!("binding the plugin socket {} again", socket.display()))?;
+                    kubelet.acknowledge_plugin_socket();
+                }
+                if change.kubelet_restarted || change.plugin_socket_lost {
+                    if change.kubelet_restarted {
+                        tracing::warn!(kubelet = %config.kubelet_socket().display(), "the kubelet restarted; registering again");
+                    }
+                    kubelet.acknowledge_kubelet();
+                    registered.store(false, std::sync::atomic::Ordering::SeqCst);
+                    status.changed();
+                    registration = Some(register());
+                }
+            }
+            () = &mut stopped => break,
         }
-        () = &mut stopped => {}
     }
     tracing::info!("stopping");
+    notifier.stopping("stopping: closing the plugin socket");
     // End the ListAndWatch streams first: a graceful shutdown waits for open streams.
-    drop(devices_tx);
-    let _ = stop_tx.send(true);
-    if tokio::time::timeout(std::time::Duration::from_secs(5), server).await.is_err() {
-        tracing::warn!("the plugin server did not stop within 5 s");
-    }
-    watch_task.abort();
-    trim_task.abort();
-    let _ = std::fs::remove_file(&socket);
+    server.stop(true).await;
+    tasks.abort_all();
     Ok(())
+}
+
+/// Refuses a device list the kubelet would drop, naming the fix.
+fn check_list_size(inventory: &NodeInventory, numa: bool) -> anyhow::Result<()> {
+    let size = list_and_watch_size(inventory, numa);
+    if size > KUBELET_MAX_MESSAGE_BYTES {
+        let hint = if numa && list_and_watch_size(inventory, false) <= KUBELET_MAX_MESSAGE_BYTES {
+            "set [resources] numa_topology = false, or unit = \"GiB\" on every node and the extender"
+        } else {
+            "set [resources] unit = \"GiB\" on every node and the extender"
+        };
+        bail!(
+            "this node's device list ({} devices of 1 {}) would be {size} bytes, over the kubelet's {KUBELET_MAX_MESSAGE_BYTES}-byte \
+             message limit, and the kubelet would drop every device; {hint}",
+            gpushare_core::devices::DeviceMap::new(inventory).total(),
+            inventory.unit(),
+        );
+    }
+    Ok(())
+}
+
+/// What the systemd status line says.
+#[derive(Clone)]
+struct Status {
+    alloc: Arc<Allocator>,
+    registered: Arc<std::sync::atomic::AtomicBool>,
+    kubelet: std::path::PathBuf,
+}
+
+impl Status {
+    fn line(&self) -> String {
+        let s = self.alloc.summary();
+        let gpus = if s.healthy == s.gpus {
+            format!("{} GPU{}", s.gpus, if s.gpus == 1 { "" } else { "s" })
+        } else {
+            format!("{} GPUs ({} unhealthy)", s.gpus, s.gpus - s.healthy)
+        };
+        let allocations = format!("{} allocation{}", s.allocations, if s.allocations == 1 { "" } else { "s" });
+        if self.registered.load(std::sync::atomic::Ordering::SeqCst) {
+            format!("serving {gpus}, {allocations}")
+        } else {
+            format!("waiting for the kubelet at {}; {gpus}, {allocations}", self.kubelet.display())
+        }
+    }
+
+    /// Wakes [`report_status`].
+    fn changed(&self) {
+        self.alloc.poke();
+    }
+}
+
+/// Sends the status line to systemd after every change, at most every 200 ms.
+async fn report_status(notifier: Notifier, status: Status) {
+    let mut changes = status.alloc.subscribe();
+    let mut last = String::new();
+    loop {
+        let line = status.line();
+        if line != last {
+            notifier.status(&line);
+            last = line;
+        }
+        if changes.changed().await.is_err() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        changes.borrow_and_update();
+    }
+}
+
+/// Sends the kubelet a new device list when a GPU's health changes.
+async fn follow_health(alloc: Arc<Allocator>, devices: watch::Sender<plugin::DeviceSnapshot>) {
+    let mut changes = alloc.subscribe();
+    loop {
+        let now = alloc.current_inventory();
+        let differs = devices.borrow().inventory.gpus().iter().zip(now.gpus()).any(|(a, b)| a.health != b.health);
+        if differs {
+            devices.send_modify(|d| d.inventory = Arc::new(now));
+        }
+        if changes.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Reconciles the ledger with the kubelet's PodResources API every interval and when asked
+/// (after each registration).
+async fn reconcile_loop(
+    alloc: Arc<Allocator>,
+    socket: std::path::PathBuf,
+    config: gpushared::config::ReconcileConfig,
+    now: Arc<tokio::sync::Notify>,
+) {
+    let grace = i64::try_from(config.grace_seconds.duration().as_millis()).unwrap_or(i64::MAX);
+    let mut every = tokio::time::interval(config.interval_seconds.duration());
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    every.tick().await;
+    let mut warned = false;
+    loop {
+        tokio::select! {
+            _ = every.tick() => {}
+            () = now.notified() => {}
+        }
+        let list = match gpushared::reconcile::list(&socket, Duration::from_secs(10)).await {
+            Ok(list) => {
+                warned = false;
+                list
+            }
+            Err(e) => {
+                if warned {
+                    tracing::debug!(error = %e, "reconciliation skipped");
+                } else {
+                    tracing::warn!(error = %e, "reconciliation skipped; will retry");
+                    warned = true;
+                }
+                continue;
+            }
+        };
+        let view = gpushared::reconcile::KubeletView::from_list(&list, alloc.resource());
+        let probe = Arc::clone(&alloc);
+        match tokio::task::spawn_blocking(move || probe.reconcile(&view, grace)).await {
+            Ok(Ok(repairs)) if repairs.is_empty() => tracing::debug!("reconciled with the kubelet: nothing to repair"),
+            Ok(Ok(repairs)) => tracing::info!(repairs = repairs.len(), "reconciled with the kubelet"),
+            Ok(Err(e)) => tracing::error!(error = %e, "reconciliation failed"),
+            Err(e) => tracing::error!(error = %e, "reconciliation task failed"),
+        }
+    }
 }
