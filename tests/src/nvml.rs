@@ -1,8 +1,17 @@
 //! The fake NVML library (`tests/fake-nvml/fake_nvml.c`), built with the system C compiler
-//! into a directory of the test's, and its configuration file. The daemon loads it through
-//! nvml-wrapper's normal path; `FAKE_NVML_CONFIG` in the daemon's environment names the file.
+//! into a directory of the test's, its configuration file, and its event file.
+//!
+//! The daemon loads the library through nvml-wrapper's normal path; `FAKE_NVML_CONFIG` in the
+//! daemon's environment names the configuration. A test that loads the library in its own
+//! process (and cannot set the environment) writes the configuration to [`config_beside`]
+//! instead: each built copy of the library reads its own.
+//!
+//! GPU events are injected while the library is in use: the configuration names an event file
+//! ([`events_directive`]) and the test appends lines to it with [`inject`]: `xid <gpu> <code>`,
+//! `ecc_dbe <gpu>`, `ecc_sbe <gpu>`, `lost <gpu>`, `recover <gpu>` (see the C file's header).
 
 use std::fmt::Write as _;
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -50,9 +59,10 @@ impl FakeGpu {
 pub fn build(dir: &Path) -> anyhow::Result<PathBuf> {
     let out = dir.join("libnvidia-ml.so.1");
     let status = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
-        .args(["-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-o"])
+        .args(["-shared", "-fPIC", "-pthread", "-O1", "-Wall", "-Wextra", "-Werror", "-o"])
         .arg(&out)
         .arg(SOURCE)
+        .arg("-ldl")
         .status()
         .context("running the C compiler (cc) to build the fake NVML library")?;
     if !status.success() {
@@ -73,4 +83,41 @@ pub fn write_config(path: &Path, gpus: &[FakeGpu], extra: &str) -> anyhow::Resul
     }
     text.push_str(extra);
     std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Where the library built at `library` looks for its configuration when `FAKE_NVML_CONFIG` is
+/// not set: `<library>.conf`, e.g. `libnvidia-ml.so.1.conf` beside it.
+#[must_use]
+pub fn config_beside(library: &Path) -> PathBuf {
+    let mut path = library.as_os_str().to_owned();
+    path.push(".conf");
+    PathBuf::from(path)
+}
+
+/// The configuration directive naming the event file, with its newline, for `extra` of
+/// [`write_config`].
+#[must_use]
+pub fn events_directive(events_file: &Path) -> String {
+    format!("events {}\n", events_file.display())
+}
+
+/// Appends one event line (`xid 1 79`, `ecc_dbe 0`, `lost 1`, ...) to the event file, creating
+/// it if needed. The line and its newline go in one write, so the library never reads half of
+/// it.
+///
+/// # Errors
+/// If the line has a newline inside, or the file cannot be opened or written.
+pub fn inject(events_file: &Path, line: &str) -> anyhow::Result<()> {
+    let line = line.strip_suffix('\n').unwrap_or(line);
+    if line.contains(['\n', '\r']) {
+        bail!("one event per call: {line:?} has a line break inside");
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(events_file)
+        .with_context(|| format!("opening {}", events_file.display()))?;
+    file.write_all(format!("{line}\n").as_bytes())
+        .and_then(|()| file.flush())
+        .with_context(|| format!("appending {line:?} to {}", events_file.display()))
 }

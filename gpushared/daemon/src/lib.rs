@@ -5,6 +5,7 @@
 //! - [`allocator`]: which container each kubelet call serves, checked and recorded;
 //! - [`config`]: the configuration file;
 //! - [`discovery`]: the host's GPUs, from NVML or the configuration;
+//! - [`gpu_events`]: Xid and ECC events and GPU probes, from NVML;
 //! - [`kube`]: the watch of the pods bound to this node;
 //! - [`kubelet_watch`]: kubelet restarts, seen in the device-plugin directory;
 //! - [`ledger`]: the SQLite allocation ledger;
@@ -18,6 +19,7 @@
 pub mod allocator;
 pub mod config;
 pub mod discovery;
+pub mod gpu_events;
 pub mod kube;
 pub mod kubelet_watch;
 pub mod ledger;

@@ -190,3 +190,70 @@ async fn publish_once<N: NodeApi>(node: &N, alloc: &Allocator, last: &mut Option
     tracing::debug!(generation, bytes = value.len(), "published the node state");
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpushare_core::codec::node::{NodeAllocation, PodRef};
+    use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory};
+
+    /// A node of 8 x 80 GiB GPUs with `pods` single-container pods of realistic name lengths
+    /// (a 253-character limit allows longer, but generated names are around these).
+    fn state(pods: usize) -> NodeState {
+        let gpus = (0..8u32)
+            .map(|i| {
+                let mut g = Gpu::new(
+                    i,
+                    GpuUuid::new(format!("GPU-8f6e2c1a-53b4-7f0e-9d2c-1a2b3c4d5e{i:02}")).unwrap(),
+                    "NVIDIA H100 80GB HBM3",
+                    Mib::new(81_559),
+                );
+                g.minor = Some(i);
+                g.numa_node = Some(i / 4);
+                g.pci_bus_id = Some(format!("00000000:{:02X}:00.0", 0x18 + i));
+                g
+            })
+            .collect();
+        let inventory = NodeInventory::new(MemoryUnit::Mib, gpus).unwrap();
+        let allocations: Vec<NodeAllocation> = (0..pods)
+            .map(|p| NodeAllocation {
+                pod: PodRef {
+                    namespace: "ml-inference-prod".into(),
+                    name: format!("llama-serving-deployment-7d9f8b6c5-{p:05}"),
+                    uid: format!("3f1c2b4a-9e8d-4c7b-a6f5-{p:012}"),
+                },
+                container: "model-server".into(),
+                gpu: u32::try_from(p % 8).unwrap(),
+                mib: Mib::new(1024),
+            })
+            .collect();
+        let mut used = vec![Mib::ZERO; 8];
+        for a in &allocations {
+            used[a.gpu as usize] = used[a.gpu as usize].saturating_add(a.mib);
+        }
+        NodeState { generation: 1, daemon_version: DAEMON_VERSION.into(), inventory, used, allocations }
+    }
+
+    #[test]
+    fn hundreds_of_pods_fit_the_annotation_limit() {
+        // Measured: 110 pods (the kubelet's default max-pods) 20,159 bytes, 250 pods 43,539,
+        // 500 pods 85,289, against Kubernetes' 262,144 for all annotations of an object.
+        for (pods, most) in [(110, 25_000), (250, 55_000), (500, 110_000)] {
+            let (value, reduced) = encode(&state(pods)).unwrap();
+            assert!(!reduced);
+            assert!(value.len() < most, "{pods} pods: {} bytes", value.len());
+            assert_eq!(NodeState::decode(&value).unwrap().allocations.len(), pods);
+        }
+    }
+
+    #[test]
+    fn an_oversized_state_keeps_the_memory_figures_without_the_holders() {
+        let big = state(3_000);
+        assert!(matches!(big.encode(), Err(CodecError::TooLarge { .. })));
+        let (value, reduced) = encode(&big).unwrap();
+        assert!(reduced);
+        let back = NodeState::decode(&value).unwrap();
+        assert!(back.allocations.is_empty());
+        assert_eq!(back.used, big.used);
+    }
+}

@@ -1,5 +1,5 @@
 //! systemd integration (`Type=notify`): `READY=1`, `STATUS=`, `STOPPING=1` and the watchdog,
-//! sent as sd_notify datagrams to `$NOTIFY_SOCKET` (a path, or `@name` in the abstract
+//! sent as `sd_notify` datagrams to `$NOTIFY_SOCKET` (a path, or `@name` in the abstract
 //! namespace). Without `$NOTIFY_SOCKET` every call does nothing, as libsystemd's does.
 //!
 //! The watchdog ping is earned, not timed: every half of `$WATCHDOG_USEC`, [`watchdog`] runs a

@@ -9,19 +9,15 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Host, WAIT, static_gpus};
-use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment, GpuShare};
-use gpushare_core::{ContainerRole, GpuUuid, MemoryUnit, Mib};
+use common::{Daemon, Host, WAIT, bound_pod, static_gpus};
+use gpushare_core::ContainerRole;
 use gpushare_testkit::apiserver::ApiServer;
 use gpushare_testkit::kubelet::Kubelet;
 use gpushared::ledger::{Ledger, request_key};
-use serde_json::{Value, json};
+use serde_json::json;
 
 /// Pods in the SIGKILL burst.
 const PODS: usize = 40;
-
-/// A container of a test pod: name, role, and its (GPU index, MiB) shares.
-type Spec<'a> = (&'a str, ContainerRole, &'a [(u32, u64)]);
 
 struct Cluster {
     host: Host,
@@ -44,40 +40,6 @@ async fn cluster(gpus: &[u64]) -> (Cluster, Daemon) {
     kubelet.wait_registered(1, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
     kubelet.wait_devices(WAIT, |d| !d.is_empty()).await.unwrap();
     (Cluster { host, api, kubelet, config }, daemon)
-}
-
-fn uuid(i: u32) -> GpuUuid {
-    GpuUuid::new(format!("GPU-static-{i}")).unwrap()
-}
-
-/// Creates a pod bound to node-a whose containers ask for their shares, with the assignment
-/// the extender would have written.
-fn bound_pod(api: &ApiServer, name: &str, containers: &[Spec<'_>]) {
-    let assignment = Assignment {
-        node: "node-a".into(),
-        unit: MemoryUnit::Mib,
-        containers: containers
-            .iter()
-            .map(|(n, role, gpus)| ContainerAssignment {
-                name: (*n).into(),
-                role: *role,
-                gpus: gpus.iter().map(|(i, m)| GpuShare { index: *i, uuid: uuid(*i), mib: Mib::new(*m) }).collect(),
-            })
-            .collect(),
-    };
-    let k8s = |(n, _, gpus): &Spec<'_>| {
-        let mib: u64 = gpus.iter().map(|(_, m)| m).sum();
-        json!({"name": n, "image": "x", "resources": {"limits": {
-            "gpushare.io/gpu-mem": mib.to_string(), "gpushare.io/gpu-count": gpus.len().to_string()}}})
-    };
-    let init: Vec<Value> = containers.iter().filter(|c| c.1 == ContainerRole::Init).map(k8s).collect();
-    let app: Vec<Value> = containers.iter().filter(|c| c.1 != ContainerRole::Init).map(k8s).collect();
-    api.create_pod(
-        "default",
-        json!({"metadata": {"name": name, "annotations": {ASSIGNMENT_KEY: assignment.encode().unwrap()}},
-               "spec": {"nodeName": "node-a", "initContainers": init, "containers": app}}),
-    )
-    .unwrap();
 }
 
 /// Admits one pod's containers, retrying while the daemon has not yet seen the pod.

@@ -7,6 +7,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment, GpuShare};
+use gpushare_core::{ContainerRole, GpuUuid, MemoryUnit, Mib};
+use gpushare_testkit::apiserver::ApiServer;
+use serde_json::{Value, json};
+
 /// A host: a temporary directory with the daemon's paths.
 pub struct Host {
     pub dir: tempfile::TempDir,
@@ -134,3 +139,40 @@ impl Drop for Daemon {
 pub const NO_API_SERVER: &str = "http://127.0.0.1:9";
 
 pub const WAIT: Duration = Duration::from_secs(15);
+
+/// A container of a test pod: name, role, and its (GPU index, MiB) shares.
+pub type Spec<'a> = (&'a str, ContainerRole, &'a [(u32, u64)]);
+
+pub fn uuid(i: u32) -> GpuUuid {
+    GpuUuid::new(format!("GPU-static-{i}")).unwrap()
+}
+
+/// Creates a pod bound to node-a whose containers ask for their shares, with the assignment
+/// the extender would have written.
+pub fn bound_pod(api: &ApiServer, name: &str, containers: &[Spec<'_>]) {
+    let assignment = Assignment {
+        node: "node-a".into(),
+        unit: MemoryUnit::Mib,
+        containers: containers
+            .iter()
+            .map(|(n, role, gpus)| ContainerAssignment {
+                name: (*n).into(),
+                role: *role,
+                gpus: gpus.iter().map(|(i, m)| GpuShare { index: *i, uuid: uuid(*i), mib: Mib::new(*m) }).collect(),
+            })
+            .collect(),
+    };
+    let k8s = |(n, _, gpus): &Spec<'_>| {
+        let mib: u64 = gpus.iter().map(|(_, m)| m).sum();
+        json!({"name": n, "image": "x", "resources": {"limits": {
+            "gpushare.io/gpu-mem": mib.to_string(), "gpushare.io/gpu-count": gpus.len().to_string()}}})
+    };
+    let init: Vec<Value> = containers.iter().filter(|c| c.1 == ContainerRole::Init).map(k8s).collect();
+    let app: Vec<Value> = containers.iter().filter(|c| c.1 != ContainerRole::Init).map(k8s).collect();
+    api.create_pod(
+        "default",
+        json!({"metadata": {"name": name, "annotations": {ASSIGNMENT_KEY: assignment.encode().unwrap()}},
+               "spec": {"nodeName": "node-a", "initContainers": init, "containers": app}}),
+    )
+    .unwrap();
+}
