@@ -11,8 +11,8 @@ use gpushare_core::devices::{KUBELET_MAX_MESSAGE_BYTES, list_and_watch_size};
 use gpushared::allocator::Allocator;
 use gpushared::config::{Config, DEFAULT_PATH};
 use gpushared::discovery::{Discovery, NvmlDiscovery, StaticDiscovery};
-use gpushared::ledger::Ledger;
 use gpushared::kubelet_watch::KubeletWatch;
+use gpushared::ledger::Ledger;
 use gpushared::plugin::{self, Plugin};
 use gpushared::pods::PodStore;
 use gpushared::publish::{self, KubeNode};
@@ -166,7 +166,8 @@ async fn run(config: Config) -> anyhow::Result<()> {
     tracing::info!(socket = %socket.display(), resource = %alloc.resource(), inotify = kubelet.uses_inotify(), "serving the device plugin API");
 
     let registered = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let status = Status { alloc: Arc::clone(&alloc), registered: Arc::clone(&registered), kubelet: config.kubelet_socket() };
+    let status =
+        Status { alloc: Arc::clone(&alloc), registered: Arc::clone(&registered), kubelet: config.kubelet_socket() };
     notifier.ready(&status.line());
     tasks.spawn(report_status(notifier.clone(), status.clone()));
     if let Some(interval) = gpushared::systemd::watchdog_interval() {
