@@ -6,6 +6,7 @@
 //! - [`config`]: the configuration file;
 //! - [`discovery`]: the host's GPUs, from NVML or the configuration;
 //! - [`gpu_events`]: Xid and ECC events and GPU probes, from NVML;
+//! - [`health`]: the GPU health policy, automatic recovery included;
 //! - [`kube`]: the watch of the pods bound to this node;
 //! - [`kubelet_watch`]: kubelet restarts, seen in the device-plugin directory;
 //! - [`ledger`]: the SQLite allocation ledger;
@@ -20,6 +21,7 @@ pub mod allocator;
 pub mod config;
 pub mod discovery;
 pub mod gpu_events;
+pub mod health;
 pub mod kube;
 pub mod kubelet_watch;
 pub mod ledger;

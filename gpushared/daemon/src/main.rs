@@ -11,6 +11,8 @@ use gpushare_core::devices::{KUBELET_MAX_MESSAGE_BYTES, list_and_watch_size};
 use gpushared::allocator::Allocator;
 use gpushared::config::{Config, DEFAULT_PATH};
 use gpushared::discovery::{Discovery, NvmlDiscovery, StaticDiscovery};
+use gpushared::gpu_events::NvmlEvents;
+use gpushared::health;
 use gpushared::kubelet_watch::KubeletWatch;
 use gpushared::ledger::Ledger;
 use gpushared::plugin::{self, Plugin};
@@ -89,7 +91,8 @@ async fn run(config: Config) -> anyhow::Result<()> {
     let node = config
         .node_name()
         .context("cannot tell this node's name: set node_name in the configuration or the NODE_NAME variable")?;
-    let discovery: Box<dyn Discovery> = if config.gpus.is_empty() {
+    let nvml = config.gpus.is_empty();
+    let discovery: Box<dyn Discovery> = if nvml {
         Box::new(NvmlDiscovery::init(&config.nvml.library)?)
     } else {
         Box::new(StaticDiscovery::new(config.gpus.iter().map(gpushared::config::StaticGpu::to_gpu).collect()))
@@ -139,6 +142,25 @@ async fn run(config: Config) -> anyhow::Result<()> {
         opened.ledger,
     )?);
     tracing::info!(live = alloc.summary().allocations, ledger = %config.ledger.path.path().display(), "ledger restored");
+
+    // GPU health: NVML events and probes, on a thread of its own.
+    let health_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if nvml {
+        let events = NvmlEvents::open(&config.nvml.library)?;
+        let policy = health::Policy::from(&config.health);
+        tracing::info!(
+            watched = ?events.watched(),
+            ignored_xids = ?policy.ignored_xids,
+            probe_interval = ?policy.probe_interval,
+            recovery = ?policy.recovery,
+            "watching GPU health"
+        );
+        let tracker = health::Tracker::new(policy, inventory.gpus().iter().map(|g| g.index));
+        health::spawn(events, tracker, Arc::clone(&alloc), Arc::clone(&health_stop))
+            .context("starting the GPU health thread")?;
+    } else {
+        tracing::warn!("GPU health is not monitored: the GPUs come from the static [[gpus]] list, not NVML");
+    }
 
     let client = gpushared::kube::client(config.kubernetes.kubeconfig.path()).await?;
     let mut tasks = tokio::task::JoinSet::new();
@@ -228,6 +250,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
     // End the ListAndWatch streams first: a graceful shutdown waits for open streams.
     server.stop(true).await;
     tasks.abort_all();
+    health_stop.store(true, std::sync::atomic::Ordering::Relaxed);
     Ok(())
 }
 

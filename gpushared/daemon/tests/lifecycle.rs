@@ -1,6 +1,8 @@
 //! gpushared over time, driven as a process through the stand-ins: systemd notification
 //! (`READY`, `STATUS`, the watchdog, `STOPPING`) on a datagram socket the test binds as
-//! `NOTIFY_SOCKET`, and the node-state annotation it publishes on its Node.
+//! `NOTIFY_SOCKET`; the node-state annotation it publishes on its Node; kubelet restarts;
+//! reconciliation with the kubelet's PodResources API; GPU health from NVML events injected
+//! into the fake NVML library, and automatic recovery.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -13,7 +15,8 @@ use common::{Daemon, Host, WAIT, bound_pod, static_gpus};
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_core::{ContainerRole, Mib};
 use gpushare_testkit::apiserver::ApiServer;
-use gpushare_testkit::kubelet::Kubelet;
+use gpushare_testkit::kubelet::{ContainerSpec, Kubelet};
+use gpushared::ledger::Ledger;
 use serde_json::json;
 
 /// What the daemon told "systemd", in order, with when.
@@ -57,13 +60,55 @@ impl Notes {
 
 /// A host whose daemon reaches the API-server stand-in, with two 1000 MiB GPUs.
 async fn host_with_api() -> (Host, ApiServer, std::path::PathBuf) {
+    host_with(&static_gpus(&[(1000, None), (1000, None)])).await
+}
+
+/// A host whose daemon reaches the API-server stand-in, with `extra` configuration.
+async fn host_with(extra: &str) -> (Host, ApiServer, std::path::PathBuf) {
     let host = Host::new();
     let api = ApiServer::start().await.unwrap();
     api.create_node(json!({"metadata": {"name": "node-a", "annotations": {"team": "ml"}}})).unwrap();
     let kubeconfig = host.path("kubeconfig");
     api.write_kubeconfig(&kubeconfig).unwrap();
-    let config = host.config(&kubeconfig, "", &static_gpus(&[(1000, None), (1000, None)]));
+    let config = host.config(&kubeconfig, "", extra);
     (host, api, config)
+}
+
+/// The node state on the Node, if published.
+fn node_state(api: &ApiServer) -> Option<NodeState> {
+    let node = api.node("node-a")?;
+    let value = node["metadata"]["annotations"][NODE_STATE_KEY].as_str()?.to_owned();
+    Some(NodeState::decode(&value).unwrap())
+}
+
+/// Waits until `ok` holds, polling every 20 ms.
+async fn eventually<T>(what: &str, mut ok: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(v) = ok() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "{what}: not within {WAIT:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Admits a named pod through the kubelet stand-in once the daemon has seen it bound.
+async fn admit_named(kubelet: &Kubelet, name: &str, containers: &[ContainerSpec]) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match kubelet.admit_pod("default", name, containers).await {
+            Ok(_) => return,
+            Err(e) if Instant::now() < deadline && format!("{e:#}").contains("no pod bound") => {
+                tokio::time::sleep(Duration::from_millis(30)).await;
+            }
+            Err(e) => panic!("{e:#}"),
+        }
+    }
+}
+
+fn ledger(host: &Host) -> Ledger {
+    Ledger::open(&host.ledger()).unwrap().ledger
 }
 
 /// Admits a one-container pod of `mib` on GPU `gpu`, once the daemon has seen it.
@@ -142,11 +187,7 @@ async fn publishes_its_gpus_and_allocations_on_its_own_node() {
     kubelet.wait_registered(1, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
     kubelet.wait_devices(WAIT, |d| !d.is_empty()).await.unwrap();
 
-    let state = |api: &ApiServer| -> Option<NodeState> {
-        let node = api.node("node-a")?;
-        let value = node["metadata"]["annotations"][NODE_STATE_KEY].as_str()?.to_owned();
-        Some(NodeState::decode(&value).unwrap())
-    };
+    let state = node_state;
     let wait_state = |api: &ApiServer, what: &str, ok: &dyn Fn(&NodeState) -> bool| -> NodeState {
         let deadline = Instant::now() + WAIT;
         loop {
@@ -198,4 +239,198 @@ async fn publishes_its_gpus_and_allocations_on_its_own_node() {
     let _daemon = Daemon::start(&config, host.path("daemon-2.log"));
     let again = wait_state(&api, "the restarted daemon's publication", &|s| s.generation > before);
     assert_eq!(again.allocations.len(), 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubelet_restart_is_followed_by_a_new_registration_within_a_second() {
+    let (host, api, config) = host_with_api().await;
+    let kubelet = Kubelet::start_with_pod_resources(&host.plugin_dir(), &host.pod_resources_socket()).await.unwrap();
+    let daemon = Daemon::start(&config, host.path("daemon.log"));
+    kubelet.wait_registered(1, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+    kubelet.wait_devices(WAIT, |d| !d.is_empty()).await.unwrap();
+    bound_pod(&api, "before", &[("main", ContainerRole::App, &[(0, 300)])]);
+    admit_named(&kubelet, "before", &[ContainerSpec::app("main", 300)]).await;
+
+    for round in 1..=3 {
+        let started = Instant::now();
+        kubelet.restart().await.unwrap();
+        kubelet
+            .wait_registered_since_restart(1, Duration::from_secs(1))
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: {e}\n{}", daemon.log()));
+        let took = started.elapsed();
+        eprintln!("round {round}: registered again {took:?} after the kubelet restarted");
+        assert!(took < Duration::from_secs(1), "round {round}: registered again after {took:?}");
+        // ListAndWatch resumes with the full list.
+        let devices = kubelet.wait_devices(WAIT, |d| d.len() == 2000).await.unwrap();
+        assert_eq!(devices.len(), 2000);
+    }
+    // Nothing was lost, and admission works on the new connection.
+    bound_pod(&api, "after", &[("main", ContainerRole::App, &[(1, 200)])]);
+    admit_named(&kubelet, "after", &[ContainerSpec::app("main", 200)]).await;
+    let live = ledger(&host).live().unwrap();
+    let pods: Vec<&str> = live.iter().map(|r| r.pod.name.as_str()).collect();
+    assert_eq!(pods, vec!["before", "after"]);
+    assert!(daemon.log().contains("the plugin socket was removed (a kubelet restart?); serving on a new one"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconciles_the_ledger_with_what_the_kubelet_holds() {
+    let (host, api, config) = host_with(&format!(
+        "{}\n[reconcile]\ninterval_seconds = 1\ngrace_seconds = 1\n",
+        static_gpus(&[(1000, None), (1000, None)])
+    ))
+    .await;
+    let kubelet = Kubelet::start_with_pod_resources(&host.plugin_dir(), &host.pod_resources_socket()).await.unwrap();
+    let daemon = Daemon::start(&config, host.path("daemon.log"));
+    kubelet.wait_registered(1, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+    kubelet.wait_devices(WAIT, |d| !d.is_empty()).await.unwrap();
+    bound_pod(&api, "stays", &[("main", ContainerRole::App, &[(0, 300)])]);
+    admit_named(&kubelet, "stays", &[ContainerSpec::app("main", 300)]).await;
+    bound_pod(&api, "forgotten", &[("main", ContainerRole::App, &[(0, 200)])]);
+    admit_named(&kubelet, "forgotten", &[ContainerSpec::app("main", 200)]).await;
+
+    // The kubelet no longer runs "forgotten" (its deletion never reached the daemon).
+    assert!(kubelet.remove_pod("default", "forgotten"));
+    // The kubelet holds devices on GPU1 for "adopted", which the ledger never saw.
+    bound_pod(&api, "adopted", &[("main", ContainerRole::App, &[(1, 100)])]);
+    let inventory = gpushare_core::NodeInventory::new(
+        gpushare_core::MemoryUnit::Mib,
+        (0..2).map(|i| gpushare_core::Gpu::new(i, common::uuid(i), "Tesla T4", Mib::new(1000))).collect(),
+    )
+    .unwrap();
+    let ids: Vec<String> = gpushare_core::devices::DeviceMap::new(&inventory).ids(1).skip(500).take(100).collect();
+    kubelet.inject_pod_resources(gpushare_proto::podresources::PodResources {
+        name: "adopted".into(),
+        namespace: "default".into(),
+        containers: vec![gpushare_proto::podresources::ContainerResources {
+            name: "main".into(),
+            devices: vec![gpushare_proto::podresources::ContainerDevices {
+                resource_name: "gpushare.io/gpu-mem".into(),
+                device_ids: ids,
+                topology: None,
+            }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    });
+
+    let live = eventually("the repairs", || {
+        let live = ledger(&host).live().unwrap();
+        let names: Vec<String> = live.iter().map(|r| r.pod.name.clone()).collect();
+        (names == ["stays", "adopted"]).then_some(live)
+    })
+    .await;
+    assert_eq!((live[1].gpu_index, live[1].mib), (1, Mib::new(100)));
+    let history = ledger(&host).all_since(0).unwrap();
+    let forgotten = history.iter().find(|r| r.pod.name == "forgotten").unwrap();
+    assert_eq!(forgotten.release_reason.as_deref(), Some("reconcile: the kubelet no longer runs this pod"));
+    let events: Vec<String> = ledger(&host)
+        .events_since(0)
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.kind == "reconcile")
+        .map(|e| e.detail)
+        .collect();
+    assert!(events.iter().any(|e| e.starts_with("released default/forgotten container \"main\"")), "{events:?}");
+    assert!(
+        events.iter().any(|e| e.starts_with("adopted GPU1 100 MiB for default/adopted container \"main\"")),
+        "{events:?}"
+    );
+    // The published state follows the repairs.
+    let state = eventually("the annotation", || node_state(&api).filter(|s| s.allocations.len() == 2)).await;
+    assert_eq!(state.used, vec![Mib::new(300), Mib::new(100)]);
+}
+
+mod health {
+    //! GPU health through the fake NVML library's injected events.
+
+    use super::*;
+    use gpushare_testkit::nvml::{FakeGpu, build, events_directive, inject, write_config};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn faults_withdraw_a_gpu_within_a_second_and_it_recovers_on_its_own() {
+        let host = Host::new();
+        let lib = build(host.dir.path()).unwrap();
+        let events = host.path("nvml-events");
+        std::fs::write(&events, "").unwrap();
+        let nvml_config = host.path("fake-nvml.conf");
+        let gpus = [FakeGpu::new("h", 0, 500, "Tesla T4"), FakeGpu::new("h", 1, 500, "Tesla T4")];
+        write_config(&nvml_config, &gpus, &events_directive(&events)).unwrap();
+        let (host, api, config) = {
+            let api = ApiServer::start().await.unwrap();
+            api.create_node(json!({"metadata": {"name": "node-a"}})).unwrap();
+            let kubeconfig = host.path("kubeconfig");
+            api.write_kubeconfig(&kubeconfig).unwrap();
+            let extra = format!(
+                "[nvml]\nlibrary = \"{}\"\n[health]\nprobe_interval_seconds = 1\nrecovery_seconds = 2\n",
+                lib.display()
+            );
+            let config = host.config(&kubeconfig, "", &extra);
+            (host, api, config)
+        };
+        let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
+        let daemon = Daemon::start_with_env(
+            &config,
+            host.path("daemon.log"),
+            &[("FAKE_NVML_CONFIG", nvml_config.to_str().unwrap())],
+        );
+        kubelet.wait_registered(1, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+        kubelet.wait_devices(WAIT, |d| d.len() == 1000).await.unwrap();
+        let unhealthy = |d: &[gpushare_proto::deviceplugin::Device]| {
+            d.iter().filter(|x| x.health == gpushare_proto::UNHEALTHY).count()
+        };
+        let gpu_health = |api: &ApiServer, i: usize| node_state(api).map(|s| s.inventory.gpus()[i].health.clone());
+
+        // An application Xid changes nothing.
+        inject(&events, "xid 0 13").unwrap();
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(unhealthy(&kubelet.devices()), 0);
+        assert!(daemon.log().contains("application Xid error"), "{}", daemon.log());
+
+        // Xid 79 (fallen off the bus): GPU1's 500 devices turn Unhealthy within a second.
+        let started = Instant::now();
+        inject(&events, "xid 1 79").unwrap();
+        kubelet.wait_devices(Duration::from_secs(1), |d| unhealthy(d) == 500).await.unwrap_or_else(|e| {
+            panic!("{e}\n{}", daemon.log());
+        });
+        let took = started.elapsed();
+        let reason = eventually("the annotation", || match gpu_health(&api, 1) {
+            Some(gpushare_core::Health::Unhealthy { reason }) => Some(reason),
+            _ => None,
+        })
+        .await;
+        assert_eq!(reason, "Xid 79");
+        eprintln!("Xid 79: devices Unhealthy after {took:?}, annotation after {:?}", started.elapsed());
+        assert!(started.elapsed() < Duration::from_secs(1), "annotation after {:?}", started.elapsed());
+        assert!(took < Duration::from_secs(1));
+
+        // Recovery: quiet for 2 s and answering a probe.
+        kubelet.wait_devices(WAIT, |d| unhealthy(d) == 0).await.unwrap();
+        assert!(started.elapsed() >= Duration::from_secs(2), "recovered after {:?}", started.elapsed());
+        eventually("the healthy annotation", || (gpu_health(&api, 1)? == gpushare_core::Health::Healthy).then_some(()))
+            .await;
+
+        // A GPU that stops answering is found by the probe; it recovers once it answers again.
+        inject(&events, "lost 0").unwrap();
+        kubelet.wait_devices(Duration::from_secs(3), |d| unhealthy(d) == 500).await.unwrap();
+        inject(&events, "recover 0").unwrap();
+        kubelet.wait_devices(WAIT, |d| unhealthy(d) == 0).await.unwrap();
+
+        // An uncorrectable ECC error, and every change is in the history.
+        inject(&events, "ecc_dbe 1").unwrap();
+        kubelet.wait_devices(Duration::from_secs(1), |d| unhealthy(d) == 500).await.unwrap();
+        let history: Vec<String> = ledger(&host)
+            .events_since(0)
+            .unwrap()
+            .into_iter()
+            .filter(|e| e.kind == "health")
+            .map(|e| e.detail)
+            .collect();
+        assert_eq!(history.len(), 5, "{history:#?}");
+        assert!(history[0].starts_with("GPU1 (GPU-fake-h-1) is unhealthy: Xid 79"), "{history:#?}");
+        assert!(history[1].starts_with("GPU1 (GPU-fake-h-1) is healthy again"), "{history:#?}");
+        assert!(history[2].starts_with("GPU0 (GPU-fake-h-0) is unhealthy: does not answer"), "{history:#?}");
+        assert!(history[4].ends_with("is unhealthy: uncorrectable ECC error"), "{history:#?}");
+    }
 }

@@ -32,6 +32,11 @@ impl Host {
         self.path("device-plugins")
     }
 
+    /// Where the kubelet stand-in serves PodResources.
+    pub fn pod_resources_socket(&self) -> PathBuf {
+        self.path("pod-resources/kubelet.sock")
+    }
+
     pub fn ledger(&self) -> PathBuf {
         self.path("state/ledger.db")
     }
@@ -57,9 +62,10 @@ impl Host {
         std::fs::write(
             &path,
             format!(
-                "node_name = \"node-a\"\n{top}\n[kubelet]\ndevice_plugin_dir = \"{}\"\n[ledger]\npath = \"{}\"\n\
-                 [kubernetes]\nkubeconfig = \"{}\"\n{extra}\n",
+                "node_name = \"node-a\"\n{top}\n[kubelet]\ndevice_plugin_dir = \"{}\"\npod_resources_socket = \"{}\"\n\
+                 [ledger]\npath = \"{}\"\n[kubernetes]\nkubeconfig = \"{}\"\n{extra}\n",
                 self.plugin_dir().display(),
+                self.pod_resources_socket().display(),
                 self.ledger().display(),
                 kubeconfig.display()
             ),
