@@ -228,6 +228,19 @@ async fn publishes_its_gpus_and_allocations_on_its_own_node() {
     let patches = api.requests().iter().filter(|(m, p)| m == "PATCH" && p.contains("/nodes/node-a")).count();
     assert!((1..8).contains(&patches), "{patches} publications for 8 allocations");
 
+    // API errors are retried with backoff: with its Node gone (404), the daemon keeps trying,
+    // and publishes the current state once the Node is back.
+    bound_pod(&api, "while-away", &[("main", ContainerRole::App, &[(1, 50)])]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    api.delete(gpushare_testkit::apiserver::Kind::Node, "", "node-a").unwrap();
+    kubelet.admit(&[50]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(daemon.log().contains("cannot publish the node state; retrying"), "{}", daemon.log());
+    api.create_node(json!({"metadata": {"name": "node-a"}})).unwrap();
+    wait_state(&api, "the publication after the Node came back", &|s| s.allocations.len() == 12);
+    api.delete_pod("default", "while-away").unwrap();
+    wait_state(&api, "while-away released", &|s| s.allocations.len() == 11);
+
     // A deleted pod's memory returns, and the annotation says so.
     api.delete_pod("default", "a").unwrap();
     let after = wait_state(&api, "the release", &|s| s.allocations.len() == 10);
