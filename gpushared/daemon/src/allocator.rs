@@ -756,7 +756,8 @@ impl Allocator {
     }
 
     /// Makes the ledger agree with the kubelet's PodResources answer (see [`crate::reconcile`]);
-    /// rows younger than `grace_ms` are not released. Every repair is logged and recorded in
+    /// rows younger than `grace_ms` are not released. Call it only once the pod store has
+    /// synced ([`PodStore::is_synced`]): a pod missing from it must mean the pod is gone. Every repair is logged and recorded in
     /// the history. Returns the repairs made.
     ///
     /// # Errors
@@ -775,9 +776,14 @@ impl Allocator {
             };
             Some(KnownPod { pod: p.view.pod.clone(), role: role.unwrap_or(ContainerRole::App) })
         };
+        let running = |uid: &str| {
+            pods.iter().any(|p| {
+                p.view.pod.uid == uid && !p.view.terminal && p.view.node.as_deref() == Some(self.node.as_str())
+            })
+        };
         let mut state = self.lock();
         let live = state.ledger.live()?;
-        let repairs = crate::reconcile::plan(&live, kubelet, known, crate::ledger::now_ms(), grace_ms);
+        let repairs = crate::reconcile::plan(&live, kubelet, known, running, crate::ledger::now_ms(), grace_ms);
         let mut done = Vec::with_capacity(repairs.len());
         for repair in repairs {
             match &repair {

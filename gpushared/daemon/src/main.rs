@@ -164,7 +164,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
 
     let client = gpushared::kube::client(config.kubernetes.kubeconfig.path()).await?;
     let mut tasks = tokio::task::JoinSet::new();
-    tasks.spawn(gpushared::kube::watch_pods(client.clone(), node.clone(), pods, Arc::clone(&alloc)));
+    tasks.spawn(gpushared::kube::watch_pods(client.clone(), node.clone(), pods.clone(), Arc::clone(&alloc)));
     tasks.spawn(publish::run(KubeNode::new(client, node.clone()), Arc::clone(&alloc), publish::Timing::default()));
 
     // The kubelet's device list follows the GPUs' health.
@@ -200,6 +200,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
     let reconcile_now = Arc::new(tokio::sync::Notify::new());
     tasks.spawn(reconcile_loop(
         Arc::clone(&alloc),
+        pods.clone(),
         config.kubelet.pod_resources_socket.path().to_owned(),
         config.reconcile.clone(),
         Arc::clone(&reconcile_now),
@@ -340,6 +341,7 @@ async fn follow_health(alloc: Arc<Allocator>, devices: watch::Sender<plugin::Dev
 /// (after each registration).
 async fn reconcile_loop(
     alloc: Arc<Allocator>,
+    pods: PodStore,
     socket: std::path::PathBuf,
     config: gpushared::config::ReconcileConfig,
     now: Arc<tokio::sync::Notify>,
@@ -353,6 +355,10 @@ async fn reconcile_loop(
         tokio::select! {
             _ = every.tick() => {}
             () = now.notified() => {}
+        }
+        if !pods.is_synced() {
+            tracing::info!("reconciliation waits for the first complete list of this node's pods");
+            continue;
         }
         let list = match gpushared::reconcile::list(&socket, Duration::from_secs(10)).await {
             Ok(list) => {

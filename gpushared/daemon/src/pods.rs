@@ -47,6 +47,9 @@ impl StoredPod {
 #[derive(Clone, Debug, Default)]
 pub struct PodStore {
     inner: Arc<RwLock<BTreeMap<String, Arc<StoredPod>>>>,
+    /// Set once a complete list has been stored: until then, a pod missing from the store
+    /// proves nothing.
+    synced: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl PodStore {
@@ -69,13 +72,20 @@ impl PodStore {
         self.inner.write().ok().and_then(|mut map| map.remove(uid))
     }
 
-    /// Replaces the whole content (after a relist).
+    /// Replaces the whole content (after a complete list).
     pub fn replace_all(&self, views: Vec<PodView>) {
         let stored: BTreeMap<String, Arc<StoredPod>> =
             views.into_iter().map(|v| (v.pod.uid.clone(), Arc::new(StoredPod::new(v)))).collect();
         if let Ok(mut map) = self.inner.write() {
             *map = stored;
         }
+        self.synced.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether a complete list of the pods bound to this node has been stored.
+    #[must_use]
+    pub fn is_synced(&self) -> bool {
+        self.synced.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// One pod.

@@ -12,7 +12,11 @@
 //!   `Allocate` returned, and lists a pod only once it is active);
 //! - the kubelet holds the device set for another pod: released ("wrong owner"), and the set
 //!   adopted for the pod the kubelet names;
-//! - otherwise the kubelet no longer holds the devices: released.
+//! - the kubelet does not list the pod at all, but the API server still has it running on this
+//!   node: kept (a restarting kubelet lists no pod until it has synced its own; the pod watch
+//!   releases the rows when the pod ends);
+//! - otherwise the kubelet no longer holds the devices: released. This is how rows of pods
+//!   deleted while the daemon was down are released.
 //!
 //! Device sets the kubelet holds that no live row records are adopted for the pod and
 //! container it names, when that pod is known (its UID comes from the pods bound to this node);
@@ -120,13 +124,15 @@ pub enum Repair {
 }
 
 /// The repairs that make the ledger's live rows agree with the kubelet. `known` resolves a
-/// pod named by the kubelet (namespace, name, container); rows allocated less than `grace_ms`
-/// before `now_ms` are never released.
+/// pod named by the kubelet (namespace, name, container); `running` tells whether the API
+/// server has a pod UID bound to this node and not finished; rows allocated less than
+/// `grace_ms` before `now_ms` are never released.
 #[must_use]
 pub fn plan(
     live: &[Row],
     kubelet: &KubeletView,
     known: impl Fn(&str, &str, &str) -> Option<KnownPod>,
+    running: impl Fn(&str) -> bool,
     now_ms: i64,
     grace_ms: i64,
 ) -> Vec<Repair> {
@@ -162,6 +168,7 @@ pub fn plan(
             Some(h) if same_pod(h) && first.role == ContainerRole::Init => {}
             _ if pod_listed && first.role != ContainerRole::App => {}
             _ if now_ms.saturating_sub(first.allocated_at) < grace_ms => {}
+            None if !pod_listed && running(&first.pod.uid) => {}
             Some(h) if !same_pod(h) => repairs.push(release(format!(
                 "reconcile: the kubelet holds these devices for {}/{} container {:?}",
                 h.namespace, h.name, h.container
@@ -174,7 +181,9 @@ pub fn plan(
                 "reconcile: the kubelet no longer holds these devices for container {:?}",
                 first.container
             ))),
-            None => repairs.push(release("reconcile: the kubelet no longer runs this pod".to_owned())),
+            None => repairs.push(release(
+                "reconcile: the kubelet no longer runs this pod, and it is not running on this node".to_owned(),
+            )),
         }
     }
     // A set still recorded for another container (an init container's devices handed on, or
@@ -312,6 +321,11 @@ mod tests {
         (ns == "default" && name != "stranger").then(|| KnownPod { pod: pod(name), role: ContainerRole::App })
     }
 
+    /// No pod is running as far as the API server says.
+    fn gone(_: &str) -> bool {
+        false
+    }
+
     const NOW: i64 = 1_000_000;
     const GRACE: i64 = 30_000;
     const OLD: i64 = NOW - 60_000;
@@ -320,7 +334,7 @@ mod tests {
     fn agreement_needs_no_repair() {
         let live = [row(1, "a", "main", ContainerRole::App, &["x1", "x2"], OLD)];
         let k = kubelet(&["a"], vec![holding("a", "main", &["x2", "x1"])]);
-        assert_eq!(plan(&live, &k, known, NOW, GRACE), vec![]);
+        assert_eq!(plan(&live, &k, known, gone, NOW, GRACE), vec![]);
     }
 
     #[test]
@@ -331,7 +345,7 @@ mod tests {
             row(3, "alive", "old", ContainerRole::App, &["x3"], OLD),
         ];
         let k = kubelet(&["alive"], vec![]);
-        let repairs = plan(&live, &k, known, NOW, GRACE);
+        let repairs = plan(&live, &k, known, gone, NOW, GRACE);
         assert_eq!(repairs.len(), 2, "{repairs:?}");
         assert!(
             matches!(&repairs[0], Repair::Release { rows, reason, .. } if rows == &[1] && reason.contains("no longer runs this pod"))
@@ -339,6 +353,12 @@ mod tests {
         assert!(
             matches!(&repairs[1], Repair::Release { rows, reason, .. } if rows == &[3] && reason.contains("no longer holds these devices for container \"old\""))
         );
+        // A pod the API server still has running is not released while the kubelet does not
+        // list it (a restarting kubelet lists nothing until it has synced).
+        let running = |uid: &str| uid == "uid-gone";
+        let repairs = plan(&live, &k, known, running, NOW, GRACE);
+        assert_eq!(repairs.len(), 1, "{repairs:?}");
+        assert!(matches!(&repairs[0], Repair::Release { rows, .. } if rows == &[3]));
     }
 
     #[test]
@@ -349,16 +369,16 @@ mod tests {
             row(3, "a", "main", ContainerRole::App, &["x1"], OLD),
         ];
         let k = kubelet(&["a"], vec![holding("a", "main", &["x1"])]);
-        assert_eq!(plan(&live, &k, known, NOW, GRACE), vec![]);
+        assert_eq!(plan(&live, &k, known, gone, NOW, GRACE), vec![]);
         // Once the pod is gone, everything goes.
-        let repairs = plan(&live, &kubelet(&[], vec![]), known, NOW, GRACE);
+        let repairs = plan(&live, &kubelet(&[], vec![]), known, gone, NOW, GRACE);
         assert_eq!(repairs.len(), 3);
     }
 
     #[test]
     fn devices_the_ledger_lacks_are_adopted_for_known_pods_only() {
         let k = kubelet(&["a", "stranger"], vec![holding("a", "main", &["x1"]), holding("stranger", "c", &["x9"])]);
-        let repairs = plan(&[], &k, known, NOW, GRACE);
+        let repairs = plan(&[], &k, known, gone, NOW, GRACE);
         assert_eq!(repairs.len(), 2);
         assert!(matches!(&repairs[0], Repair::Adopt { pod, container, device_ids, .. }
             if pod.uid == "uid-a" && container == "main" && device_ids == &["x1"]));
@@ -369,7 +389,7 @@ mod tests {
     fn a_wrong_owner_is_released_and_the_right_one_adopted() {
         let live = [row(1, "a", "main", ContainerRole::App, &["x1", "x2"], OLD)];
         let k = kubelet(&["a", "b"], vec![holding("b", "worker", &["x1", "x2"])]);
-        let repairs = plan(&live, &k, known, NOW, GRACE);
+        let repairs = plan(&live, &k, known, gone, NOW, GRACE);
         assert_eq!(repairs.len(), 2, "{repairs:?}");
         assert!(matches!(&repairs[0], Repair::Release { rows, reason, .. }
             if rows == &[1] && reason.contains("for default/b container \"worker\"")));

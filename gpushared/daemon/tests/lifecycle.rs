@@ -302,9 +302,17 @@ async fn reconciles_the_ledger_with_what_the_kubelet_holds() {
     admit_named(&kubelet, "stays", &[ContainerSpec::app("main", 300)]).await;
     bound_pod(&api, "forgotten", &[("main", ContainerRole::App, &[(0, 200)])]);
     admit_named(&kubelet, "forgotten", &[ContainerSpec::app("main", 200)]).await;
+    bound_pod(&api, "unlisted", &[("main", ContainerRole::App, &[(1, 150)])]);
+    admit_named(&kubelet, "unlisted", &[ContainerSpec::app("main", 150)]).await;
 
-    // The kubelet no longer runs "forgotten" (its deletion never reached the daemon).
+    // "forgotten" is deleted while the daemon is down: its watch never sees the deletion.
+    drop(daemon);
+    api.delete_pod("default", "forgotten").unwrap();
     assert!(kubelet.remove_pod("default", "forgotten"));
+    // The kubelet does not list "unlisted", which the API server still has running on this
+    // node (as a restarting kubelet lists nothing at first): it is kept.
+    assert!(kubelet.remove_pod("default", "unlisted"));
+    let daemon = Daemon::start(&config, host.path("daemon-2.log"));
     // The kubelet holds devices on GPU1 for "adopted", which the ledger never saw.
     bound_pod(&api, "adopted", &[("main", ContainerRole::App, &[(1, 100)])]);
     let inventory = gpushare_core::NodeInventory::new(
@@ -331,13 +339,16 @@ async fn reconciles_the_ledger_with_what_the_kubelet_holds() {
     let live = eventually("the repairs", || {
         let live = ledger(&host).live().unwrap();
         let names: Vec<String> = live.iter().map(|r| r.pod.name.clone()).collect();
-        (names == ["stays", "adopted"]).then_some(live)
+        (names == ["stays", "unlisted", "adopted"]).then_some(live)
     })
     .await;
-    assert_eq!((live[1].gpu_index, live[1].mib), (1, Mib::new(100)));
+    assert_eq!((live[2].gpu_index, live[2].mib), (1, Mib::new(100)));
     let history = ledger(&host).all_since(0).unwrap();
     let forgotten = history.iter().find(|r| r.pod.name == "forgotten").unwrap();
-    assert_eq!(forgotten.release_reason.as_deref(), Some("reconcile: the kubelet no longer runs this pod"));
+    assert_eq!(
+        forgotten.release_reason.as_deref(),
+        Some("reconcile: the kubelet no longer runs this pod, and it is not running on this node")
+    );
     let events: Vec<String> = ledger(&host)
         .events_since(0)
         .unwrap()
@@ -351,8 +362,9 @@ async fn reconciles_the_ledger_with_what_the_kubelet_holds() {
         "{events:?}"
     );
     // The published state follows the repairs.
-    let state = eventually("the annotation", || node_state(&api).filter(|s| s.allocations.len() == 2)).await;
-    assert_eq!(state.used, vec![Mib::new(300), Mib::new(100)]);
+    let state = eventually("the annotation", || node_state(&api).filter(|s| s.allocations.len() == 3)).await;
+    assert_eq!(state.used, vec![Mib::new(300), Mib::new(250)]);
+    drop(daemon);
 }
 
 mod health {
