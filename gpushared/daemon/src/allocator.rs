@@ -693,12 +693,6 @@ impl Allocator {
         self.changes.send_modify(|n| *n = n.wrapping_add(1));
     }
 
-    /// Wakes the subscribers without a change of the ledger (another part of the daemon's
-    /// state, such as its registration, changed).
-    pub fn poke(&self) {
-        self.changed();
-    }
-
     /// A receiver that sees a new value after every change of the live allocations or of a
     /// GPU's health.
     #[must_use]

@@ -189,7 +189,12 @@ async fn run(config: Config) -> anyhow::Result<()> {
 
     let registered = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let status =
-        Status { alloc: Arc::clone(&alloc), registered: Arc::clone(&registered), kubelet: config.kubelet_socket() };
+        Status {
+            alloc: Arc::clone(&alloc),
+            registered: Arc::clone(&registered),
+            kubelet: config.kubelet_socket(),
+            wake: Arc::new(tokio::sync::Notify::new()),
+        };
     notifier.ready(&status.line());
     tasks.spawn(report_status(notifier.clone(), status.clone()));
     if let Some(interval) = gpushared::systemd::watchdog_interval() {
@@ -280,6 +285,8 @@ struct Status {
     alloc: Arc<Allocator>,
     registered: Arc<std::sync::atomic::AtomicBool>,
     kubelet: std::path::PathBuf,
+    /// Wakes [`report_status`] when the registration changes.
+    wake: Arc<tokio::sync::Notify>,
 }
 
 impl Status {
@@ -300,7 +307,7 @@ impl Status {
 
     /// Wakes [`report_status`].
     fn changed(&self) {
-        self.alloc.poke();
+        self.wake.notify_one();
     }
 }
 
@@ -314,8 +321,13 @@ async fn report_status(notifier: Notifier, status: Status) {
             notifier.status(&line);
             last = line;
         }
-        if changes.changed().await.is_err() {
-            return;
+        tokio::select! {
+            changed = changes.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+            }
+            () = status.wake.notified() => {}
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
         changes.borrow_and_update();
