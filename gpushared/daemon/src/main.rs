@@ -188,13 +188,12 @@ async fn run(config: Config) -> anyhow::Result<()> {
     tracing::info!(socket = %socket.display(), resource = %alloc.resource(), inotify = kubelet.uses_inotify(), "serving the device plugin API");
 
     let registered = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let status =
-        Status {
-            alloc: Arc::clone(&alloc),
-            registered: Arc::clone(&registered),
-            kubelet: config.kubelet_socket(),
-            wake: Arc::new(tokio::sync::Notify::new()),
-        };
+    let status = Status {
+        alloc: Arc::clone(&alloc),
+        registered: Arc::clone(&registered),
+        kubelet: config.kubelet_socket(),
+        wake: Arc::new(tokio::sync::Notify::new()),
+    };
     notifier.ready(&status.line());
     tasks.spawn(report_status(notifier.clone(), status.clone()));
     if let Some(interval) = gpushared::systemd::watchdog_interval() {
