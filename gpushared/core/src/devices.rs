@@ -92,6 +92,93 @@ impl DeviceMap {
     }
 }
 
+/// The canonical key of a set of device IDs, short enough to index: the IDs grouped by GPU tag
+/// (tags in order), each tag's unit numbers as ascending runs, in base 62 —
+/// `Q3:C-3J,40;Xy:0-1` for `Q3C`…`Q33J`, `Q340`, `Xy0`, `Xy1`. The same set always gives the same
+/// key, whatever the order or repetition of the IDs: 200 consecutive devices take 9 characters
+/// instead of 1,200. A set with an ID that is not of this form (a foreign or stale ID) keeps
+/// every ID: `=` followed by the sorted, distinct IDs joined by commas.
+#[must_use]
+pub fn device_set_key<S: AsRef<str>>(ids: &[S]) -> String {
+    let mut parsed: Vec<([u8; 2], u64)> = Vec::with_capacity(ids.len());
+    for id in ids {
+        let bytes = id.as_ref().as_bytes();
+        let number = bytes.get(2..).and_then(parse_base62);
+        match (bytes.get(..2), number) {
+            (Some(&[a, b]), Some(k)) if ALPHABET.contains(&a) && ALPHABET.contains(&b) => parsed.push(([a, b], k)),
+            _ => {
+                let mut all: Vec<&str> = ids.iter().map(AsRef::as_ref).collect();
+                all.sort_unstable();
+                all.dedup();
+                return format!("={}", all.join(","));
+            }
+        }
+    }
+    parsed.sort_unstable();
+    parsed.dedup();
+    let mut key = String::with_capacity(16);
+    let mut i = 0;
+    while i < parsed.len() {
+        let tag = parsed[i].0;
+        if !key.is_empty() {
+            key.push(';');
+        }
+        key.push(char::from(tag[0]));
+        key.push(char::from(tag[1]));
+        key.push(':');
+        let mut first = true;
+        while i < parsed.len() && parsed[i].0 == tag {
+            let start = parsed[i].1;
+            let mut end = start;
+            while i + 1 < parsed.len() && parsed[i + 1].0 == tag && parsed[i + 1].1 == end + 1 {
+                i += 1;
+                end += 1;
+            }
+            if !first {
+                key.push(',');
+            }
+            first = false;
+            push_base62(&mut key, start);
+            if end > start {
+                key.push('-');
+                push_base62(&mut key, end);
+            }
+            i += 1;
+        }
+    }
+    key
+}
+
+/// The device IDs a [`device_set_key`] stands for, sorted as the key lists them; `None` for
+/// a malformed key.
+#[must_use]
+pub fn device_set_ids(key: &str) -> Option<Vec<String>> {
+    if let Some(raw) = key.strip_prefix('=') {
+        return Some(raw.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect());
+    }
+    let mut out = Vec::new();
+    for group in key.split(';').filter(|g| !g.is_empty()) {
+        let (tag, runs) = group.split_once(':')?;
+        if tag.len() != 2 || !tag.bytes().all(|b| ALPHABET.contains(&b)) {
+            return None;
+        }
+        for run in runs.split(',') {
+            let (a, b) = run.split_once('-').unwrap_or((run, run));
+            let (a, b) = (parse_base62(a.as_bytes())?, parse_base62(b.as_bytes())?);
+            if b < a || b - a > 1 << 24 {
+                return None;
+            }
+            for k in a..=b {
+                let mut id = String::with_capacity(6);
+                id.push_str(tag);
+                push_base62(&mut id, k);
+                out.push(id);
+            }
+        }
+    }
+    Some(out)
+}
+
 fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
 }
@@ -233,6 +320,39 @@ mod tests {
         assert_ne!(one.tags[0], one.tags[1]);
         assert_eq!(one.tags[0], two.tags[1]);
         assert_eq!(one.tags[1], two.tags[0]);
+    }
+
+    #[test]
+    fn device_set_keys_are_short_canonical_and_reversible() {
+        let ids: Vec<String> =
+            (12..212u64).map(|k| format!("Q3{}", b62(k))).chain(["Xy1".into(), "Xy0".into()]).collect();
+        let key = device_set_key(&ids);
+        assert_eq!(key, format!("Q3:{}-{};Xy:0-1", b62(12), b62(211)));
+        assert!(key.len() < 16, "{key}");
+        let mut reversed = ids.clone();
+        reversed.reverse();
+        reversed.push("Q3C".into());
+        assert_eq!(device_set_key(&reversed), key, "order and repetition do not matter");
+        let mut sorted = ids.clone();
+        sorted.sort_by_key(|id| (id[..2].to_owned(), parse_base62(&id.as_bytes()[2..]).unwrap()));
+        assert_eq!(device_set_ids(&key).unwrap(), sorted);
+        assert_eq!(device_set_key(&["Q30", "Q32", "Q33"]), "Q3:0,2-3");
+        assert_eq!(device_set_key::<&str>(&[]), "");
+        assert_eq!(device_set_ids("").unwrap(), Vec::<String>::new());
+        // Foreign IDs keep every ID.
+        let foreign = device_set_key(&["nvidia0-_-3", "Q30", "Q30"]);
+        assert_eq!(foreign, "=Q30,nvidia0-_-3");
+        assert_eq!(device_set_ids(&foreign).unwrap(), vec!["Q30", "nvidia0-_-3"]);
+        assert_eq!(device_set_key(&["Q300"]), "=Q300", "not canonical base 62");
+        for bad in ["Q3", "Q3:", "Q3:2-1", "Q:1", "Q3:1-", "Q3:!"] {
+            assert_eq!(device_set_ids(bad), None, "{bad}");
+        }
+    }
+
+    fn b62(k: u64) -> String {
+        let mut s = String::new();
+        push_base62(&mut s, k);
+        s
     }
 
     #[test]

@@ -13,12 +13,25 @@ use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use gpushare_core::codec::node::PodRef;
+use gpushare_core::devices::{device_set_ids, device_set_key};
 use gpushare_core::{ContainerRole, GpuUuid, Mib};
 use rusqlite::{Connection, OptionalExtension, params};
 use thiserror::Error;
 
+/// One schema migration.
+#[derive(Clone, Copy, Debug)]
+pub enum Migration {
+    /// SQL statements.
+    Sql(&'static str),
+    /// Version 2: `device_ids` holds the compact device-set key
+    /// ([`gpushare_core::devices::device_set_key`]) instead of every ID joined by commas.
+    CompactDeviceSets,
+}
+
 /// Schema migrations; entry `i` takes a file from version `i` to `i + 1`.
-pub const MIGRATIONS: &[&str] = &[r"
+pub const MIGRATIONS: &[Migration] = &[
+    Migration::Sql(
+        r"
 CREATE TABLE allocations (
     id             INTEGER PRIMARY KEY,
     pod_uid        TEXT    NOT NULL,
@@ -43,7 +56,10 @@ CREATE TABLE events (
     kind   TEXT    NOT NULL,
     detail TEXT    NOT NULL
 );
-"];
+",
+    ),
+    Migration::CompactDeviceSets,
+];
 
 /// A ledger problem. Each names the file.
 #[derive(Debug, Error)]
@@ -109,7 +125,7 @@ pub struct Row {
     pub mib: Mib,
     /// The kubelet devices of the whole container request, sorted.
     pub device_ids: Vec<String>,
-    /// The canonical key of the device set (the sorted IDs, comma-separated), as stored.
+    /// The canonical key of the device set ([`device_set_key`]), as stored.
     pub request_key: String,
     /// Unix milliseconds.
     pub allocated_at: i64,
@@ -149,13 +165,10 @@ pub struct Event {
     pub detail: String,
 }
 
-/// The canonical key of a set of device IDs.
+/// The canonical key of a set of device IDs, as stored ([`device_set_key`]).
 #[must_use]
 pub fn request_key(device_ids: &[String]) -> String {
-    let mut ids: Vec<&str> = device_ids.iter().map(String::as_str).collect();
-    ids.sort_unstable();
-    ids.dedup();
-    ids.join(",")
+    device_set_key(device_ids)
 }
 
 /// The result of opening a ledger.
@@ -273,9 +286,27 @@ impl Ledger {
         if current > known {
             return Err(LedgerError::TooNew { path: self.path.clone(), found: version, known });
         }
-        for (i, sql) in MIGRATIONS.iter().enumerate().skip(current) {
+        for (i, migration) in MIGRATIONS.iter().enumerate().skip(current) {
             let tx = self.conn.transaction().map_err(sqlite("starting a migration"))?;
-            tx.execute_batch(sql).map_err(sqlite("migrating the schema"))?;
+            match migration {
+                Migration::Sql(sql) => tx.execute_batch(sql).map_err(sqlite("migrating the schema"))?,
+                Migration::CompactDeviceSets => {
+                    let rows: Vec<(i64, String)> = tx
+                        .prepare("SELECT id, device_ids FROM allocations")
+                        .and_then(|mut stmt| {
+                            stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?.collect::<Result<Vec<_>, _>>()
+                        })
+                        .map_err(sqlite("reading device sets to migrate"))?;
+                    for (id, joined) in rows {
+                        let ids: Vec<&str> = joined.split(',').filter(|s| !s.is_empty()).collect();
+                        tx.execute(
+                            "UPDATE allocations SET device_ids = ?1 WHERE id = ?2",
+                            params![device_set_key(&ids), id],
+                        )
+                        .map_err(sqlite("migrating a device set"))?;
+                    }
+                }
+            }
             tx.pragma_update(None, "user_version", i64::try_from(i + 1).unwrap_or(i64::MAX))
                 .map_err(sqlite("recording the schema version"))?;
             tx.commit().map_err(sqlite("committing a migration"))?;
@@ -333,7 +364,7 @@ impl Ledger {
                 gpu_uuid: r.gpu_uuid.clone(),
                 gpu_index: r.gpu_index,
                 mib: r.mib,
-                device_ids: key.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect(),
+                device_ids: device_set_ids(&key).unwrap_or_default(),
                 request_key: key,
                 allocated_at: at,
                 released_at: None,
@@ -446,7 +477,7 @@ impl Ledger {
                 gpu_uuid: GpuUuid::new(uuid).map_err(|e| bad(e.to_string()))?,
                 gpu_index: u32::try_from(index).map_err(|_| bad(format!("GPU index {index}")))?,
                 mib: Mib::new(u64::try_from(mib).map_err(|_| bad(format!("{mib} MiB")))?),
-                device_ids: key.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect(),
+                device_ids: device_set_ids(&key).ok_or_else(|| bad(format!("malformed device set {key:?}")))?,
                 request_key: key,
                 allocated_at: at,
                 released_at: released,

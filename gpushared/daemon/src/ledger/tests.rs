@@ -30,7 +30,7 @@ fn a_new_ledger_is_durable_and_current() {
     let opened = open(&dir);
     assert!(opened.moved_aside.is_none());
     let l = opened.ledger;
-    assert_eq!(l.schema_version().unwrap(), 1);
+    assert_eq!(l.schema_version().unwrap(), 2);
     let mode: String = l.conn.query_row("PRAGMA journal_mode", [], |r| r.get(0)).unwrap();
     assert_eq!(mode, "wal");
     let sync: i64 = l.conn.query_row("PRAGMA synchronous", [], |r| r.get(0)).unwrap();
@@ -51,7 +51,7 @@ fn allocations_survive_reopening_and_releases_keep_history() {
             ])
             .unwrap();
         assert_eq!(written.len(), 2);
-        assert_eq!(written[0].request_key, "a1,b2");
+        assert_eq!(written[0].request_key, "=a1,b2", "not gpushare IDs: kept whole");
         l.allocate(&[row("u2", "main", "GPU-a", 500, &["c3"])]).unwrap();
     }
     let mut l = open(&dir).ledger;
@@ -139,7 +139,7 @@ fn a_ledger_from_a_newer_daemon_is_refused_untouched() {
         l.conn.pragma_update(None, "user_version", 99).unwrap();
     }
     let err = Ledger::open(&path).unwrap_err();
-    assert!(err.to_string().contains("schema version 99 is newer than this gpushared knows (1)"), "{err}");
+    assert!(err.to_string().contains("schema version 99 is newer than this gpushared knows (2)"), "{err}");
     assert!(path.exists());
 }
 
@@ -159,4 +159,32 @@ fn a_second_connection_checkpoints_without_blocking_allocations() {
     assert_eq!(l.live().unwrap().len(), 51);
     drop(l);
     assert_eq!(open(&dir).ledger.live().unwrap().len(), 51);
+}
+
+#[test]
+fn a_version_1_ledger_is_migrated_to_compact_device_sets() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gpushare").join("ledger.db");
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    {
+        let conn = Connection::open(&path).unwrap();
+        let Migration::Sql(v1) = MIGRATIONS[0] else { panic!("version 1 is SQL") };
+        conn.execute_batch(v1).unwrap();
+        conn.pragma_update(None, "user_version", 1).unwrap();
+        conn.execute(
+            "INSERT INTO allocations (pod_uid, namespace, pod_name, container, role, gpu_uuid, gpu_index, mib,
+                                      device_ids, allocated_at)
+             VALUES ('u1', 'default', 'p', 'main', 'app', 'GPU-a', 0, 3, 'Q30,Q31,Q32', 1)",
+            [],
+        )
+        .unwrap();
+    }
+    let l = Ledger::open(&path).unwrap().ledger;
+    assert_eq!(l.schema_version().unwrap(), 2);
+    let live = l.live().unwrap();
+    assert_eq!(live[0].request_key, "Q3:0-2");
+    assert_eq!(live[0].device_ids, vec!["Q30", "Q31", "Q32"]);
+    // The migrated row answers a repeated Allocate of the same devices, in any order.
+    let ids: Vec<String> = ["Q32", "Q30", "Q31"].map(String::from).to_vec();
+    assert_eq!(l.live_by_key(&request_key(&ids)).unwrap().len(), 1);
 }
