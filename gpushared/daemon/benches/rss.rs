@@ -35,6 +35,8 @@ async fn main() {
     let dir = tempfile::tempdir_in(base).unwrap();
     let api = ApiServer::start().await.unwrap();
     api.write_kubeconfig(&dir.path().join("kubeconfig")).unwrap();
+    // The daemon publishes its state on its Node, as in a cluster.
+    api.create_node(json!({"metadata": {"name": "node-a"}})).unwrap();
     // RSS_UNIT=GiB measures GiB mode (8 x 80 GiB, pods of 1 GiB); RSS_GPU_MIB and RSS_POD_UNITS
     // change the sizes (RSS_GPU_MIB=1024 RSS_POD_UNITS=10: the baseline of a small device list).
     let env = |k: &str, d: u64| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);

@@ -149,7 +149,7 @@ struct State {
     /// [`Allocator::inventory`]).
     inventory: NodeInventory,
     /// The live rows, in allocation order.
-    held: Vec<Held>,
+    held: Vec<Arc<Held>>,
     /// Proposals by device-set key.
     proposals: BTreeMap<String, Owner>,
     /// The pod the kubelet is admitting (the last one served).
@@ -215,7 +215,7 @@ impl Allocator {
     ) -> Result<Self, LedgerError> {
         let devices = DeviceMap::new(&inventory);
         let live_inventory = inventory.clone();
-        let held = ledger.live()?.iter().map(Held::from).collect();
+        let held = ledger.live()?.iter().map(|r| Arc::new(Held::from(r))).collect();
         Ok(Allocator {
             node,
             names,
@@ -290,7 +290,7 @@ impl Allocator {
     /// The containers waiting for devices, one per pod (its first container without a ledger
     /// row), of `units` devices if given, plus notes on pods that cannot be served (for error
     /// messages, when `notes` is set).
-    fn pending(&self, held: &[Held], units: Option<usize>, want_notes: bool) -> (Vec<Candidate>, Vec<String>) {
+    fn pending(&self, held: &[Arc<Held>], units: Option<usize>, want_notes: bool) -> (Vec<Candidate>, Vec<String>) {
         self.pending_among(self.pods.snapshot(), held, units, want_notes)
     }
 
@@ -298,7 +298,7 @@ impl Allocator {
     fn pending_among(
         &self,
         pods: Vec<Arc<StoredPod>>,
-        held: &[Held],
+        held: &[Arc<Held>],
         units: Option<usize>,
         want_notes: bool,
     ) -> (Vec<Candidate>, Vec<String>) {
@@ -542,7 +542,7 @@ impl Allocator {
         }
         self.check_room(&state.held, &rows, &pod_name)?;
         let written = state.ledger.allocate(&rows)?;
-        state.held.extend(written.iter().map(Held::from));
+        state.held.extend(written.iter().map(|r| Arc::new(Held::from(r))));
         state.proposals.remove(&key);
         state.admitting = Some(cand.view().pod.uid.clone());
         drop(state);
@@ -562,14 +562,14 @@ impl Allocator {
     }
 
     /// The candidate for a remembered proposal, if that container still waits.
-    fn candidate_for(&self, owner: &Owner, held: &[Held]) -> Option<Candidate> {
+    fn candidate_for(&self, owner: &Owner, held: &[Arc<Held>]) -> Option<Candidate> {
         let pod = self.pods.get(&owner.uid)?;
         let (pending, _) = self.pending_among(vec![pod], held, None, false);
         pending.into_iter().find(|c| c.view().pod.uid == owner.uid && c.container().name == owner.container)
     }
 
     /// Refuses rows that would take a GPU past its capacity, counting every pod's footprint.
-    fn check_room(&self, held: &[Held], new: &[NewRow], pod_name: &str) -> Result<(), AllocError> {
+    fn check_room(&self, held: &[Arc<Held>], new: &[NewRow], pod_name: &str) -> Result<(), AllocError> {
         type PodRows = BTreeMap<String, Vec<(ContainerRole, GpuUuid, Mib)>>;
         fn used(pods: &PodRows) -> BTreeMap<GpuUuid, Mib> {
             let mut used: BTreeMap<GpuUuid, Mib> = BTreeMap::new();
@@ -860,7 +860,7 @@ impl Allocator {
             .collect();
         self.check_room(&state.held, &rows, &format!("{}/{}", pod.namespace, pod.name))?;
         let written = state.ledger.allocate(&rows)?;
-        state.held.extend(written.iter().map(Held::from));
+        state.held.extend(written.iter().map(|r| Arc::new(Held::from(r))));
         Ok(rows.iter().map(|r| format!("GPU{} {} MiB", r.gpu_index, r.mib.get())).collect::<Vec<_>>().join(", "))
     }
 
@@ -868,10 +868,13 @@ impl Allocator {
     /// init-container rule) and the holders.
     #[must_use]
     pub fn node_state(&self, generation: u64, daemon_version: &str) -> NodeState {
-        let state = self.lock();
-        let inventory = state.inventory.clone();
+        // Copy out under the lock (pointers, not rows); compute without it.
+        let (inventory, held) = {
+            let state = self.lock();
+            (state.inventory.clone(), state.held.clone())
+        };
         let mut per_pod: BTreeMap<&str, Vec<&Held>> = BTreeMap::new();
-        for h in &state.held {
+        for h in &held {
             per_pod.entry(h.pod.uid.as_str()).or_default().push(h);
         }
         let mut used = vec![Mib::ZERO; inventory.gpus().len()];
@@ -882,8 +885,7 @@ impl Allocator {
                 }
             }
         }
-        let allocations = state
-            .held
+        let allocations = held
             .iter()
             .filter_map(|h| {
                 let gpu = inventory.gpus().iter().find(|g| g.uuid == h.gpu)?;

@@ -2,8 +2,9 @@
 //! memory held and by whom) as the `gpushare.io/node-state` annotation of its own Node, through
 //! the core codec, for the extender and `kubectl-inspect-gpushare`.
 //!
-//! - A change (allocation, release, repair, health) starts a debounce window; a burst of
-//!   changes becomes one publication.
+//! - A change (allocation, release, repair, health) starts a debounce window (100 ms); a burst
+//!   of changes becomes one publication, and publications are at least 500 ms apart, so a node
+//!   in heavy churn writes its Node at most twice a second.
 //! - Each publication carries a generation one above the last: the first continues from the
 //!   value already on the Node, so generations grow across daemon restarts.
 //! - Only this node's annotation is written, with a JSON merge patch (nothing else on the Node
@@ -121,6 +122,8 @@ pub fn encode(state: &NodeState) -> Result<(String, bool), CodecError> {
 pub struct Timing {
     /// How long a burst of changes is collected before publishing.
     pub debounce: Duration,
+    /// The least time between two publications.
+    pub min_interval: Duration,
     /// The first retry delay; doubles up to `max_backoff`.
     pub backoff: Duration,
     /// The longest retry delay.
@@ -133,6 +136,7 @@ impl Default for Timing {
     fn default() -> Self {
         Timing {
             debounce: Duration::from_millis(100),
+            min_interval: Duration::from_millis(500),
             backoff: Duration::from_millis(200),
             max_backoff: Duration::from_secs(10),
             resync: Duration::from_secs(600),
@@ -157,6 +161,7 @@ pub async fn run<N: NodeApi>(node: N, alloc: std::sync::Arc<Allocator>, timing: 
                 }
             }
         }
+        let published = tokio::time::Instant::now();
         let resync = tokio::time::sleep(timing.resync);
         tokio::select! {
             changed = changes.changed() => {
@@ -164,6 +169,7 @@ pub async fn run<N: NodeApi>(node: N, alloc: std::sync::Arc<Allocator>, timing: 
                     return;
                 }
                 tokio::time::sleep(timing.debounce).await;
+                tokio::time::sleep_until(published + timing.min_interval).await;
             }
             () = resync => {}
         }
