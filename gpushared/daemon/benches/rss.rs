@@ -142,6 +142,23 @@ async fn main() {
     let peak = status_kib(child.id(), "VmHWM:");
     let anon = status_kib(child.id(), "RssAnon:");
     let file = status_kib(child.id(), "RssFile:");
+    if std::env::var("RSS_SMAPS").is_ok() {
+        // The largest resident mappings, for finding where memory goes.
+        let smaps = std::fs::read_to_string(format!("/proc/{}/smaps", child.id())).unwrap();
+        let mut maps: Vec<(u64, String)> = Vec::new();
+        let mut current = String::new();
+        for line in smaps.lines() {
+            if line.split_whitespace().next().is_some_and(|f| f.contains('-') && !f.ends_with(':')) {
+                current = line.to_owned();
+            } else if let Some(kb) = line.strip_prefix("Rss:") {
+                maps.push((kb.trim().trim_end_matches(" kB").trim().parse().unwrap_or(0), current.clone()));
+            }
+        }
+        maps.sort_by(|a, b| b.0.cmp(&a.0));
+        for (kb, map) in maps.iter().take(12) {
+            println!("  {kb:>6} kB  {map}");
+        }
+    }
     let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
     let _ = child.wait();
     latencies.sort();
