@@ -6,6 +6,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("cargo:rerun-if-changed={f}");
     }
     let fds = protox::compile(files, ["."])?;
-    tonic_prost_build::configure().build_client(true).build_server(true).compile_fds(fds)?;
+    // The two large lists are hand-written (src/compact.rs): wire-compatible, cheap in memory.
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .extern_path(
+            ".v1beta1.ContainerPreferredAllocationRequest",
+            "crate::compact::ContainerPreferredAllocationRequest",
+        )
+        .extern_path(".v1beta1.ListAndWatchResponse", "crate::compact::ListAndWatchResponse")
+        .compile_fds(fds)?;
     Ok(())
 }

@@ -16,7 +16,7 @@ fn response(inv: &NodeInventory, numa: bool) -> ListAndWatchResponse {
             g.numa_node.filter(|_| numa).map(|n| TopologyInfo { nodes: vec![NumaNode { id: i64::from(n) }] });
         devices.extend(map.ids(pos).map(|id| Device { id, health: UNHEALTHY.to_owned(), topology: topology.clone() }));
     }
-    ListAndWatchResponse { devices }
+    ListAndWatchResponse { devices, source: None }
 }
 
 #[test]

@@ -933,8 +933,8 @@ impl Kubelet {
             .client()?
             .get_preferred_allocation(PreferredAllocationRequest {
                 container_requests: vec![ContainerPreferredAllocationRequest {
-                    available_device_i_ds: available,
-                    must_include_device_i_ds: must_include,
+                    available_device_i_ds: available.into(),
+                    must_include_device_i_ds: must_include.into(),
                     allocation_size: i32::try_from(units)?,
                 }],
             })

@@ -148,7 +148,7 @@ impl DevicePlugin for TestPlugin {
     async fn list_and_watch(&self, _: Request<Empty>) -> Result<Response<Counted>, Status> {
         self.open_streams.fetch_add(1, Ordering::SeqCst);
         let inner = tokio_stream::wrappers::WatchStream::new(self.devices.subscribe())
-            .map(|devices| Ok(ListAndWatchResponse { devices }));
+            .map(|devices| Ok(ListAndWatchResponse { devices, source: None }));
         Ok(Response::new(Counted { inner: Box::pin(inner), open: Arc::clone(&self.open_streams) }))
     }
 
@@ -159,8 +159,9 @@ impl DevicePlugin for TestPlugin {
         let mut responses = Vec::new();
         for r in request.into_inner().container_requests {
             let size = usize::try_from(r.allocation_size).unwrap();
-            let mut ids = r.must_include_device_i_ds.clone();
-            ids.extend(r.available_device_i_ds.iter().filter(|d| !r.must_include_device_i_ds.contains(d)).cloned());
+            let must = r.must_include_device_i_ds.to_vec();
+            let mut ids = must.clone();
+            ids.extend(r.available_device_i_ds.iter().filter(|d| !must.iter().any(|m| m == d)).map(str::to_owned));
             ids.truncate(size);
             self.calls.lock().unwrap().preferred.push(r);
             responses.push(ContainerPreferredAllocationResponse { device_i_ds: ids });
@@ -266,7 +267,7 @@ async fn admits_a_named_pod_and_lists_it_over_pod_resources() {
         // Offered: the healthy devices (not d7), nothing to include, the request's size.
         let preferred = node.plugin.preferred_calls();
         assert_eq!(preferred.len(), 1);
-        assert_eq!(preferred[0].available_device_i_ds, strings(&["d0", "d1", "d2", "d3", "d4", "d5", "d6"]));
+        assert_eq!(preferred[0].available_device_i_ds.to_vec(), strings(&["d0", "d1", "d2", "d3", "d4", "d5", "d6"]));
         assert!(preferred[0].must_include_device_i_ds.is_empty());
         assert_eq!(preferred[0].allocation_size, 2);
         assert_eq!(node.plugin.allocate_calls(), [strings(&["d0", "d1"])]);
@@ -325,7 +326,7 @@ async fn init_container_devices_are_reused_by_the_next_containers() {
         // main needed exactly the reusable devices: not asked about, but allocated.
         let preferred = node.plugin.preferred_calls();
         assert_eq!(preferred.len(), 2);
-        assert_eq!(preferred[1].available_device_i_ds, strings(&["d3", "d4", "d5", "d6"]));
+        assert_eq!(preferred[1].available_device_i_ds.to_vec(), strings(&["d3", "d4", "d5", "d6"]));
         assert_eq!(
             node.plugin.allocate_calls(),
             [strings(&["d0", "d1", "d2"]), strings(&["d0", "d1", "d2"]), strings(&["d3", "d4"])]
@@ -341,8 +342,8 @@ async fn init_container_devices_are_reused_by_the_next_containers() {
         assert_eq!(a[0].devices, ["d5"]);
         assert_eq!(a[1].devices, strings(&["d5", "d6"]));
         let last = node.plugin.preferred_calls().pop().unwrap();
-        assert_eq!(last.must_include_device_i_ds, ["d5"]);
-        assert_eq!(last.available_device_i_ds, strings(&["d5", "d6"]));
+        assert_eq!(last.must_include_device_i_ds.to_vec(), ["d5"]);
+        assert_eq!(last.available_device_i_ds.to_vec(), strings(&["d5", "d6"]));
         assert_eq!(last.allocation_size, 2);
 
         // All seven healthy devices are held now.

@@ -63,6 +63,20 @@ impl DeviceMap {
         Some(id)
     }
 
+    /// Appends the ID of device `k` of the GPU at `gpu` to `out`; `false` (nothing written)
+    /// if it does not exist. The allocation-free form of [`Self::id`].
+    pub fn push_id(&self, gpu: usize, k: u64, out: &mut String) -> bool {
+        match (self.tags.get(gpu), self.units.get(gpu)) {
+            (Some(tag), Some(&units)) if k < units => {
+                out.push(char::from(tag[0]));
+                out.push(char::from(tag[1]));
+                push_base62(out, k);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Which GPU (position) and unit number an ID names; `None` for IDs that are not this
     /// node's.
     #[must_use]

@@ -100,7 +100,8 @@ fn direct(dir: &std::path::Path) {
     for _ in 0..PODS {
         let available: Vec<String> = all.iter().filter(|d| !in_use.contains(*d)).cloned().collect();
         let t = Instant::now();
-        let ids = alloc.preferred(&available, &[], usize::try_from(POD_MIB).unwrap()).unwrap();
+        let ids =
+            alloc.preferred(available.iter().map(String::as_str), &[], usize::try_from(POD_MIB).unwrap()).unwrap();
         preferred.push(t.elapsed());
         let t = Instant::now();
         alloc.allocate(&ids).unwrap();

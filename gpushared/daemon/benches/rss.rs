@@ -154,7 +154,7 @@ async fn main() {
                 maps.push((kb.trim().trim_end_matches(" kB").trim().parse().unwrap_or(0), current.clone()));
             }
         }
-        maps.sort_by(|a, b| b.0.cmp(&a.0));
+        maps.sort_by_key(|m| std::cmp::Reverse(m.0));
         for (kb, map) in maps.iter().take(12) {
             println!("  {kb:>6} kB  {map}");
         }

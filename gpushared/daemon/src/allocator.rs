@@ -403,12 +403,15 @@ impl Allocator {
     ///
     /// # Errors
     /// [`AllocError`] if no pod waits for `size` devices or the ledger cannot be read.
-    pub fn preferred(
+    pub fn preferred<'a, I>(
         &self,
-        available: &[String],
+        available: I,
         must_include: &[String],
         size: usize,
-    ) -> Result<Vec<String>, AllocError> {
+    ) -> Result<Vec<String>, AllocError>
+    where
+        I: IntoIterator<Item = &'a str> + Clone,
+    {
         let mut state = self.lock();
         let cand = self.choose(&state, size)?;
         let unit = self.inventory.unit().mib_per_unit();
@@ -433,10 +436,10 @@ impl Allocator {
             .keys()
             .filter_map(|&pos| self.devices.id(pos, 0).map(|id| (pos, id.chars().take(2).collect())))
             .collect();
-        let mut by_gpu: BTreeMap<usize, Vec<(u64, &String)>> = BTreeMap::new();
-        for id in available {
+        let mut by_gpu: BTreeMap<usize, Vec<(u64, &str)>> = BTreeMap::new();
+        for id in available.clone() {
             let Some(&(pos, _)) = tags.iter().find(|(_, t)| id.starts_with(t.as_str())) else { continue };
-            if taken.contains(id.as_str()) {
+            if taken.contains(id) {
                 continue;
             }
             if let Some((p, k)) = self.devices.resolve(id)
@@ -454,7 +457,7 @@ impl Allocator {
                 }
                 ids.truncate(n);
                 ids.sort_unstable();
-                chosen.extend(ids.iter().map(|(_, id)| (*id).clone()));
+                chosen.extend(ids.iter().map(|(_, id)| (*id).to_owned()));
             }
         }
         if chosen.len() < size {
@@ -466,8 +469,12 @@ impl Allocator {
                 "not enough free devices on the assigned GPU in the kubelet's view; proposing others"
             );
             let have: BTreeSet<String> = chosen.iter().cloned().collect();
-            let rest: Vec<String> =
-                available.iter().filter(|id| !have.contains(*id)).take(size - chosen.len()).cloned().collect();
+            let rest: Vec<String> = available
+                .into_iter()
+                .filter(|id| !have.contains(*id))
+                .take(size - chosen.len())
+                .map(str::to_owned)
+                .collect();
             chosen.extend(rest);
         }
         chosen.truncate(size.max(must_include.len()));

@@ -60,6 +60,23 @@ impl DeviceSnapshot {
     }
 }
 
+impl gpushare_proto::compact::DeviceSource for DeviceSnapshot {
+    fn for_each_device(&self, f: &mut dyn FnMut(&str, bool, Option<i64>)) {
+        let devices = DeviceMap::new(&self.inventory);
+        let mut id = String::with_capacity(8);
+        for (pos, g) in self.inventory.gpus().iter().enumerate() {
+            let healthy = g.health.is_healthy();
+            let numa = g.numa_node.filter(|_| self.numa).map(i64::from);
+            for k in 0..devices.units(pos) {
+                id.clear();
+                if devices.push_id(pos, k, &mut id) {
+                    f(&id, healthy, numa);
+                }
+            }
+        }
+    }
+}
+
 /// One exhaustive mapping of allocation errors to gRPC codes.
 fn status(e: &AllocError) -> Status {
     let msg = e.to_string();
@@ -116,7 +133,7 @@ impl DevicePlugin for Plugin {
 
     async fn list_and_watch(&self, _: Request<Empty>) -> Result<Response<Self::ListAndWatchStream>, Status> {
         let stream = tokio_stream::wrappers::WatchStream::new(self.devices.clone())
-            .map(|snapshot| Ok(ListAndWatchResponse { devices: snapshot.list() }))
+            .map(|snapshot| Ok(ListAndWatchResponse::from_source(Arc::new(snapshot))))
             .take_until(Box::pin(stopped(self.stop.clone())));
         Ok(Response::new(Box::pin(stream)))
     }
@@ -134,7 +151,7 @@ impl DevicePlugin for Plugin {
                     let size = usize::try_from(r.allocation_size)
                         .map_err(|_| Status::invalid_argument(format!("allocation_size {}", r.allocation_size)))?;
                     alloc
-                        .preferred(&r.available_device_i_ds, &r.must_include_device_i_ds, size)
+                        .preferred(r.available_device_i_ds.iter(), &r.must_include_device_i_ds.to_vec(), size)
                         .map(|device_i_ds| ContainerPreferredAllocationResponse { device_i_ds })
                         .map_err(|e| status(&e))
                 })

@@ -76,7 +76,7 @@ fn all_devices(f: &Fixture) -> Vec<String> {
 /// The kubelet's sequence for one container: preferred allocation from the free devices,
 /// then Allocate of what it proposed.
 fn admit(f: &Fixture, size: usize) -> Result<Answer, AllocError> {
-    let ids = f.alloc.preferred(&all_devices(f), &[], size)?;
+    let ids = f.alloc.preferred(all_devices(f).iter().map(String::as_str), &[], size)?;
     assert_eq!(ids.len(), size);
     let answer = f.alloc.allocate(&ids)?;
     f.in_use.borrow_mut().extend(ids);
@@ -91,7 +91,7 @@ fn gpus_of(f: &Fixture, ids: &[String]) -> BTreeSet<usize> {
 fn one_container_gets_its_assigned_gpu_and_budget() {
     let f = fixture(Compatibility::Gpushare);
     pod(&f, "u1", "2026-01-01T00:00:00Z", &[("main", ContainerRole::App, &[(1, 350)])]);
-    let ids = f.alloc.preferred(&all_devices(&f), &[], 350).unwrap();
+    let ids = f.alloc.preferred(all_devices(&f).iter().map(String::as_str), &[], 350).unwrap();
     assert_eq!(gpus_of(&f, &ids), BTreeSet::from([1]));
     let answer = f.alloc.allocate(&ids).unwrap();
     assert_eq!(answer.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-1");
@@ -109,7 +109,7 @@ fn one_container_gets_its_assigned_gpu_and_budget() {
 fn a_repeated_allocate_gets_the_same_answer_and_writes_nothing() {
     let f = fixture(Compatibility::Gpushare);
     pod(&f, "u1", "2026-01-01T00:00:00Z", &[("main", ContainerRole::App, &[(2, 100)])]);
-    let ids = f.alloc.preferred(&all_devices(&f), &[], 100).unwrap();
+    let ids = f.alloc.preferred(all_devices(&f).iter().map(String::as_str), &[], 100).unwrap();
     let first = f.alloc.allocate(&ids).unwrap();
     let mut shuffled = ids.clone();
     shuffled.reverse();
@@ -125,9 +125,9 @@ fn two_equal_pods_admitted_together_each_get_their_own_gpu() {
     pod(&f, "a", "2026-01-01T00:00:02Z", &[("main", ContainerRole::App, &[(0, 400)])]);
     pod(&f, "b", "2026-01-01T00:00:01Z", &[("main", ContainerRole::App, &[(2, 400)])]);
     let mut available = all_devices(&f);
-    let first = f.alloc.preferred(&available, &[], 400).unwrap();
+    let first = f.alloc.preferred(available.iter().map(String::as_str), &[], 400).unwrap();
     available.retain(|d| !first.contains(d));
-    let second = f.alloc.preferred(&available, &[], 400).unwrap();
+    let second = f.alloc.preferred(available.iter().map(String::as_str), &[], 400).unwrap();
     // Both proposals made before either Allocate: each remembers its container.
     let b = f.alloc.allocate(&first).unwrap();
     let a = f.alloc.allocate(&second).unwrap();
@@ -167,7 +167,7 @@ fn a_multi_container_pod_is_served_container_by_container() {
 fn a_two_gpu_container_gets_devices_and_memory_on_both() {
     let f = fixture(Compatibility::Gpushare);
     pod(&f, "u1", "2026-01-01T00:00:00Z", &[("train", ContainerRole::App, &[(0, 300), (2, 300)])]);
-    let ids = f.alloc.preferred(&all_devices(&f), &[], 600).unwrap();
+    let ids = f.alloc.preferred(all_devices(&f).iter().map(String::as_str), &[], 600).unwrap();
     assert_eq!(gpus_of(&f, &ids), BTreeSet::from([0, 2]));
     let answer = f.alloc.allocate(&ids).unwrap();
     assert_eq!(answer.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-0,GPU-2");
@@ -182,7 +182,7 @@ fn must_include_devices_are_kept_and_counted() {
     let f = fixture(Compatibility::Gpushare);
     pod(&f, "u1", "2026-01-01T00:00:00Z", &[("main", ContainerRole::App, &[(1, 10)])]);
     let must: Vec<String> = f.alloc.devices().ids(1).take(3).collect();
-    let ids = f.alloc.preferred(&all_devices(&f), &must, 10).unwrap();
+    let ids = f.alloc.preferred(all_devices(&f).iter().map(String::as_str), &must, 10).unwrap();
     assert_eq!(ids.len(), 10);
     assert!(must.iter().all(|m| ids.contains(m)));
     assert_eq!(gpus_of(&f, &ids), BTreeSet::from([1]));
@@ -200,7 +200,7 @@ fn allocate_without_a_preference_is_resolved_by_size() {
 #[test]
 fn failures_are_errors_with_reasons_never_bogus_success() {
     let f = fixture(Compatibility::Gpushare);
-    let err = f.alloc.preferred(&all_devices(&f), &[], 100).unwrap_err().to_string();
+    let err = f.alloc.preferred(all_devices(&f).iter().map(String::as_str), &[], 100).unwrap_err().to_string();
     assert!(err.contains("no pod bound to node node-a is waiting for 100 MiB of gpushare.io/gpu-mem"), "{err}");
     assert!(err.contains("gpushare-extender"), "{err}");
 
@@ -221,13 +221,13 @@ fn failures_are_errors_with_reasons_never_bogus_success() {
     assert!(err.contains("ml/raw has no gpushare.io/assignment annotation"), "{err}");
     view.annotations.insert(ASSIGNMENT_KEY.into(), "{not json".into());
     f.pods.upsert(view);
-    let err = f.alloc.preferred(&all_devices(&f), &[], 100).unwrap_err().to_string();
+    let err = f.alloc.preferred(all_devices(&f).iter().map(String::as_str), &[], 100).unwrap_err().to_string();
     assert!(err.contains("ml/raw: annotation gpushare.io/assignment: malformed value"), "{err}");
 
     assert!(matches!(f.alloc.allocate(&["nope".into()]), Err(AllocError::UnknownDevice(_))));
     // A size nobody waits for, while someone waits for another size.
     pod(&f, "u1", "2026-01-01T00:00:00Z", &[("main", ContainerRole::App, &[(1, 5)])]);
-    let err = f.alloc.preferred(&all_devices(&f), &[], 6).unwrap_err().to_string();
+    let err = f.alloc.preferred(all_devices(&f).iter().map(String::as_str), &[], 6).unwrap_err().to_string();
     assert!(err.contains("default/pod-u1 container \"main\" waits for 5 MiB"), "{err}");
     assert!(f.alloc.live().unwrap().is_empty());
 }
@@ -304,7 +304,7 @@ fn an_app_container_reusing_its_init_containers_devices_is_a_new_allocation() {
     assert_eq!(init.container, "init");
     // The kubelet reuses the init container's devices: must_include is all of them.
     let reused: Vec<String> = f.alloc.live().unwrap()[0].device_ids.clone();
-    let ids = f.alloc.preferred(&all_devices(&f), &reused, 100).unwrap();
+    let ids = f.alloc.preferred(all_devices(&f).iter().map(String::as_str), &reused, 100).unwrap();
     assert_eq!(request_key(&ids), request_key(&reused));
     let app = f.alloc.allocate(&ids).unwrap();
     assert_eq!((app.container.as_str(), app.envs["GPUSHARE_CONTAINER"].as_str()), ("app", "app"));
