@@ -9,15 +9,14 @@ use std::path::Path;
 use std::sync::Arc;
 
 use futures::StreamExt as _;
-use gpushare_core::PodSpec;
 use gpushare_core::codec::node::PodRef;
-use k8s_openapi::api::core::v1::Pod;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::watcher;
 use kube::{Api, Client, Config};
 use thiserror::Error;
 
 use crate::allocator::Allocator;
+use crate::objects::PodObject;
 use crate::pods::{PodStore, PodView};
 
 /// The API server cannot be set up.
@@ -48,24 +47,19 @@ pub async fn client(path: &Path) -> Result<Client, KubeError> {
 
 /// What the daemon keeps of a pod.
 #[must_use]
-pub fn view(pod: &Pod) -> Option<PodView> {
+pub fn view(pod: &PodObject) -> Option<PodView> {
     let meta = &pod.metadata;
-    let spec = pod.spec.as_ref();
-    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    let phase = pod.status.phase.as_deref();
     Some(PodView {
         pod: PodRef {
             namespace: meta.namespace.clone().unwrap_or_default(),
             name: meta.name.clone()?,
             uid: meta.uid.clone()?,
         },
-        node: spec.and_then(|s| s.node_name.clone()),
+        node: pod.spec.node_name.clone(),
         created: meta.creation_timestamp.as_ref().map(|t| t.0.to_string()).unwrap_or_default(),
         terminal: meta.deletion_timestamp.is_some() || matches!(phase, Some("Succeeded" | "Failed")),
-        // The core reads the same JSON the API server sent; unknown fields are ignored.
-        spec: spec
-            .and_then(|s| serde_json::to_value(s).ok())
-            .and_then(|v| serde_json::from_value::<PodSpec>(v).ok())
-            .unwrap_or_default(),
+        spec: pod.spec.core(),
         annotations: meta.annotations.clone().unwrap_or_default().into_iter().collect::<BTreeMap<_, _>>(),
     })
 }
@@ -73,7 +67,7 @@ pub fn view(pod: &Pod) -> Option<PodView> {
 /// Watches the pods bound to `node` forever, keeping `store` current and releasing the ledger
 /// rows of pods that are deleted or finished.
 pub async fn watch_pods(client: Client, node: String, store: PodStore, alloc: Arc<Allocator>) {
-    let api: Api<Pod> = Api::all(client);
+    let api: Api<PodObject> = Api::all(client);
     let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
     let mut stream = watcher(api, config).boxed();
     let mut relist: Vec<PodView> = Vec::new();

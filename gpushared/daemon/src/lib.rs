@@ -11,6 +11,7 @@
 //! - [`kubelet_watch`]: kubelet restarts, seen in the device-plugin directory;
 //! - [`ledger`]: the SQLite allocation ledger;
 //! - [`memory`]: keeping resident memory small after the kubelet's large device lists;
+//! - [`objects`]: the parts of Pods and Nodes the daemon reads;
 //! - [`plugin`]: the kubelet device plugin API and registration;
 //! - [`pods`]: the pods bound to this node, as last seen;
 //! - [`publish`]: the node-state annotation on this node's Node;
@@ -26,6 +27,7 @@ pub mod kube;
 pub mod kubelet_watch;
 pub mod ledger;
 pub mod memory;
+pub mod objects;
 pub mod plugin;
 pub mod pods;
 pub mod publish;

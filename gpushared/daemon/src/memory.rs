@@ -6,7 +6,11 @@
 //! such a burst leaves behind, in one arena per thread that touched them, so without care a
 //! daemon that needs a few MiB sits on tens. Two measures (figures in BENCHMARKS.md):
 //!
-//! - [`limit_arenas`] at startup, before any thread starts: two arenas instead of eight per core;
+//! - [`limit_arenas`] at startup, before any thread starts: two arenas instead of eight per core,
+//!   and buffers of 1 MiB and more (the encoded device lists) always in their own mappings,
+//!   returned to the kernel when freed (glibc otherwise raises that threshold after the first
+//!   large buffer is freed, and later ones then fragment the heap); smaller working buffers stay
+//!   in the heap, where reusing them is cheaper than mapping fresh pages on every request;
 //! - [`release_free_memory`] after each burst: free pages go back to the kernel.
 //!
 //! Both are no-ops on C libraries other than glibc.
@@ -15,7 +19,8 @@
 /// returning at once.
 pub const LARGE_LIST: usize = 4096;
 
-/// Limits glibc's allocator to `n` arenas. Call before the runtime starts any thread.
+/// Limits glibc's allocator to `n` arenas and fixes its mmap threshold at 1 MiB. Call before
+/// the runtime starts any thread.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
 pub fn limit_arenas(n: u16) {
@@ -23,6 +28,7 @@ pub fn limit_arenas(n: u16) {
     // leaves glibc's default, which is only more memory.
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, i32::from(n));
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1024 * 1024);
     }
 }
 

@@ -18,13 +18,13 @@ use std::time::Duration;
 
 use gpushare_core::codec::CodecError;
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
-use k8s_openapi::api::core::v1::Node;
 use kube::Api;
 use kube::api::{Patch, PatchParams};
 use thiserror::Error;
 use tokio::sync::watch;
 
 use crate::allocator::Allocator;
+use crate::objects::NodeObject;
 
 /// The daemon's version, as published.
 pub const DAEMON_VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -64,7 +64,7 @@ pub trait NodeApi: Send + Sync {
 /// The Node through the API server.
 #[derive(Clone, Debug)]
 pub struct KubeNode {
-    api: Api<Node>,
+    api: Api<NodeObject>,
     node: String,
 }
 

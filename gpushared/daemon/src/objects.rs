@@ -1,0 +1,131 @@
+//! The parts of Pods and Nodes the daemon reads from the API server. Deserializing only these
+//! fields (instead of k8s-openapi's complete `Pod` and `Node`) keeps the daemon's code and its
+//! memory small: a Pod's spec has some hundred nested types the daemon never looks at.
+
+use std::borrow::Cow;
+
+use gpushare_core::PodSpec;
+use gpushare_core::request::Container;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde::{Deserialize, Deserializer};
+
+fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
+/// A Pod, reduced to what allocation needs.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct PodObject {
+    /// Name, namespace, UID, annotations, creation and deletion times.
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub metadata: ObjectMeta,
+    /// Containers and node.
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub spec: PodObjectSpec,
+    /// Phase.
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub status: PodObjectStatus,
+}
+
+/// `spec` of a [`PodObject`].
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodObjectSpec {
+    /// `spec.containers`.
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub containers: Vec<Container>,
+    /// `spec.initContainers`.
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub init_containers: Vec<Container>,
+    /// `spec.nodeName`: set once bound.
+    #[serde(default)]
+    pub node_name: Option<String>,
+}
+
+impl PodObjectSpec {
+    /// The containers, as the core reads them.
+    #[must_use]
+    pub fn core(&self) -> PodSpec {
+        PodSpec { containers: self.containers.clone(), init_containers: self.init_containers.clone() }
+    }
+}
+
+/// `status` of a [`PodObject`].
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct PodObjectStatus {
+    /// `Pending`, `Running`, `Succeeded`, `Failed` or `Unknown`.
+    #[serde(default)]
+    pub phase: Option<String>,
+}
+
+/// A Node, reduced to its metadata (the daemon reads and writes one annotation).
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct NodeObject {
+    /// Name and annotations.
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub metadata: ObjectMeta,
+}
+
+macro_rules! core_v1 {
+    ($ty:ty, $kind:literal, $plural:literal, $scope:ty) => {
+        impl kube::Resource for $ty {
+            type DynamicType = ();
+            type Scope = $scope;
+
+            fn kind((): &()) -> Cow<'_, str> {
+                Cow::Borrowed($kind)
+            }
+            fn group((): &()) -> Cow<'_, str> {
+                Cow::Borrowed("")
+            }
+            fn version((): &()) -> Cow<'_, str> {
+                Cow::Borrowed("v1")
+            }
+            fn plural((): &()) -> Cow<'_, str> {
+                Cow::Borrowed($plural)
+            }
+            fn meta(&self) -> &ObjectMeta {
+                &self.metadata
+            }
+            fn meta_mut(&mut self) -> &mut ObjectMeta {
+                &mut self.metadata
+            }
+        }
+    };
+}
+
+core_v1!(PodObject, "Pod", "pods", kube::core::NamespaceResourceScope);
+core_v1!(NodeObject, "Node", "nodes", kube::core::ClusterResourceScope);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_what_the_api_server_sends_nulls_included() {
+        let pod: PodObject = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u", "annotations": null,
+                         "creationTimestamp": "2026-11-23T10:00:00Z"},
+            "spec": {"nodeName": "node-a", "initContainers": null, "volumes": [{"name": "v"}],
+                     "containers": [{"name": "main", "image": "x",
+                                     "resources": {"limits": {"gpushare.io/gpu-mem": "300"}}}]},
+            "status": {"phase": "Running", "conditions": []}
+        }))
+        .unwrap();
+        assert_eq!(pod.metadata.name.as_deref(), Some("p"));
+        assert_eq!(pod.spec.node_name.as_deref(), Some("node-a"));
+        assert_eq!(pod.spec.core().containers.len(), 1);
+        assert!(pod.spec.init_containers.is_empty());
+        assert_eq!(pod.status.phase.as_deref(), Some("Running"));
+        let bare: PodObject = serde_json::from_value(serde_json::json!({"metadata": null, "spec": null})).unwrap();
+        assert!(bare.spec.node_name.is_none());
+        let node: NodeObject =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": "n"}, "status": {"capacity": {}}})).unwrap();
+        assert_eq!(node.metadata.name.as_deref(), Some("n"));
+    }
+}
