@@ -92,6 +92,19 @@ pub enum AllocError {
     /// The ledger could not be written: nothing was allocated.
     #[error("{0}; nothing was allocated")]
     Ledger(#[from] LedgerError),
+    /// The assigned GPU was cordoned by an operator since the pod was placed.
+    #[error(
+        "pod {pod}: assigned GPU{index} is cordoned (gpusharectl uncordon {index}); delete the pod so it is placed again"
+    )]
+    Cordoned {
+        /// namespace/name.
+        pod: String,
+        /// GPU index.
+        index: u32,
+    },
+    /// An operator named a GPU this node does not have.
+    #[error("no GPU {0:?} on this node; name it by its index or UUID (gpusharectl gpus lists them)")]
+    NoSuchGpu(String),
 }
 
 /// A container's answer: the environment the kubelet puts into it.
@@ -214,7 +227,13 @@ impl Allocator {
         ledger: Ledger,
     ) -> Result<Self, LedgerError> {
         let devices = DeviceMap::new(&inventory);
-        let live_inventory = inventory.clone();
+        let mut live_inventory = inventory.clone();
+        for uuid in ledger.cordoned()? {
+            let index = live_inventory.gpus().iter().find(|g| g.uuid.as_str() == uuid).map(|g| g.index);
+            if let Some(g) = index.and_then(|i| live_inventory.gpu_mut(i)) {
+                g.cordoned = true;
+            }
+        }
         let held = ledger.live()?.iter().map(|r| Arc::new(Held::from(r))).collect();
         Ok(Allocator {
             node,
@@ -536,6 +555,9 @@ impl Allocator {
                 .ok_or_else(|| AllocError::UnknownGpu { pod: pod_name.clone(), uuid: g.uuid.clone() })?;
             if let gpushare_core::Health::Unhealthy { reason } = &gpu.health {
                 return Err(AllocError::Unhealthy { pod: pod_name, index: gpu.index, reason: reason.clone() });
+            }
+            if gpu.cordoned {
+                return Err(AllocError::Cordoned { pod: pod_name, index: gpu.index });
             }
             rows.push(NewRow {
                 pod: cand.view().pod.clone(),
@@ -869,6 +891,117 @@ impl Allocator {
         let written = state.ledger.allocate(&rows)?;
         state.held.extend(written.iter().map(|r| Arc::new(Held::from(r))));
         Ok(rows.iter().map(|r| format!("GPU{} {} MiB", r.gpu_index, r.mib.get())).collect::<Vec<_>>().join(", "))
+    }
+
+    /// Cordons (`true`) or uncordons a GPU named by index or UUID: a cordoned GPU keeps its
+    /// allocations, is published as cordoned (the extender places nothing new on it), and stays
+    /// so across restarts. Returns the GPU's index and whether anything changed.
+    ///
+    /// # Errors
+    /// [`AllocError::NoSuchGpu`], or [`AllocError::Ledger`] (then nothing changed).
+    pub fn set_cordon(&self, gpu: &str, cordoned: bool) -> Result<(u32, bool), AllocError> {
+        let mut state = self.lock();
+        let found = state
+            .inventory
+            .gpus()
+            .iter()
+            .find(|g| g.uuid.as_str() == gpu || gpu.parse::<u32>().is_ok_and(|i| i == g.index))
+            .map(|g| (g.index, g.uuid.clone(), g.cordoned));
+        let Some((index, uuid, was)) = found else { return Err(AllocError::NoSuchGpu(gpu.to_owned())) };
+        if was == cordoned {
+            return Ok((index, false));
+        }
+        let detail = format!("GPU{index} ({uuid}) {}", if cordoned { "cordoned" } else { "uncordoned" });
+        state.ledger.set_cordon(uuid.as_str(), cordoned, &detail)?;
+        if let Some(g) = state.inventory.gpu_mut(index) {
+            g.cordoned = cordoned;
+        }
+        drop(state);
+        tracing::warn!(gpu = index, %uuid, cordoned, "{detail}");
+        self.changed();
+        Ok((index, true))
+    }
+
+    /// Live rows, of one pod (`namespace`, `name`) if given.
+    ///
+    /// # Errors
+    /// [`AllocError::Ledger`].
+    pub fn allocations(&self, pod: Option<(&str, &str)>) -> Result<Vec<Row>, AllocError> {
+        let rows = self.live()?;
+        Ok(rows.into_iter().filter(|r| pod.is_none_or(|(ns, n)| r.pod.namespace == ns && r.pod.name == n)).collect())
+    }
+
+    /// The history since `since_ms`: allocations, releases and events, oldest first, as
+    /// (unix ms, kind, detail).
+    ///
+    /// # Errors
+    /// [`AllocError::Ledger`].
+    pub fn history(&self, since_ms: i64) -> Result<Vec<(i64, String, String)>, AllocError> {
+        let state = self.lock();
+        let rows = state.ledger.all_since(since_ms)?;
+        let events = state.ledger.events_since(since_ms)?;
+        drop(state);
+        let mut out: Vec<(i64, String, String)> = events.into_iter().map(|e| (e.at, e.kind, e.detail)).collect();
+        for r in rows {
+            let who = format!(
+                "{}/{} container {:?} GPU{} {} MiB",
+                r.pod.namespace,
+                r.pod.name,
+                r.container,
+                r.gpu_index,
+                r.mib.get()
+            );
+            if r.allocated_at >= since_ms {
+                out.push((r.allocated_at, "allocated".into(), who.clone()));
+            }
+            if let Some(at) = r.released_at.filter(|at| *at >= since_ms) {
+                out.push((at, "released".into(), format!("{who}: {}", r.release_reason.unwrap_or_default())));
+            }
+        }
+        out.sort_by_key(|e| e.0);
+        Ok(out)
+    }
+
+    /// Where a pod's containers are and why, or why it has nothing on this node.
+    ///
+    /// # Errors
+    /// [`AllocError::Ledger`].
+    pub fn explain(&self, namespace: &str, name: &str) -> Result<String, AllocError> {
+        let rows = self.allocations(Some((namespace, name)))?;
+        let pod =
+            self.pods.snapshot().into_iter().find(|p| p.view.pod.namespace == namespace && p.view.pod.name == name);
+        let mut lines = Vec::new();
+        match &pod {
+            None => lines.push(format!("{namespace}/{name} is not bound to node {} as far as gpushared has seen", self.node)),
+            Some(p) if p.view.terminal => lines.push(format!("{namespace}/{name} has finished or is being deleted")),
+            Some(p) => match &p.assignment {
+                None => lines.push(format!(
+                    "{namespace}/{name} is bound to {} but has no {ASSIGNMENT_KEY} annotation: it asks for no GPU memory, or was not placed by gpushare-extender",
+                    self.node
+                )),
+                Some(Err(e)) => lines.push(format!("{namespace}/{name}: {e}")),
+                Some(Ok(a)) if a.node != self.node => {
+                    lines.push(format!("{namespace}/{name} is assigned to node {}, not {}", a.node, self.node));
+                }
+                Some(Ok(a)) => {
+                    lines.push(format!("{namespace}/{name} is assigned to this node by gpushare-extender:"));
+                    for c in &a.containers {
+                        let held: Vec<&Row> = rows.iter().filter(|r| r.container == c.name).collect();
+                        let want = c.gpus.iter().map(|g| format!("GPU{} {} MiB", g.index, g.mib.get())).collect::<Vec<_>>().join(", ");
+                        if held.is_empty() {
+                            lines.push(format!("  container {:?}: assigned {want}; not admitted by the kubelet yet", c.name));
+                        } else {
+                            lines.push(format!("  container {:?}: assigned {want}; allocated (kubelet devices {})", c.name, held[0].request_key));
+                        }
+                    }
+                }
+            },
+        }
+        if pod.is_none() && !rows.is_empty() {
+            lines
+                .push(format!("  the ledger still holds {} row(s) for it; a reconciliation releases them", rows.len()));
+        }
+        Ok(lines.join("\n"))
     }
 
     /// What this node publishes: its GPUs, the memory its ledger holds on each (by the

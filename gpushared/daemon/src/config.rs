@@ -121,6 +121,43 @@ pub struct Config {
     /// GPU health.
     #[serde(default)]
     pub health: HealthConfig,
+    /// The local status API.
+    #[serde(default)]
+    pub dbus: DbusConfig,
+}
+
+/// `[dbus]`: the local status API.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DbusConfig {
+    /// Serve the status API at all.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// `system` for the system bus, or a D-Bus address such as `unix:path=/run/x/bus`.
+    #[serde(default = "default_bus")]
+    pub address: String,
+}
+
+impl Default for DbusConfig {
+    fn default() -> Self {
+        DbusConfig { enabled: true, address: default_bus() }
+    }
+}
+
+fn default_bus() -> String {
+    "system".to_owned()
+}
+
+impl DbusConfig {
+    /// The bus to serve on.
+    #[must_use]
+    pub fn bus(&self) -> crate::dbus::Bus {
+        if self.address == "system" {
+            crate::dbus::Bus::System
+        } else {
+            crate::dbus::Bus::Address(self.address.clone())
+        }
+    }
 }
 
 /// `[kubelet]`.
@@ -418,6 +455,12 @@ impl Config {
         if let Some(w) = uuids.windows(2).find(|w| w[0] == w[1]) {
             return Err(invalid(format!("gpus: uuid {} appears twice; each GPU has its own UUID", w[0])));
         }
+        if config.dbus.address != "system" && !config.dbus.address.contains(':') {
+            return Err(invalid(format!(
+                "dbus: address {:?} is not a D-Bus address; write \"system\" or an address such as \"unix:path=/run/gpushare/bus\"",
+                config.dbus.address
+            )));
+        }
         let names = config.resources.names();
         if names.memory == names.count {
             return Err(invalid(format!(
@@ -501,6 +544,8 @@ mod tests {
         assert_eq!(c.health.ignored_xids, vec![13, 31, 43, 45, 68, 109]);
         assert_eq!(c.health.probe_interval_seconds.duration().as_secs(), 5);
         assert_eq!(c.health.recovery_seconds, 300);
+        assert!(c.dbus.enabled);
+        assert_eq!(c.dbus.bus(), crate::dbus::Bus::System);
     }
 
     #[test]
@@ -573,6 +618,7 @@ numa_node = 1
             ("[resources]\ncount = \"gpushare.io/gpu-mem\"", &["must be two different resources"]),
             ("[ledger", &["line 1"]),
             ("[reconcile]\ninterval_seconds = 0", &["line 2", "write at least 1"]),
+            ("[dbus]\naddress = \"session\"", &["not a D-Bus address", "unix:path="]),
             ("[health]\nignored_xids = [-1]", &["line 2"]),
             ("[health]\nprobe_interval = 3", &["line 2", "unknown field `probe_interval`", "probe_interval_seconds"]),
         ];

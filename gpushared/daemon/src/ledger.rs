@@ -59,6 +59,14 @@ CREATE TABLE events (
 ",
     ),
     Migration::CompactDeviceSets,
+    Migration::Sql(
+        r"
+CREATE TABLE cordons (
+    gpu_uuid   TEXT    PRIMARY KEY,
+    cordoned_at INTEGER NOT NULL
+);
+",
+    ),
 ];
 
 /// A ledger problem. Each names the file.
@@ -496,6 +504,42 @@ impl Ledger {
             .execute("INSERT INTO events (at, kind, detail) VALUES (?1, ?2, ?3)", params![now_ms(), kind, detail])
             .map(|_| ())
             .map_err(self.err("recording an event"))
+    }
+
+    /// The GPUs an operator cordoned (UUIDs); they stay cordoned across restarts.
+    ///
+    /// # Errors
+    /// [`LedgerError`] if SQLite refuses.
+    pub fn cordoned(&self) -> Result<Vec<String>, LedgerError> {
+        let mut stmt = self
+            .conn
+            .prepare_cached("SELECT gpu_uuid FROM cordons ORDER BY gpu_uuid")
+            .map_err(self.err("reading cordons"))?;
+        let rows = stmt.query_map([], |r| r.get(0)).map_err(self.err("reading cordons"))?;
+        rows.collect::<Result<Vec<String>, _>>().map_err(self.err("reading cordons"))
+    }
+
+    /// Records a GPU as cordoned or not, with an event, in one transaction.
+    ///
+    /// # Errors
+    /// [`LedgerError`] if SQLite refuses; then nothing changed.
+    pub fn set_cordon(&mut self, gpu_uuid: &str, cordoned: bool, detail: &str) -> Result<(), LedgerError> {
+        let at = now_ms();
+        let path = self.path.clone();
+        let sqlite = |what| sql(&path, what);
+        let tx = self.conn.transaction().map_err(sqlite("starting a cordon change"))?;
+        if cordoned {
+            tx.execute("INSERT OR REPLACE INTO cordons (gpu_uuid, cordoned_at) VALUES (?1, ?2)", params![gpu_uuid, at])
+        } else {
+            tx.execute("DELETE FROM cordons WHERE gpu_uuid = ?1", params![gpu_uuid])
+        }
+        .map_err(sqlite("recording a cordon"))?;
+        tx.execute(
+            "INSERT INTO events (at, kind, detail) VALUES (?1, ?2, ?3)",
+            params![at, if cordoned { "cordon" } else { "uncordon" }, detail],
+        )
+        .map_err(sqlite("recording an event"))?;
+        tx.commit().map_err(sqlite("committing a cordon change"))
     }
 
     /// Events at or after `since_ms`, oldest first.

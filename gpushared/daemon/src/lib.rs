@@ -4,6 +4,7 @@
 //!
 //! - [`allocator`]: which container each kubelet call serves, checked and recorded;
 //! - [`config`]: the configuration file;
+//! - [`dbus`]: the local status API on the D-Bus system bus;
 //! - [`discovery`]: the host's GPUs, from NVML or the configuration;
 //! - [`gpu_events`]: Xid and ECC events and GPU probes, from NVML;
 //! - [`health`]: the GPU health policy, automatic recovery included;
@@ -20,6 +21,7 @@
 
 pub mod allocator;
 pub mod config;
+pub mod dbus;
 pub mod discovery;
 pub mod gpu_events;
 pub mod health;

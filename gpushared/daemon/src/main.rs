@@ -201,6 +201,11 @@ async fn run(config: Config) -> anyhow::Result<()> {
         tracing::info!(interval = ?interval, "systemd watchdog on; pinging at half the interval while the allocator answers");
         tasks.spawn(gpushared::systemd::watchdog(notifier.clone(), interval, move || probe.probe().is_ok()));
     }
+    if config.dbus.enabled {
+        tasks.spawn(gpushared::dbus::serve(config.dbus.bus(), Arc::clone(&alloc)));
+    } else {
+        tracing::info!("the D-Bus status API is turned off ([dbus] enabled = false)");
+    }
     let reconcile_now = Arc::new(tokio::sync::Notify::new());
     tasks.spawn(reconcile_loop(
         Arc::clone(&alloc),

@@ -83,10 +83,12 @@ fn status(e: &AllocError) -> Status {
     match e {
         AllocError::UnknownDevice(_) => Status::invalid_argument(msg),
         AllocError::NoRoom { .. } => Status::resource_exhausted(msg),
-        AllocError::NoCandidate { .. } | AllocError::UnknownGpu { .. } | AllocError::Unhealthy { .. } => {
-            Status::failed_precondition(msg)
-        }
+        AllocError::NoCandidate { .. }
+        | AllocError::UnknownGpu { .. }
+        | AllocError::Unhealthy { .. }
+        | AllocError::Cordoned { .. } => Status::failed_precondition(msg),
         AllocError::Ledger(_) => Status::internal(msg),
+        AllocError::NoSuchGpu(_) => Status::not_found(msg),
     }
 }
 

@@ -313,3 +313,28 @@ fn an_app_container_reusing_its_init_containers_devices_is_a_new_allocation() {
     assert_eq!(f.alloc.allocate(&ids).unwrap().container, "app");
     assert_eq!(f.alloc.live().unwrap().len(), 2);
 }
+
+#[test]
+fn a_cordoned_gpu_takes_no_new_allocation_and_the_cordon_is_persisted() {
+    let f = fixture(Compatibility::Gpushare);
+    pod(&f, "u1", "2026-01-01T00:00:00Z", &[("main", ContainerRole::App, &[(1, 100)])]);
+    admit(&f, 100).unwrap();
+    assert_eq!(f.alloc.set_cordon("GPU-1", true).unwrap(), (1, true));
+    assert_eq!(f.alloc.set_cordon("1", true).unwrap(), (1, false), "already cordoned");
+    assert!(matches!(f.alloc.set_cordon("9", true), Err(AllocError::NoSuchGpu(_))));
+    assert!(f.alloc.current_inventory().gpus()[1].cordoned);
+    assert!(f.alloc.node_state(1, "x").inventory.gpus()[1].cordoned, "published");
+    // A container assigned to it before the cordon is refused, readably; its allocations stay.
+    pod(&f, "u2", "2026-01-01T00:00:01Z", &[("main", ContainerRole::App, &[(1, 100)])]);
+    let err = admit(&f, 100).unwrap_err().to_string();
+    assert!(err.contains("assigned GPU1 is cordoned (gpusharectl uncordon 1)"), "{err}");
+    assert_eq!(f.alloc.live().unwrap().len(), 1);
+    // Explain and history say so.
+    let why = f.alloc.explain("default", "pod-u2").unwrap();
+    assert!(why.contains("container \"main\": assigned GPU1 100 MiB; not admitted by the kubelet yet"), "{why}");
+    let history = f.alloc.history(0).unwrap();
+    assert!(history.iter().any(|(_, k, d)| k == "cordon" && d == "GPU1 (GPU-1) cordoned"), "{history:?}");
+    assert!(history.iter().any(|(_, k, d)| k == "allocated" && d.contains("default/pod-u1")), "{history:?}");
+    assert_eq!(f.alloc.set_cordon("GPU-1", false).unwrap(), (1, true));
+    admit(&f, 100).unwrap();
+}

@@ -30,7 +30,7 @@ fn a_new_ledger_is_durable_and_current() {
     let opened = open(&dir);
     assert!(opened.moved_aside.is_none());
     let l = opened.ledger;
-    assert_eq!(l.schema_version().unwrap(), 2);
+    assert_eq!(l.schema_version().unwrap(), 3);
     let mode: String = l.conn.query_row("PRAGMA journal_mode", [], |r| r.get(0)).unwrap();
     assert_eq!(mode, "wal");
     let sync: i64 = l.conn.query_row("PRAGMA synchronous", [], |r| r.get(0)).unwrap();
@@ -139,7 +139,7 @@ fn a_ledger_from_a_newer_daemon_is_refused_untouched() {
         l.conn.pragma_update(None, "user_version", 99).unwrap();
     }
     let err = Ledger::open(&path).unwrap_err();
-    assert!(err.to_string().contains("schema version 99 is newer than this gpushared knows (2)"), "{err}");
+    assert!(err.to_string().contains("schema version 99 is newer than this gpushared knows (3)"), "{err}");
     assert!(path.exists());
 }
 
@@ -180,11 +180,27 @@ fn a_version_1_ledger_is_migrated_to_compact_device_sets() {
         .unwrap();
     }
     let l = Ledger::open(&path).unwrap().ledger;
-    assert_eq!(l.schema_version().unwrap(), 2);
+    assert_eq!(l.schema_version().unwrap(), 3);
     let live = l.live().unwrap();
     assert_eq!(live[0].request_key, "Q3:0-2");
     assert_eq!(live[0].device_ids, vec!["Q30", "Q31", "Q32"]);
     // The migrated row answers a repeated Allocate of the same devices, in any order.
     let ids: Vec<String> = ["Q32", "Q30", "Q31"].map(String::from).to_vec();
     assert_eq!(l.live_by_key(&request_key(&ids)).unwrap().len(), 1);
+}
+
+#[test]
+fn cordons_persist_with_their_history() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let mut l = open(&dir).ledger;
+        l.set_cordon("GPU-a", true, "GPU0 cordoned").unwrap();
+        l.set_cordon("GPU-b", true, "GPU1 cordoned").unwrap();
+        l.set_cordon("GPU-a", true, "again").unwrap();
+        l.set_cordon("GPU-b", false, "GPU1 uncordoned").unwrap();
+    }
+    let l = open(&dir).ledger;
+    assert_eq!(l.cordoned().unwrap(), vec!["GPU-a"]);
+    let kinds: Vec<String> = l.events_since(0).unwrap().into_iter().map(|e| e.kind).collect();
+    assert_eq!(kinds, vec!["cordon", "cordon", "cordon", "uncordon"]);
 }

@@ -1,0 +1,277 @@
+//! The local status API on the D-Bus system bus: bus name [`BUS_NAME`], object [`OBJECT_PATH`],
+//! interface [`INTERFACE`] (version 1; documented in `docs/dbus.md`). [`StatusApi`] only
+//! translates: every answer comes from the [`Allocator`]. [`Gpushare1Proxy`] is the client side
+//! `gpusharectl` uses.
+//!
+//! The API is never on the allocation path: [`serve`] connects in the background, and when the
+//! bus is not there or goes away it retries (1 s doubling to 30 s) while the daemon keeps
+//! serving the kubelet.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use zbus::fdo;
+
+use crate::allocator::{AllocError, Allocator};
+
+/// The well-known bus name.
+pub const BUS_NAME: &str = "io.gpushare.GpuShare1";
+/// The object path.
+pub const OBJECT_PATH: &str = "/io/gpushare/GpuShare1";
+/// The interface.
+pub const INTERFACE: &str = "io.gpushare.GpuShare1";
+
+/// One GPU as the API shows it: index, UUID, model, total MiB, used MiB, health
+/// (`Healthy`/`Unhealthy`), why unhealthy (empty when healthy), cordoned.
+pub type GpuRecord = (u32, String, String, u64, u64, String, String, bool);
+
+/// One live allocation: namespace, pod, pod UID, container, role, GPU UUID, GPU index, MiB,
+/// allocated at (Unix ms).
+pub type AllocationRecord = (String, String, String, String, String, String, u32, u64, i64);
+
+/// One history entry: Unix ms, kind (`allocated`, `released`, `health`, `cordon`, `uncordon`,
+/// `reconcile`, `ledger-moved-aside`), detail.
+pub type HistoryRecord = (i64, String, String);
+
+/// The served object.
+#[derive(Debug)]
+pub struct StatusApi {
+    alloc: Arc<Allocator>,
+}
+
+impl StatusApi {
+    /// An API answering from `alloc`.
+    #[must_use]
+    pub fn new(alloc: Arc<Allocator>) -> Self {
+        StatusApi { alloc }
+    }
+}
+
+fn failed(e: &AllocError) -> fdo::Error {
+    match e {
+        AllocError::NoSuchGpu(_) => fdo::Error::InvalidArgs(e.to_string()),
+        _ => fdo::Error::Failed(e.to_string()),
+    }
+}
+
+/// `NAMESPACE/NAME`, or an error saying what to write.
+fn pod_name(pod: &str) -> fdo::Result<(&str, &str)> {
+    pod.split_once('/')
+        .filter(|(ns, n)| !ns.is_empty() && !n.is_empty() && !n.contains('/'))
+        .ok_or_else(|| fdo::Error::InvalidArgs(format!("{pod:?} is not NAMESPACE/NAME, such as default/infer-1")))
+}
+
+fn role(r: gpushare_core::ContainerRole) -> &'static str {
+    match r {
+        gpushare_core::ContainerRole::Init => "init",
+        gpushare_core::ContainerRole::Sidecar => "sidecar",
+        gpushare_core::ContainerRole::App => "app",
+    }
+}
+
+#[zbus::interface(name = "io.gpushare.GpuShare1")]
+impl StatusApi {
+    /// This node's name in Kubernetes.
+    #[zbus(property)]
+    fn node_name(&self) -> String {
+        self.alloc.node().to_owned()
+    }
+
+    /// The daemon's version.
+    #[zbus(property)]
+    #[allow(clippy::unused_self)] // a D-Bus property is a method of the served object
+    fn version(&self) -> String {
+        crate::publish::DAEMON_VERSION.to_owned()
+    }
+
+    /// `MiB` or `GiB`: what one kubelet device stands for.
+    #[zbus(property)]
+    fn unit(&self) -> String {
+        self.alloc.inventory().unit().to_string()
+    }
+
+    /// The GPUs (see [`GpuRecord`]).
+    #[zbus(property)]
+    fn gpus(&self) -> Vec<GpuRecord> {
+        let state = self.alloc.node_state(0, "");
+        state
+            .inventory
+            .gpus()
+            .iter()
+            .zip(&state.used)
+            .map(|(g, used)| {
+                let (health, reason) = match &g.health {
+                    gpushare_core::Health::Healthy => ("Healthy", String::new()),
+                    gpushare_core::Health::Unhealthy { reason } => ("Unhealthy", reason.clone()),
+                };
+                (
+                    g.index,
+                    g.uuid.to_string(),
+                    g.model.clone(),
+                    g.total.get(),
+                    used.get(),
+                    health.to_owned(),
+                    reason,
+                    g.cordoned,
+                )
+            })
+            .collect()
+    }
+
+    /// Live allocations in the ledger.
+    #[zbus(property)]
+    fn allocation_count(&self) -> u32 {
+        u32::try_from(self.alloc.summary().allocations).unwrap_or(u32::MAX)
+    }
+
+    /// Live allocations, all (`pod` empty) or of one pod (`NAMESPACE/NAME`).
+    async fn list_allocations(&self, pod: &str) -> fdo::Result<Vec<AllocationRecord>> {
+        let filter = if pod.is_empty() { None } else { Some(pod_name(pod)?) };
+        let rows = self.alloc.allocations(filter).map_err(|e| failed(&e))?;
+        Ok(rows
+            .into_iter()
+            .map(|r| {
+                (
+                    r.pod.namespace,
+                    r.pod.name,
+                    r.pod.uid,
+                    r.container,
+                    role(r.role).to_owned(),
+                    r.gpu_uuid.to_string(),
+                    r.gpu_index,
+                    r.mib.get(),
+                    r.allocated_at,
+                )
+            })
+            .collect())
+    }
+
+    /// Where a pod (`NAMESPACE/NAME`) is on this node and why, or why it is not.
+    async fn explain(&self, pod: &str) -> fdo::Result<String> {
+        let (ns, name) = pod_name(pod)?;
+        self.alloc.explain(ns, name).map_err(|e| failed(&e))
+    }
+
+    /// The history since `since_ms` (Unix ms), oldest first.
+    async fn history(&self, since_ms: i64) -> fdo::Result<Vec<HistoryRecord>> {
+        self.alloc.history(since_ms).map_err(|e| failed(&e))
+    }
+
+    /// Cordons a GPU (index or UUID): it keeps its allocations and takes no new ones. Returns
+    /// whether anything changed. Root only (the bus policy).
+    async fn cordon(&self, gpu: &str) -> fdo::Result<bool> {
+        self.alloc.set_cordon(gpu, true).map(|(_, changed)| changed).map_err(|e| failed(&e))
+    }
+
+    /// Uncordons a GPU (index or UUID). Returns whether anything changed. Root only.
+    async fn uncordon(&self, gpu: &str) -> fdo::Result<bool> {
+        self.alloc.set_cordon(gpu, false).map(|(_, changed)| changed).map_err(|e| failed(&e))
+    }
+}
+
+/// The client side of the interface.
+#[zbus::proxy(
+    interface = "io.gpushare.GpuShare1",
+    default_service = "io.gpushare.GpuShare1",
+    default_path = "/io/gpushare/GpuShare1"
+)]
+pub trait Gpushare1 {
+    /// This node's name.
+    #[zbus(property)]
+    fn node_name(&self) -> zbus::Result<String>;
+    /// The daemon's version.
+    #[zbus(property)]
+    fn version(&self) -> zbus::Result<String>;
+    /// The unit.
+    #[zbus(property)]
+    fn unit(&self) -> zbus::Result<String>;
+    /// The GPUs.
+    #[zbus(property)]
+    fn gpus(&self) -> zbus::Result<Vec<GpuRecord>>;
+    /// Live allocations.
+    #[zbus(property)]
+    fn allocation_count(&self) -> zbus::Result<u32>;
+    /// Live allocations, of one pod if `pod` is not empty.
+    fn list_allocations(&self, pod: &str) -> zbus::Result<Vec<AllocationRecord>>;
+    /// Where a pod is and why.
+    fn explain(&self, pod: &str) -> zbus::Result<String>;
+    /// The history since a time.
+    fn history(&self, since_ms: i64) -> zbus::Result<Vec<HistoryRecord>>;
+    /// Cordons a GPU.
+    fn cordon(&self, gpu: &str) -> zbus::Result<bool>;
+    /// Uncordons a GPU.
+    fn uncordon(&self, gpu: &str) -> zbus::Result<bool>;
+}
+
+/// Which bus to serve on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Bus {
+    /// The system bus.
+    System,
+    /// A bus at this address (`unix:path=...`).
+    Address(String),
+}
+
+async fn connect(bus: &Bus, alloc: &Arc<Allocator>) -> zbus::Result<zbus::Connection> {
+    let builder = match bus {
+        Bus::System => zbus::connection::Builder::system(),
+        Bus::Address(a) => zbus::connection::Builder::address(a.as_str()),
+    };
+    builder.name(BUS_NAME).serve_at(OBJECT_PATH, StatusApi::new(Arc::clone(alloc))).build().await
+}
+
+/// Serves the API on `bus` forever: connects (retrying with backoff while the bus is not
+/// there), emits `PropertiesChanged` for `Gpus` and `AllocationCount` after every change, and
+/// reconnects when the bus goes away.
+pub async fn serve(bus: Bus, alloc: Arc<Allocator>) {
+    let mut delay = Duration::from_secs(1);
+    let mut warned = false;
+    loop {
+        match connect(&bus, &alloc).await {
+            Ok(conn) => {
+                tracing::info!(bus = ?bus, name = BUS_NAME, "serving the status API on D-Bus");
+                warned = false;
+                delay = Duration::from_secs(1);
+                follow(&conn, &alloc).await;
+                tracing::warn!(bus = ?bus, "lost the D-Bus connection; reconnecting (the kubelet is still served)");
+            }
+            Err(e) => {
+                if warned {
+                    tracing::debug!(bus = ?bus, error = %e, "D-Bus still unavailable");
+                } else {
+                    tracing::warn!(bus = ?bus, error = %e, "D-Bus unavailable; the status API waits for it (the kubelet is still served)");
+                    warned = true;
+                }
+            }
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(30));
+    }
+}
+
+/// Emits change signals until the connection fails.
+async fn follow(conn: &zbus::Connection, alloc: &Arc<Allocator>) {
+    let Ok(iface) = conn.object_server().interface::<_, StatusApi>(OBJECT_PATH).await else { return };
+    let mut changes = alloc.subscribe();
+    let Ok(peer) = zbus::fdo::DBusProxy::new(conn).await else { return };
+    loop {
+        tokio::select! {
+            changed = changes.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                let api = iface.get().await;
+                let emitter = iface.signal_emitter();
+                if api.gpus_changed(emitter).await.is_err() || api.allocation_count_changed(emitter).await.is_err() {
+                    return;
+                }
+            }
+            () = tokio::time::sleep(Duration::from_secs(5)) => {
+                // The bus answers, or the connection is gone.
+                if peer.get_id().await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
