@@ -757,6 +757,31 @@ impl ClusterView {
         }
     }
 
+    /// Whether `node` certainly takes `pod`, decided without the placer: for the common shape
+    /// (one container on one GPU, the pod's unit) it is enough that one schedulable GPU has the
+    /// room. `None` when the shortcut does not apply or the answer is no (the caller then asks
+    /// [`Self::score`], which also says why).
+    #[must_use]
+    pub fn surely_fits(&self, node: &str, pod: &PodRequest, evicted: &Evicted<'_>) -> Option<bool> {
+        let [c] = pod.containers() else { return None };
+        if c.gpus != 1 || evicted.touches(node) {
+            return None;
+        }
+        let entry = self.nodes.get(node)?;
+        let (NodeGpus::Reported(s), Some(usage)) = (&entry.gpus, &entry.cache) else { return None };
+        let inventory = &s.inventory;
+        if inventory.unit() != pod.unit() || usage.total.len() != inventory.gpus().len() {
+            return None;
+        }
+        let unit = inventory.unit();
+        inventory
+            .gpus()
+            .iter()
+            .zip(&usage.total)
+            .any(|(g, used)| g.is_schedulable() && g.capacity(unit).saturating_sub(*used) >= c.memory)
+            .then_some(true)
+    }
+
     /// Scores `node` for `pod` (0–10) with the `evicted` pods gone (the pod itself, so an
     /// earlier try of its own bind does not count against it), or says why it cannot take it.
     ///

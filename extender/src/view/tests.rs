@@ -241,3 +241,56 @@ fn bound_pods_without_a_placement_are_pending_and_refusals_say_why() {
     v.replace_nodes(&[node("n1", 1, 1000, 2, vec![])]);
     assert_eq!(v.node_names(), ["n1"]);
 }
+
+#[test]
+fn the_filter_shortcut_agrees_with_the_placer() {
+    // Nodes of 4 GPUs with every mix of usage, a sick GPU and a cordoned one; pods of every size.
+    let mut v = ClusterView::new(config(false));
+    let mut names = Vec::new();
+    for n in 0..24u64 {
+        let name = format!("n{n}");
+        let allocations = (0..4u32)
+            .filter(|g| (n + u64::from(*g)) % 3 != 0)
+            .map(|g| holding(&format!("p{n}-{g}"), "main", g, 100 + ((n * 37 + u64::from(g) * 211) % 900)))
+            .collect();
+        let mut object = node(&name, 4, 1000, 1, allocations);
+        if n % 5 == 0 {
+            // GPU0 unhealthy, GPU1 cordoned.
+            let key = object.metadata.annotations.as_mut().unwrap();
+            let mut state = NodeState::decode(&key[NODE_STATE_KEY]).unwrap();
+            let mut inv = state.inventory.clone();
+            inv.gpu_mut(0).unwrap().health = gpushare_core::Health::Unhealthy { reason: "Xid 79".into() };
+            inv.gpu_mut(1).unwrap().cordoned = true;
+            state.inventory = inv;
+            key.insert(NODE_STATE_KEY.into(), state.encode().unwrap());
+        }
+        v.apply_node(&object);
+        names.push(name);
+    }
+    v.refresh();
+    let none = Evicted::default();
+    let mut placer = Placer::new();
+    let mut shortcuts = 0;
+    for mib in (50..=1000).step_by(50) {
+        let req = v.request_of(&pod("x", mib, None, "Pending")).unwrap();
+        for n in &names {
+            let full = v.score(&mut placer, n, &req, Policies::default(), &none).is_ok();
+            let quick = v.surely_fits(n, &req, &none);
+            assert_eq!(quick, full.then_some(true), "{n}, {mib} MiB");
+            shortcuts += usize::from(quick.is_some());
+        }
+    }
+    assert!(shortcuts > 100, "the shortcut applies: {shortcuts}");
+    // Not for shapes it does not cover, nor for a node an evicted pod touches.
+    let two: PodObject = serde_json::from_value(json!({
+        "metadata": {"name": "two", "namespace": "default", "uid": "uid-two"},
+        "spec": {"containers": [
+            {"name": "a", "resources": {"limits": {"gpushare.io/gpu-mem": "100"}}},
+            {"name": "b", "resources": {"limits": {"gpushare.io/gpu-mem": "100"}}}]}
+    }))
+    .unwrap();
+    assert_eq!(v.surely_fits("n1", &v.request_of(&two).unwrap(), &none), None);
+    let small = v.request_of(&pod("x", 50, None, "Pending")).unwrap();
+    assert_eq!(v.surely_fits("n1", &small, &v.evicted(&["uid-p1-1"])), None);
+    assert_eq!(v.surely_fits("nowhere", &small, &none), None);
+}
