@@ -4,6 +4,7 @@
 //!
 //! - [`allocator`]: which container each kubelet call serves, checked and recorded;
 //! - [`config`]: the configuration file;
+//! - [`ctl`]: `gpusharectl`, the operator's command line over the status API;
 //! - [`dbus`]: the local status API on the D-Bus system bus;
 //! - [`discovery`]: the host's GPUs, from NVML or the configuration;
 //! - [`gpu_events`]: Xid and ECC events and GPU probes, from NVML;
@@ -21,6 +22,7 @@
 
 pub mod allocator;
 pub mod config;
+pub mod ctl;
 pub mod dbus;
 pub mod discovery;
 pub mod gpu_events;
