@@ -1,6 +1,7 @@
 //! The API server: the client from a kubeconfig, the Node and Pod watches that feed the cluster
 //! view, and the [`Cluster`] calls the verbs make (read a pod, create a `pods/binding`).
 
+use std::collections::HashSet;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -163,22 +164,26 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
         let api: Api<PodObject> = Api::all(client);
         async move {
             let mut stream = watcher(api, watcher::Config::default()).boxed();
-            let mut relist: Vec<PodObject> = Vec::new();
+            // A (re)list is applied as it arrives, remembering only the UIDs seen: holding
+            // 51,000 listed pods beside the view they become would double the peak.
+            let mut seen: HashSet<String> = HashSet::new();
             while let Some(event) = stream.next().await {
                 match event {
                     Ok(watcher::Event::Apply(p)) => ext.with_view(|v| v.apply_pod(&p)),
                     Ok(watcher::Event::InitApply(p)) => {
-                        // Only GPU pods are kept: a big cluster's relist stays small.
-                        if ext.with_view(|v| v.keeps(&p)) {
-                            relist.push(p);
-                        }
+                        // Only GPU pods are kept: a big cluster's view stays small.
+                        ext.with_view(|v| {
+                            if v.keeps(&p) {
+                                v.apply_pod(&p);
+                                seen.insert(p.uid().to_owned());
+                            }
+                        });
                     }
                     Ok(watcher::Event::Delete(p)) => ext.with_view(|v| v.delete_pod(p.uid())),
-                    Ok(watcher::Event::Init) => relist.clear(),
+                    Ok(watcher::Event::Init) => seen.clear(),
                     Ok(watcher::Event::InitDone) => {
-                        ext.with_view(|v| v.replace_pods(&relist));
-                        // Not just cleared: a big cluster's list should not stay allocated.
-                        relist = Vec::new();
+                        ext.with_view(|v| v.retain_pods(&seen));
+                        seen = HashSet::new();
                         crate::memory::release_free_memory();
                         pods_synced.store(true, Ordering::SeqCst);
                         ready();

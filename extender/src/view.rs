@@ -504,6 +504,14 @@ impl ClusterView {
         }
     }
 
+    /// Forgets every pod whose UID is not in `keep` (the end of a relist applied as it came).
+    pub fn retain_pods(&mut self, keep: &HashSet<String>) {
+        let gone: Vec<String> = self.pods.keys().filter(|uid| !keep.contains(*uid)).cloned().collect();
+        for uid in gone {
+            self.remove_pod(&uid);
+        }
+    }
+
     /// Records an in-flight bind.
     pub fn assume(&mut self, uid: &str, assumed: Assumed) {
         let node = assumed.node.clone();

@@ -294,3 +294,16 @@ fn the_filter_shortcut_agrees_with_the_placer() {
     assert_eq!(v.surely_fits("n1", &small, &v.evicted(&["uid-p1-1"])), None);
     assert_eq!(v.surely_fits("nowhere", &small, &none), None);
 }
+
+#[test]
+fn a_relist_applied_as_it_comes_forgets_the_pods_it_did_not_see() {
+    let mut v = ClusterView::new(config(false));
+    v.apply_node(&node("n1", 2, 1000, 1, vec![]));
+    v.apply_pod(&pod("a", 300, Some(("n1", assignment("n1", &[("main", &[(0, 300)])]))), "Running"));
+    v.apply_pod(&pod("b", 200, Some(("n1", assignment("n1", &[("main", &[(1, 200)])]))), "Running"));
+    assert_eq!(used(&mut v, "n1"), [300, 200]);
+    // The relist shows only "a" (b was deleted while the watch was down).
+    v.apply_pod(&pod("a", 300, Some(("n1", assignment("n1", &[("main", &[(0, 300)])]))), "Running"));
+    v.retain_pods(&HashSet::from(["uid-a".to_owned()]));
+    assert_eq!(used(&mut v, "n1"), [300, 0]);
+}
