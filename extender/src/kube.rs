@@ -172,7 +172,7 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
                     Ok(watcher::Event::Apply(p)) => ext.with_view(|v| v.apply_pod(&p)),
                     Ok(watcher::Event::InitApply(p)) => {
                         // Only GPU pods are kept: a big cluster's view stays small.
-                        ext.with_view(|v| {
+                        ext.with_view_batched(|v| {
                             if v.keeps(&p) {
                                 v.apply_pod(&p);
                                 seen.insert(p.uid().to_owned());
@@ -182,8 +182,12 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
                     Ok(watcher::Event::Delete(p)) => ext.with_view(|v| v.delete_pod(p.uid())),
                     Ok(watcher::Event::Init) => seen.clear(),
                     Ok(watcher::Event::InitDone) => {
-                        ext.with_view(|v| v.retain_pods(&seen));
+                        ext.with_view_batched(|v| v.retain_pods(&seen));
                         seen = HashSet::new();
+                        // The pages of the list go back first, so the caches computed next
+                        // (one per node, in one sweep) lie close together.
+                        crate::memory::release_free_memory();
+                        ext.with_view(|_| ());
                         crate::memory::release_free_memory();
                         pods_synced.store(true, Ordering::SeqCst);
                         ready();

@@ -122,6 +122,13 @@ impl<C: Cluster> Extender<C> {
         r
     }
 
+    /// Like [`Self::with_view`], but leaves the per-node usage caches to the next refresh: a
+    /// relist applies tens of thousands of pods, and one refresh at its end computes each
+    /// node's usage once, in one sweep, instead of once per pod.
+    pub fn with_view_batched<R>(&self, f: impl FnOnce(&mut ClusterView) -> R) -> R {
+        f(&mut self.state().view)
+    }
+
     /// Marks the view synced (both initial lists applied) or not.
     pub fn set_ready(&self, ready: bool) {
         self.ready.store(ready, Ordering::SeqCst);
