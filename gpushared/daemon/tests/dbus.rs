@@ -102,13 +102,26 @@ fn is_root() -> bool {
         .unwrap_or(false)
 }
 
-/// `gpusharectl ARGS` as `user` (None: this process's user): exit code and output.
+/// `gpusharectl ARGS` as `user` (None: this process's user): exit code and output. For another
+/// user the binary is run from a copy beside the bus (the build directory may not be readable by
+/// `nobody`, under /root say).
 fn ctl(user: Option<&str>, address: &str, args: &[&str]) -> (i32, String) {
-    let bin = env!("CARGO_BIN_EXE_gpusharectl");
+    let built = env!("CARGO_BIN_EXE_gpusharectl");
+    let copy = address.strip_prefix("unix:path=").and_then(|s| Path::new(s).parent()).map(|d| d.join("gpusharectl"));
+    let bin = match (user, copy) {
+        (Some(_), Some(copy)) => {
+            if !copy.exists() {
+                std::fs::copy(built, &copy).unwrap();
+                std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
+            }
+            copy
+        }
+        _ => PathBuf::from(built),
+    };
     let mut cmd = match user {
         Some(u) => {
             let mut c = Command::new("runuser");
-            c.args(["-u", u, "--", bin]);
+            c.args(["-u", u, "--"]).arg(&bin);
             c
         }
         None => Command::new(bin),
