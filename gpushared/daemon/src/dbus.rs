@@ -221,8 +221,8 @@ async fn connect(bus: &Bus, alloc: &Arc<Allocator>) -> zbus::Result<zbus::Connec
 }
 
 /// Serves the API on `bus` forever: connects (retrying with backoff while the bus is not
-/// there), emits `PropertiesChanged` for `Gpus` and `AllocationCount` after every change, and
-/// reconnects when the bus goes away.
+/// there), emits `PropertiesChanged` for `Gpus` and `AllocationCount` after every change (a
+/// burst within 100 ms is one signal), and reconnects when the bus goes away.
 pub async fn serve(bus: Bus, alloc: Arc<Allocator>) {
     let mut delay = Duration::from_secs(1);
     let mut warned = false;
@@ -260,6 +260,9 @@ async fn follow(conn: &zbus::Connection, alloc: &Arc<Allocator>) {
                 if changed.is_err() {
                     return;
                 }
+                // A burst of allocations becomes one signal, not one each.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                changes.borrow_and_update();
                 let api = iface.get().await;
                 let emitter = iface.signal_emitter();
                 if api.gpus_changed(emitter).await.is_err() || api.allocation_count_changed(emitter).await.is_err() {
