@@ -15,7 +15,9 @@
 //!   preconditions, `dryRun=All`, the `status` subresources (a write to the main resource keeps
 //!   the stored status; a write to `status` keeps the stored spec), and `pods/binding`, which sets
 //!   `spec.nodeName` and copies the Binding's annotations in one write (`409` if already bound);
-//! - discovery (`/api`, `/api/v1`, `/apis`) and `/version`;
+//! - discovery (`/api`, `/api/v1`, `/apis`), `/version`, and the part of core/v1's `OpenAPI` v3
+//!   document (`/openapi/v3`) that tells `kubectl` the server validates fields itself, so the real
+//!   `kubectl` gets, creates, applies and deletes against it (`tests/tests/kubectl.rs`);
 //! - every error as a Kubernetes `Status`.
 //!
 //! One global resourceVersion counts every write. [`ApiServer::set_unavailable`] simulates an

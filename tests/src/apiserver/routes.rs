@@ -39,6 +39,8 @@ pub(super) fn router(shared: Shared) -> Router {
         .route("/api", get(api_versions))
         .route("/api/v1", get(api_resources))
         .route("/apis", get(api_groups))
+        .route("/openapi/v3", get(openapi_paths))
+        .route("/openapi/v3/api/v1", get(openapi_core_v1))
         .route("/version", get(|| async { json_response(StatusCode::OK, &version()) }))
         .route("/healthz", get(|| async { "ok" }))
         .route("/livez", get(|| async { "ok" }))
@@ -102,6 +104,38 @@ async fn api_versions(headers: HeaderMap) -> Response {
 /// No API groups: only the core group is served.
 async fn api_groups() -> Response {
     json_response(StatusCode::OK, &json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": []}))
+}
+
+/// The `OpenAPI` v3 index: the one group-version served.
+async fn openapi_paths() -> Response {
+    json_response(
+        StatusCode::OK,
+        &json!({"paths": {"api/v1": {"serverRelativeURL": "/openapi/v3/api/v1?hash=gpushare1"}}}),
+    )
+}
+
+/// Enough of core/v1's `OpenAPI` v3 document for `kubectl` to see that the server validates
+/// fields itself (the `fieldValidation` parameter on create and patch, per kind), so it sends
+/// `?fieldValidation=Strict` instead of validating against schemas the stand-in does not carry.
+async fn openapi_core_v1() -> Response {
+    let op = |kind: &str| {
+        json!({"x-kubernetes-group-version-kind": {"group": "", "version": "v1", "kind": kind},
+               "parameters": [{"name": "fieldValidation", "in": "query", "schema": {"type": "string", "uniqueItems": true}}],
+               "responses": {"200": {"description": "OK"}}})
+    };
+    let mut paths = serde_json::Map::new();
+    for (kind, collection, object) in [
+        ("Pod", "/api/v1/namespaces/{namespace}/pods", "/api/v1/namespaces/{namespace}/pods/{name}"),
+        ("Node", "/api/v1/nodes", "/api/v1/nodes/{name}"),
+    ] {
+        paths.insert(collection.into(), json!({"post": op(kind)}));
+        paths.insert(object.into(), json!({"patch": op(kind), "put": op(kind)}));
+    }
+    json_response(
+        StatusCode::OK,
+        &json!({"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": "v1.32.0"}, "paths": paths,
+                "components": {"schemas": {}}}),
+    )
 }
 
 async fn api_resources() -> Response {
