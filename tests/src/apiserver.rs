@@ -17,7 +17,8 @@
 //!   `spec.nodeName` and copies the Binding's annotations in one write (`409` if already bound);
 //! - discovery (`/api`, `/api/v1`, `/apis`), `/version`, and the part of core/v1's `OpenAPI` v3
 //!   document (`/openapi/v3`) that tells `kubectl` the server validates fields itself, so the real
-//!   `kubectl` gets, creates, applies and deletes against it (`tests/tests/kubectl.rs`);
+//!   `kubectl` gets, creates, applies and deletes against it (`tests/tests/kubectl.rs`), and
+//!   server-side printing (`as=Table`) with the real server's Pod and Node columns;
 //! - every error as a Kubernetes `Status`.
 //!
 //! One global resourceVersion counts every write. [`ApiServer::set_unavailable`] simulates an
@@ -34,6 +35,7 @@ mod routes;
 mod selectors;
 mod status;
 mod store;
+mod tables;
 mod watch;
 
 use std::net::SocketAddr;

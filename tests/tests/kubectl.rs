@@ -65,7 +65,13 @@ async fn kubectl_gets_creates_applies_and_deletes() {
     assert!(api.pod("default", "p1").is_some());
     let (created, out) = run(&["create", "-f", "-"], Some(pod));
     assert!(!created && out.contains("AlreadyExists"), "a second create is refused: {out}");
-    assert!(ok(&["get", "pods"], None).contains("p1"));
+    // Server-side printing: the real server's columns.
+    let out = ok(&["get", "pods"], None);
+    assert!(out.starts_with("NAME   READY   STATUS    RESTARTS   AGE"), "{out}");
+    assert!(out.contains("p1     0/1     Pending   0"), "{out}");
+    let out = ok(&["get", "pods", "-o", "wide"], None);
+    assert!(out.contains("NODE") && out.contains("gpu-node-a"), "{out}");
+    assert!(ok(&["get", "nodes"], None).contains("STATUS"));
     assert!(ok(&["get", "pods", "--field-selector", "spec.nodeName=gpu-node-a"], None).contains("p1"));
 
     // apply: a new object is created, an existing one patched.

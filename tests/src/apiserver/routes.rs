@@ -29,7 +29,7 @@ use super::patch::{JsonPatchError, json_patch, merge_patch, strategic_merge_patc
 use super::selectors::Filter;
 use super::status::{ApiError, json_response, success};
 use super::store::{Key, Origin, check_type, now_rfc3339};
-use super::{Kind, Shared, watch};
+use super::{Kind, Shared, tables, watch};
 
 /// The real server's request body limit.
 const BODY_LIMIT: usize = 3 * 1024 * 1024;
@@ -240,17 +240,21 @@ async fn resource(State(shared): State<Shared>, method: Method, uri: Uri, header
     let Some(route) = parse_route(uri.path()) else {
         return ApiError::no_route().into_response();
     };
+    let table = headers.get(http::header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(tables::wants_table);
     let result = match (route, method) {
-        (Route::Collection { kind, namespace }, Method::GET) => list_or_watch(&shared, kind, namespace, &query),
+        (Route::Collection { kind, namespace }, Method::GET) => list_or_watch(&shared, kind, namespace, &query, table),
         (Route::Collection { kind, namespace }, Method::POST) if namespace.is_some() || !kind.is_namespaced() => {
             create(&shared, kind, namespace.as_deref().unwrap_or(""), &query, &body)
         }
-        (Route::Object { key, part: Part::Main | Part::Status }, Method::GET) => shared
-            .lock()
-            .get(&key)
-            .cloned()
-            .ok_or_else(|| ApiError::not_found(&key))
-            .map(|o| json_response(StatusCode::OK, &o)),
+        (Route::Object { key, part: Part::Main | Part::Status }, Method::GET) => {
+            shared.lock().get(&key).cloned().ok_or_else(|| ApiError::not_found(&key)).map(|o| {
+                if table {
+                    json_response(StatusCode::OK, &tables::table(key.kind, &o, now_seconds()))
+                } else {
+                    json_response(StatusCode::OK, &o)
+                }
+            })
+        }
         (Route::Object { key, part: part @ (Part::Main | Part::Status) }, Method::PUT) => {
             replace(&shared, &key, part, &query, &body)
         }
@@ -276,11 +280,18 @@ fn dry_run(query: &BTreeMap<String, String>) -> Result<bool, ApiError> {
     }
 }
 
+fn now_seconds() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
+
 fn list_or_watch(
     shared: &Shared,
     kind: Kind,
     namespace: Option<String>,
     query: &BTreeMap<String, String>,
+    table: bool,
 ) -> Result<Response, ApiError> {
     let filter = Filter::new(
         kind,
@@ -314,6 +325,9 @@ fn list_or_watch(
         metadata["continue"] = json!(format!("{rv}:{last}"));
     }
     let list = json!({"kind": kind.list_kind(), "apiVersion": "v1", "metadata": metadata, "items": items});
+    if table {
+        return Ok(json_response(StatusCode::OK, &tables::table(kind, &list, now_seconds())));
+    }
     Ok(json_response(StatusCode::OK, &list))
 }
 
