@@ -9,15 +9,9 @@ use std::collections::BTreeMap;
 use gpushare_core::request::Container;
 use gpushare_core::{PodSpec, ResourceNames};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Serialize};
 
-fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
-where
-    D: Deserializer<'de>,
-    T: Default + Deserialize<'de>,
-{
-    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
-}
+use gpushare_core::request::null_as_default;
 
 /// A Pod, reduced to what placement needs.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]

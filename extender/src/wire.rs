@@ -15,13 +15,7 @@ use serde_json::Value;
 
 use crate::objects::PodObject;
 
-fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
-where
-    D: Deserializer<'de>,
-    T: Default + Deserialize<'de>,
-{
-    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
-}
+use gpushare_core::request::null_as_default;
 
 /// A node name borrowed from the request body when it has no escapes (they never do): a
 /// 5,000-name filter then allocates no string per name.

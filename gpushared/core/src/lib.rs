@@ -8,7 +8,8 @@
 //! - [`placement`]: placing a pod on one node, scoring the node, explaining a rejection;
 //! - [`schedule`]: the same over many nodes (filter and prioritize);
 //! - [`codec`]: the annotation schemas (node state, pod assignment, Alibaba's keys).
-//! - [`devices`]: kubelet device IDs and the size of the device list the kubelet receives.
+//! - [`devices`]: kubelet device IDs and the size of the device list the kubelet receives;
+//! - [`time`]: RFC 3339 UTC times, formatted and parsed without a clock.
 
 pub mod codec;
 pub mod devices;
@@ -16,6 +17,7 @@ pub mod inventory;
 pub mod placement;
 pub mod request;
 pub mod schedule;
+pub mod time;
 pub mod units;
 
 /// gpushare's memory resource (a kubelet device-plugin resource, one device per unit).

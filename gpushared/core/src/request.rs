@@ -170,7 +170,12 @@ impl<'de> Deserialize<'de> for QuantityText {
     }
 }
 
-fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+/// For `#[serde(deserialize_with = ...)]`: a field Go wrote as `null` (a nil slice or map) reads
+/// as its default, as an absent one does. Shared by every reader of Kubernetes' JSON.
+///
+/// # Errors
+/// The deserializer's error for a value of the wrong type.
+pub fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
 where
     D: serde::Deserializer<'de>,
     T: Default + Deserialize<'de>,

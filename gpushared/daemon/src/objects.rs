@@ -7,15 +7,9 @@ use std::borrow::Cow;
 use gpushare_core::PodSpec;
 use gpushare_core::request::Container;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use serde::{Deserialize, Deserializer};
+use serde::Deserialize;
 
-fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
-where
-    D: Deserializer<'de>,
-    T: Default + Deserialize<'de>,
-{
-    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
-}
+use gpushare_core::request::null_as_default;
 
 /// A Pod, reduced to what allocation needs.
 #[derive(Clone, Debug, Default, Deserialize)]

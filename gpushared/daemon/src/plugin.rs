@@ -13,51 +13,30 @@ use std::time::Duration;
 use futures::StreamExt as _;
 use gpushare_core::NodeInventory;
 use gpushare_core::devices::DeviceMap;
+use gpushare_proto::DEVICE_PLUGIN_VERSION;
 use gpushare_proto::deviceplugin::device_plugin_server::{DevicePlugin, DevicePluginServer};
 use gpushare_proto::deviceplugin::registration_client::RegistrationClient;
 use gpushare_proto::deviceplugin::{
-    AllocateRequest, AllocateResponse, ContainerAllocateResponse, ContainerPreferredAllocationResponse, Device,
-    DevicePluginOptions, Empty, ListAndWatchResponse, NumaNode, PreStartContainerRequest, PreStartContainerResponse,
-    PreferredAllocationRequest, PreferredAllocationResponse, RegisterRequest, TopologyInfo,
+    AllocateRequest, AllocateResponse, ContainerAllocateResponse, ContainerPreferredAllocationResponse,
+    DevicePluginOptions, Empty, ListAndWatchResponse, PreStartContainerRequest, PreStartContainerResponse,
+    PreferredAllocationRequest, PreferredAllocationResponse, RegisterRequest,
 };
-use gpushare_proto::{DEVICE_PLUGIN_VERSION, HEALTHY, UNHEALTHY};
 use tokio::sync::watch;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::allocator::{AllocError, Allocator};
 
-/// The complete device list of `inventory`: one device per unit, unhealthy GPUs' devices
-/// `Unhealthy`, and each GPU's NUMA node when `numa` is set.
-#[must_use]
-pub fn device_list(inventory: &NodeInventory, devices: &DeviceMap, numa: bool) -> Vec<Device> {
-    let mut out = Vec::with_capacity(usize::try_from(devices.total()).unwrap_or(0));
-    for (pos, g) in inventory.gpus().iter().enumerate() {
-        let health = if g.health.is_healthy() { HEALTHY } else { UNHEALTHY };
-        let topology =
-            g.numa_node.filter(|_| numa).map(|n| TopologyInfo { nodes: vec![NumaNode { id: i64::from(n) }] });
-        out.extend(devices.ids(pos).map(|id| Device { id, health: health.to_owned(), topology: topology.clone() }));
-    }
-    out
-}
-
 /// What the kubelet's device list is made from: the GPUs with their health. Cheap to clone;
-/// the list itself (one entry per unit, 131 072 for 8 x 16 GiB) is built only while it is
-/// sent, so the daemon does not keep it resident.
+/// the list itself (one entry per unit, 131 072 for 8 x 16 GiB) is written straight into the
+/// encoded `ListAndWatch` message ([`DeviceSource`](gpushare_proto::compact::DeviceSource)),
+/// never held as values.
 #[derive(Clone, Debug)]
 pub struct DeviceSnapshot {
     /// The GPUs and their health.
     pub inventory: Arc<NodeInventory>,
     /// Whether to publish NUMA nodes.
     pub numa: bool,
-}
-
-impl DeviceSnapshot {
-    /// The complete device list.
-    #[must_use]
-    pub fn list(&self) -> Vec<Device> {
-        device_list(&self.inventory, &DeviceMap::new(&self.inventory), self.numa)
-    }
 }
 
 impl gpushare_proto::compact::DeviceSource for DeviceSnapshot {

@@ -518,19 +518,7 @@ pub(super) fn now_rfc3339() -> String {
 }
 
 fn rfc3339(unix_secs: u64) -> String {
-    let days = i64::try_from(unix_secs / 86_400).unwrap_or(0);
-    let rem = unix_secs % 86_400;
-    // Civil from days (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+    gpushare_core::time::format_ms(i64::try_from(unix_secs).unwrap_or(i64::MAX / 1000) * 1000)
 }
 
 #[cfg(test)]

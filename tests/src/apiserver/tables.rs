@@ -111,23 +111,9 @@ fn node_cells(node: &Value, now_s: i64) -> Vec<Value> {
     ]
 }
 
-/// Seconds since the Unix epoch of an RFC 3339 UTC time (`2026-11-23T10:00:00Z`).
+/// Seconds since the Unix epoch of an RFC 3339 time (`2026-11-23T10:00:00Z`).
 fn unix_seconds(t: &str) -> Option<i64> {
-    let b = t.as_bytes();
-    if b.len() < 20 || b[4] != b'-' || b[10] != b'T' {
-        return None;
-    }
-    let num = |r: std::ops::Range<usize>| t.get(r)?.parse::<i64>().ok();
-    let (y, m, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
-    let (hh, mm, ss) = (num(11..13)?, num(14..16)?, num(17..19)?);
-    // Days from civil (Howard Hinnant's algorithm).
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    Some(days * 86_400 + hh * 3_600 + mm * 60 + ss)
+    gpushare_core::time::parse_rfc3339(t).map(|ms| ms.div_euclid(1000))
 }
 
 /// The age as `kubectl` prints it: `45s`, `12m`, `3h25m`, `2d4h`, `40d`.
