@@ -24,7 +24,10 @@ async fn hundreds_of_racing_binds_into_one_node_never_overcommit() {
     h.api.create_node(node_object("gpu-a", 4, 16_384)).unwrap();
     let pods: Vec<Value> =
         (0..300).map(|i| h.api.create_pod("default", pod_object(&format!("p{i:03}"), 1024)).unwrap()).collect();
-    until("ready with every pod", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().1) == 300).await;
+    until("ready with every pod", async || {
+        h.ext.is_ready() && h.ext.with_view(|v| v.counts().0 == 1 && v.counts().1 == 300)
+    })
+    .await;
     let addr = h.addr;
     let tasks: Vec<_> = pods
         .iter()
@@ -74,7 +77,7 @@ async fn a_restarted_extender_rebuilds_the_same_view() {
         .enumerate()
         .map(|(i, mib)| h.api.create_pod("default", pod_object(&format!("p{i}"), *mib)).unwrap())
         .collect();
-    until("ready", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().1) == 5).await;
+    until("ready", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().0 == 2 && v.counts().1 == 5)).await;
     for (i, p) in pods.iter().enumerate() {
         let node = if i % 2 == 0 { "gpu-a" } else { "gpu-b" };
         let (_, body) = http(h.addr, "POST", "/gpushare-scheduler/bind", &bind_body(p, node)).await;
@@ -84,7 +87,10 @@ async fn a_restarted_extender_rebuilds_the_same_view() {
     let before = h.ext.report();
     assert_eq!(before.nodes.iter().flat_map(|n| &n.gpus).map(|g| g.used_mib).sum::<u64>(), 18_500);
     h.restart(false).await;
-    until("the new extender ready", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().1) == 5).await;
+    until("the new extender ready", async || {
+        h.ext.is_ready() && h.ext.with_view(|v| v.counts().0 == 2 && v.counts().1 == 5)
+    })
+    .await;
     assert_eq!(h.ext.report(), before);
     // And it answers the same: the 15 360 MiB GPU of gpu-b with 6 000 used takes 9 000 more, not 10 000.
     let q = h.api.create_pod("default", pod_object("q", 10_000)).unwrap();
@@ -122,7 +128,7 @@ async fn a_cluster_switches_over_from_alibabas_extender() {
                             "resources": {"limits": {alibaba::MEMORY_RESOURCE: "8000"}}}]}}),
         )
         .unwrap();
-    until("ready", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().1) == 2).await;
+    until("ready", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().0 == 1 && v.counts().1 == 2)).await;
     let report = h.ext.report();
     assert_eq!(report.nodes[0].gpus[1].used_mib, 14_000, "Alibaba's pod is counted: {report:?}");
     let (_, body) = http(h.addr, "POST", "/gpushare-scheduler/bind", &bind_body(&new, "gpu-a")).await;

@@ -29,7 +29,7 @@ async fn kube_scheduler_json_in_one_binding_out() {
     let uid = pod["metadata"]["uid"].as_str().unwrap().to_owned();
     until("ready", async || http(h.addr, "GET", "/readyz", "").await.0 == 200).await;
     until("the pod and node in the view", async || {
-        h.ext.with_view(|v| v.pod(&uid).is_some() && v.inventory("gpu-a").is_ok())
+        h.ext.with_view(|v| v.pod(&uid).is_some() && v.inventory("gpu-a").is_ok() && v.counts().0 == 2)
     })
     .await;
 
@@ -114,7 +114,8 @@ async fn malformed_and_oversized_requests_get_a_reason_not_a_panic() {
     h.api.create_node(node_object("gpu-a", 1, 1000)).unwrap();
     h.api.create_pod("default", pod_object("p", 100)).unwrap();
     until("ready", async || h.ext.is_ready()).await;
-    until("pod", async || h.ext.with_view(|v| v.pod_named("default", "p").is_some())).await;
+    until("node and pod", async || h.ext.with_view(|v| v.counts().0 == 1 && v.pod_named("default", "p").is_some()))
+        .await;
     let bind = json!({"PodName": "p", "PodNamespace": "default", "PodUID": "not-the-uid", "Node": "gpu-a"}).to_string();
     let (_, body) = http(h.addr, "POST", "/gpushare-scheduler/bind", &bind).await;
     assert!(body.contains("re-created") || body.contains("UID"), "{body}");
