@@ -22,7 +22,7 @@
 //!   the plugin's devices until it registers again, and keeps the admitted pods (the real
 //!   kubelet restores them from its checkpoint).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::unix::fs::FileTypeExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -706,6 +706,32 @@ impl Kubelet {
         }
     }
 
+    /// The resource of the newest registration, kept across restarts.
+    #[must_use]
+    pub fn resource(&self) -> Option<String> {
+        self.shared().resource.clone()
+    }
+
+    /// Whether a plugin is registered with this run of the kubelet (none right after a restart).
+    #[must_use]
+    pub fn is_registered(&self) -> bool {
+        self.shared().client.is_some()
+    }
+
+    /// The latest device list's size: (all devices, healthy devices), what the kubelet reports
+    /// as the node's capacity and allocatable for the resource.
+    #[must_use]
+    pub fn device_counts(&self) -> (usize, usize) {
+        let devices = self.devices.borrow();
+        (devices.len(), devices.iter().filter(|d| d.health == HEALTHY).count())
+    }
+
+    /// A receiver that sees every new device list.
+    #[must_use]
+    pub fn watch_devices(&self) -> watch::Receiver<Vec<Device>> {
+        self.devices.clone()
+    }
+
     /// The latest device list (empty after a restart until the plugin registers again).
     #[must_use]
     pub fn devices(&self) -> Vec<Device> {
@@ -791,13 +817,11 @@ impl Kubelet {
                 .await
                 .with_context(|| format!("pod {namespace}/{name} container {:?}", spec.name))?;
             if spec.init {
-                for d in &admitted.devices {
-                    if !reusable.contains(d) {
-                        reusable.push(d.clone());
-                    }
-                }
+                let known: HashSet<String> = reusable.iter().cloned().collect();
+                reusable.extend(admitted.devices.iter().filter(|d| !known.contains(*d)).cloned());
             } else {
-                reusable.retain(|d| !admitted.devices.contains(d));
+                let taken: HashSet<&String> = admitted.devices.iter().collect();
+                reusable.retain(|d| !taken.contains(d));
             }
             pod.containers.push(held);
             answers[i] = Some(admitted);
@@ -856,20 +880,19 @@ impl Kubelet {
                 let offer: Vec<String> = allocated.iter().chain(&available).cloned().collect();
                 let answer = self.preferred_rpc(offer.clone(), allocated.clone(), spec.units).await?;
                 check_preferred(&answer, &offer, &allocated, spec.units)?;
-                let new: Vec<String> = answer.into_iter().filter(|d| !allocated.contains(d)).collect();
+                let already: HashSet<String> = allocated.iter().cloned().collect();
+                let new: Vec<String> = answer.into_iter().filter(|d| !already.contains(d)).collect();
                 allocated.extend(new);
             } else {
                 allocated.extend(available.into_iter().take(needed));
             }
         }
         let envs = self.allocate_rpc(&allocated).await?;
+        let by_id: HashMap<&str, &Device> = all.iter().map(|d| (d.id.as_str(), d)).collect();
         held.devices = allocated
             .iter()
             .map(|id| {
-                all.iter()
-                    .find(|d| &d.id == id)
-                    .cloned()
-                    .unwrap_or_else(|| Device { id: id.clone(), ..Device::default() })
+                by_id.get(id.as_str()).map_or_else(|| Device { id: id.clone(), ..Device::default() }, |d| (*d).clone())
             })
             .collect();
         Ok((Admitted { devices: allocated, envs }, held))
@@ -1009,7 +1032,8 @@ fn check_preferred(answer: &[String], offer: &[String], must_include: &[String],
             answer.len()
         );
     }
-    if let Some(d) = answer.iter().find(|d| !offer.contains(d)) {
+    let offered: HashSet<&String> = offer.iter().collect();
+    if let Some(d) = answer.iter().find(|d| !offered.contains(d)) {
         bail!("the plugin's preferred allocation holds {d:?}, which was not offered");
     }
     if let Some(d) = must_include.iter().find(|d| !distinct.contains(d)) {

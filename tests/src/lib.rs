@@ -1,9 +1,16 @@
 //! The cluster in a box: stand-ins that speak the real protocols, for tests and the demo.
 //!
 //! - [`apiserver`]: the Kubernetes API server's HTTP/JSON for Pods and Nodes;
+//! - [`cluster`]: the whole box as processes (API server, kubelets, daemons, extender, scheduler);
+//! - [`invariants`]: design.md's invariants checked across the box from the outside;
 //! - [`kubelet`]: the kubelet's side of the device plugin API and its PodResources API, restarts included;
+//! - [`node`]: the kubelet stand-in as a node: registers its Node, admits the pods bound to it, writes their status;
 //! - [`nvml`]: the fake NVML library, built from C, and its configuration.
 
 pub mod apiserver;
+pub mod cluster;
+pub mod invariants;
 pub mod kubelet;
+pub mod node;
 pub mod nvml;
+pub mod scheduler;

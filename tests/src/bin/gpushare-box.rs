@@ -1,0 +1,306 @@
+//! `gpushare-box`: the cluster in a box.
+//!
+//! - `gpushare-box demo` brings up a whole cluster on this machine — the API-server stand-in,
+//!   per node a kubelet stand-in and the real `gpushared` on simulated GPUs, the real
+//!   `gpushare-extender`, the kube-scheduler stand-in — applies a workload, prints where every
+//!   container landed and why the rest wait, and stays up for `kubectl`, `gpusharectl` and
+//!   `kubectl-inspect-gpushare` until Ctrl-C.
+//! - `gpushare-box apiserver | kubelet | scheduler` run one stand-in; the demo and the suites
+//!   start them as processes.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use gpushare_testkit::apiserver::{ApiServer, Options as ApiOptions};
+use gpushare_testkit::cluster::{self, Cluster, ClusterSpec, Options};
+use gpushare_testkit::node::{NodeAgent, NodeConfig};
+use gpushare_testkit::scheduler::{Scheduler, SchedulerConfig};
+use tokio::signal::unix::{SignalKind, signal};
+
+#[derive(Parser, Debug)]
+#[command(name = "gpushare-box", version, about = "gpushare's cluster in a box: stand-ins and the demo")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Bring up a cluster with simulated GPUs, place a workload, and explain the result.
+    Demo {
+        /// The cluster file (docs/simulate.md).
+        #[arg(long, default_value = "examples/cluster.yaml")]
+        cluster: PathBuf,
+        /// Pod manifests to apply (multi-document YAML).
+        #[arg(long, default_value = "examples/workload.yaml")]
+        workload: PathBuf,
+        /// Keep the state (logs, ledgers, kubeconfig) in this directory instead of a temporary one.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Stop after printing the result instead of staying up.
+        #[arg(long)]
+        exit: bool,
+    },
+    /// The Kubernetes API-server stand-in (SIGUSR1 starts an outage, SIGUSR2 ends it).
+    Apiserver {
+        /// Address to listen on (port 0: any free port).
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: SocketAddr,
+        /// Write a kubeconfig for it here once it listens.
+        #[arg(long)]
+        kubeconfig_out: PathBuf,
+    },
+    /// A kubelet stand-in for one node (SIGHUP restarts it, SIGUSR1 toggles refusing pods).
+    Kubelet {
+        /// The Node's name.
+        #[arg(long)]
+        node: String,
+        /// The Node's `InternalIP`.
+        #[arg(long, default_value = "127.0.0.1")]
+        address: String,
+        /// The API server.
+        #[arg(long)]
+        kubeconfig: PathBuf,
+        /// The device-plugin directory.
+        #[arg(long)]
+        plugin_dir: PathBuf,
+        /// The PodResources socket.
+        #[arg(long)]
+        pod_resources_socket: PathBuf,
+        /// Where to record what each container received (JSON lines).
+        #[arg(long)]
+        record: PathBuf,
+        /// The third octet of pod IPs.
+        #[arg(long, default_value_t = 0)]
+        pod_subnet: u8,
+    },
+    /// The kube-scheduler stand-in, calling the extender as kube-scheduler does.
+    Scheduler {
+        /// The API server.
+        #[arg(long)]
+        kubeconfig: PathBuf,
+        /// The extender's urlPrefix.
+        #[arg(long, default_value = "http://127.0.0.1:39999/gpushare-scheduler")]
+        extender: String,
+        /// The first retry's backoff, milliseconds (kube-scheduler: 1000).
+        #[arg(long, default_value_t = 1000)]
+        initial_backoff_ms: u64,
+    },
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let quiet = matches!(cli.command, Cmd::Demo { .. });
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(if quiet { "warn" } else { "info" }));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("gpushare-box: cannot start the runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli.command)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpushare-box: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(command: Cmd) -> anyhow::Result<()> {
+    match command {
+        Cmd::Apiserver { listen, kubeconfig_out } => {
+            let api = ApiServer::start_at(listen, ApiOptions::default()).await?;
+            let tmp = kubeconfig_out.with_extension("tmp");
+            api.write_kubeconfig(&tmp)?;
+            std::fs::rename(&tmp, &kubeconfig_out).with_context(|| format!("writing {}", kubeconfig_out.display()))?;
+            tracing::info!(url = %api.url(), "API server stand-in listening");
+            let mut usr1 = signal(SignalKind::user_defined1())?;
+            let mut usr2 = signal(SignalKind::user_defined2())?;
+            let stopped = until_stopped();
+            tokio::pin!(stopped);
+            loop {
+                tokio::select! {
+                    _ = usr1.recv() => {
+                        tracing::warn!("SIGUSR1: outage, every request gets 503 and watches end");
+                        api.set_unavailable(true);
+                    }
+                    _ = usr2.recv() => {
+                        tracing::warn!("SIGUSR2: serving again");
+                        api.set_unavailable(false);
+                    }
+                    result = &mut stopped => return result,
+                }
+            }
+        }
+        Cmd::Kubelet { node, address, kubeconfig, plugin_dir, pod_resources_socket, record, pod_subnet } => {
+            let client = client(&kubeconfig)?;
+            let config = NodeConfig {
+                node,
+                plugin_dir,
+                pod_resources_socket,
+                record,
+                address,
+                labels: BTreeMap::new(),
+                pod_subnet,
+            };
+            let agent = NodeAgent::start(config, client).await?;
+            let mut hup = signal(SignalKind::hangup())?;
+            let mut usr1 = signal(SignalKind::user_defined1())?;
+            let run = tokio::spawn(Arc::clone(&agent).run());
+            let stopped = until_stopped();
+            tokio::pin!(stopped);
+            loop {
+                tokio::select! {
+                    _ = hup.recv() => {
+                        tracing::info!("SIGHUP: restarting the kubelet");
+                        agent.restart().await?;
+                    }
+                    _ = usr1.recv() => {
+                        let refusing = !agent.is_refusing();
+                        tracing::info!(refusing, "SIGUSR1");
+                        agent.set_refusing(refusing);
+                    }
+                    result = &mut stopped => return result,
+                }
+                if run.is_finished() {
+                    return run.await?;
+                }
+            }
+        }
+        Cmd::Scheduler { kubeconfig, extender, initial_backoff_ms } => {
+            let client = client(&kubeconfig)?;
+            let mut config = SchedulerConfig::gpushare(&extender);
+            config.initial_backoff = Duration::from_millis(initial_backoff_ms);
+            let scheduler = Scheduler::new(config);
+            tokio::select! {
+                result = scheduler.run(client) => result,
+                result = until_stopped() => {
+                    tracing::info!(stats = ?scheduler.stats(), "scheduler stopping");
+                    result
+                }
+            }
+        }
+        Cmd::Demo { cluster, workload, dir, exit } => demo(&cluster, &workload, dir, exit).await,
+    }
+}
+
+fn client(kubeconfig: &std::path::Path) -> anyhow::Result<kube::Client> {
+    let text = std::fs::read_to_string(kubeconfig).with_context(|| format!("reading {}", kubeconfig.display()))?;
+    let server = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("server: "))
+        .with_context(|| format!("{} names no server", kubeconfig.display()))?;
+    cluster::client_for(server)
+}
+
+async fn until_stopped() -> anyhow::Result<()> {
+    let mut term = signal(SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    Ok(())
+}
+
+async fn demo(
+    cluster_file: &std::path::Path,
+    workload_file: &std::path::Path,
+    dir: Option<PathBuf>,
+    exit: bool,
+) -> anyhow::Result<()> {
+    let spec = ClusterSpec::read(cluster_file)
+        .with_context(|| "pass --cluster (the sample is examples/cluster.yaml in the repository)")?;
+    let pods = cluster::read_workload(workload_file)
+        .with_context(|| "pass --workload (the sample is examples/workload.yaml in the repository)")?;
+    let started = Instant::now();
+    println!(
+        "Starting the cluster in a box: an API server, {} nodes (kubelet stand-in + gpushared on simulated GPUs), the extender, a kube-scheduler stand-in...",
+        spec.nodes.len()
+    );
+    let options = Options { dir, ..Options::default() };
+    let mut cluster = Cluster::up(&spec, &options).await?;
+    println!("Ready in {:.1} s ({}).", started.elapsed().as_secs_f64(), cluster.dir.display());
+    let applied = Instant::now();
+    println!("Applying {} ({} pods)...", workload_file.display(), pods.len());
+    cluster.apply(&pods).await?;
+    let settled = cluster.settle(Duration::from_secs(60)).await?;
+    println!("Settled in {:.1} s.\n", applied.elapsed().as_secs_f64());
+    println!("{}", cluster.inspect(&[])?);
+    print_pods(&cluster, &settled);
+    println!("\nExplore it:");
+    println!("  export KUBECONFIG={}", cluster.kubeconfig.display());
+    println!("  kubectl get pods -A -o wide");
+    println!("  {} -d", cluster.bin.inspect.display());
+    if let Some(address) = cluster.nodes.first().and_then(|n| n.bus_address.as_ref()) {
+        println!("  {} --address {address} status", cluster.bin.gpusharectl.display());
+    }
+    println!("  logs: {}/logs/", cluster.dir.display());
+    if exit {
+        cluster.shutdown();
+        return Ok(());
+    }
+    println!("\nRunning. Ctrl-C stops every process and removes what the demo created.");
+    until_stopped().await?;
+    println!("Stopping...");
+    cluster.shutdown();
+    Ok(())
+}
+
+fn print_pods(cluster: &Cluster, pods: &[k8s_openapi::api::core::v1::Pod]) {
+    let mut sorted: Vec<&k8s_openapi::api::core::v1::Pod> = pods.iter().collect();
+    sorted.sort_by_key(|p| cluster::pod_key(p));
+    let records: BTreeMap<String, gpushare_testkit::node::Record> =
+        cluster.nodes.iter().flat_map(gpushare_testkit::cluster::BoxNode::admissions).collect();
+    println!("What each container received:");
+    for pod in &sorted {
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
+        if let Some(record) = records.get(&uid) {
+            println!("  {:<22} on {}", cluster::pod_key(pod), node.unwrap_or_default());
+            for c in &record.containers {
+                let env = |k: &str| c.env.get(k).cloned().unwrap_or_default();
+                if c.units == 0 {
+                    println!("      {:<21} no GPU", c.name);
+                    continue;
+                }
+                println!(
+                    "      {:<21} GPU {:<4} {:>6} MiB per GPU  NVIDIA_VISIBLE_DEVICES={}",
+                    if c.init { format!("{} (init)", c.name) } else { c.name.clone() },
+                    env("GPUSHARE_GPU_INDEXES"),
+                    env("GPUSHARE_MEMORY_MIB"),
+                    env("NVIDIA_VISIBLE_DEVICES"),
+                );
+            }
+        }
+    }
+    let waiting: Vec<_> = sorted.iter().filter_map(|p| cluster::unschedulable_reason(p).map(|r| (p, r))).collect();
+    if !waiting.is_empty() {
+        println!("\nWaiting (the scheduler's PodScheduled condition, as kubectl describe shows it):");
+        for (pod, reason) in waiting {
+            println!("  {:<22} {reason}", cluster::pod_key(pod));
+        }
+    }
+    let failed: Vec<_> =
+        sorted.iter().filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed")).collect();
+    if !failed.is_empty() {
+        println!("\nFailed:");
+        for pod in failed {
+            let s = pod.status.as_ref();
+            println!(
+                "  {:<22} {}: {}",
+                cluster::pod_key(pod),
+                s.and_then(|s| s.reason.clone()).unwrap_or_default(),
+                s.and_then(|s| s.message.clone()).unwrap_or_default()
+            );
+        }
+    }
+}

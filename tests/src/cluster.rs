@@ -1,0 +1,989 @@
+//! The cluster in a box as processes: the API-server stand-in, per node a kubelet stand-in and
+//! the real `gpushared` on the fake NVML library (and, when `dbus-daemon` is installed, a
+//! private bus so `gpusharectl` works), the real `gpushare-extender`, and the kube-scheduler
+//! stand-in — each its own process, with its log in `<dir>/logs/`. Used by `gpushare-box demo`
+//! and by the end-to-end and fault suites.
+//!
+//! The binaries are looked up beside the running executable (`target/<profile>/`, or its parent
+//! for a test in `deps/`): `cargo build --bins` builds them all.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use serde::Deserialize;
+use serde_json::Value;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
+
+use crate::invariants::Report;
+use crate::node::{Record, live_admissions};
+use crate::nvml::{self, FakeGpu};
+
+/// A cluster file (`examples/cluster.yaml`, the format of `gpushare-extender simulate`, see
+/// docs/simulate.md).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSpec {
+    /// `MiB` (default) or `GiB`.
+    #[serde(default = "default_unit")]
+    pub unit: String,
+    /// The nodes.
+    pub nodes: Vec<NodeSpec>,
+}
+
+fn default_unit() -> String {
+    "MiB".into()
+}
+
+/// One node of a cluster file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeSpec {
+    /// The Node's name.
+    pub name: String,
+    /// Its `InternalIP`.
+    #[serde(default)]
+    pub address: Option<String>,
+    /// Its GPUs, in index order.
+    pub gpus: Vec<GpuSpec>,
+}
+
+/// GPUs of one model in a cluster file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct GpuSpec {
+    /// Product name.
+    pub model: String,
+    /// Total memory.
+    #[serde(rename = "memoryMiB")]
+    pub memory_mib: u64,
+    /// How many (default 1).
+    #[serde(default = "one")]
+    pub count: u32,
+    /// An Xid or fault that makes them unhealthy, e.g. `Xid 79`.
+    #[serde(default)]
+    pub unhealthy: Option<String>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl ClusterSpec {
+    /// Reads a cluster file.
+    ///
+    /// # Errors
+    /// If it cannot be read or is not a cluster file.
+    pub fn read(path: &Path) -> anyhow::Result<ClusterSpec> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let spec: ClusterSpec =
+            serde_yaml_ng::from_str(&text).with_context(|| format!("{} is not a cluster file", path.display()))?;
+        if spec.nodes.is_empty() {
+            bail!("{} has no nodes", path.display());
+        }
+        Ok(spec)
+    }
+
+    /// `n` nodes `node-00`…, each with `gpus` GPUs of `memory_mib`.
+    #[must_use]
+    pub fn uniform(n: usize, gpus: u32, memory_mib: u64, unit: &str) -> ClusterSpec {
+        ClusterSpec {
+            unit: unit.into(),
+            nodes: (0..n)
+                .map(|i| NodeSpec {
+                    name: format!("node-{i:02}"),
+                    address: None,
+                    gpus: vec![GpuSpec { model: "Tesla T4".into(), memory_mib, count: gpus, unhealthy: None }],
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Reads the pods of a multi-document YAML workload file (other kinds are refused).
+///
+/// # Errors
+/// If it cannot be read or a document is not a Pod.
+pub fn read_workload(path: &Path) -> anyhow::Result<Vec<Value>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut pods = Vec::new();
+    for (i, doc) in serde_yaml_ng::Deserializer::from_str(&text).enumerate() {
+        let value = Value::deserialize(doc).with_context(|| format!("{} document {}", path.display(), i + 1))?;
+        if value.is_null() {
+            continue;
+        }
+        if value.get("kind").and_then(Value::as_str) != Some("Pod") {
+            bail!("{} document {}: only Pods are applied", path.display(), i + 1);
+        }
+        pods.push(value);
+    }
+    Ok(pods)
+}
+
+/// Where the binaries are.
+#[derive(Debug, Clone)]
+pub struct Binaries {
+    /// `gpushare-box` (the stand-ins).
+    pub stand_ins: PathBuf,
+    /// `gpushared`.
+    pub gpushared: PathBuf,
+    /// `gpushare-extender`.
+    pub extender: PathBuf,
+    /// `kubectl-inspect-gpushare`.
+    pub inspect: PathBuf,
+    /// `gpusharectl`.
+    pub gpusharectl: PathBuf,
+}
+
+impl Binaries {
+    /// The binaries beside the running executable (`target/<profile>/`; from a test binary in
+    /// `target/<profile>/deps/`, its parent).
+    ///
+    /// # Errors
+    /// If one is missing: the message says to build them.
+    pub fn beside_current_exe() -> anyhow::Result<Binaries> {
+        let exe = std::env::current_exe().context("finding the running executable")?;
+        let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+        if dir.file_name().is_some_and(|n| n == "deps") {
+            dir.pop();
+        }
+        let find = |name: &str| -> anyhow::Result<PathBuf> {
+            let path = dir.join(name);
+            if path.is_file() {
+                Ok(path)
+            } else {
+                bail!("{} is missing: build every binary first (cargo build --bins)", path.display())
+            }
+        };
+        Ok(Binaries {
+            stand_ins: find("gpushare-box")?,
+            gpushared: find("gpushared")?,
+            extender: find("gpushare-extender")?,
+            inspect: find("kubectl-inspect-gpushare")?,
+            gpusharectl: find("gpusharectl")?,
+        })
+    }
+}
+
+/// How to bring the box up.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The state directory (kept); `None`: a temporary one, removed on drop.
+    pub dir: Option<PathBuf>,
+    /// Start a private `dbus-daemon` per node when one is installed.
+    pub dbus: bool,
+    /// `RUST_LOG` for the processes.
+    pub log_filter: String,
+    /// Extra TOML for every `gpushared.toml` (sections allowed).
+    pub daemon_extra: String,
+    /// The scheduler stand-in's initial backoff, milliseconds.
+    pub scheduler_backoff_ms: u64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            dir: None,
+            dbus: true,
+            log_filter: "info".into(),
+            daemon_extra: String::new(),
+            scheduler_backoff_ms: 1000,
+        }
+    }
+}
+
+/// A child process of the box, restartable, killed on drop.
+#[derive(Debug)]
+pub struct Proc {
+    /// Its name in the logs directory.
+    pub name: String,
+    program: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    log: PathBuf,
+    child: Option<Child>,
+    /// How many times it was started.
+    pub starts: usize,
+}
+
+impl Proc {
+    fn spawn(
+        name: &str,
+        program: &Path,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+        logs: &Path,
+    ) -> anyhow::Result<Proc> {
+        let mut p = Proc {
+            name: name.into(),
+            program: program.into(),
+            args,
+            env,
+            log: logs.join(format!("{name}.log")),
+            child: None,
+            starts: 0,
+        };
+        p.start()?;
+        Ok(p)
+    }
+
+    fn start(&mut self) -> anyhow::Result<()> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .with_context(|| format!("opening {}", self.log.display()))?;
+        let mut cmd = Command::new(&self.program);
+        cmd.args(&self.args).stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        self.child = Some(cmd.spawn().with_context(|| format!("starting {}", self.program.display()))?);
+        self.starts += 1;
+        Ok(())
+    }
+
+    /// The process id, while running.
+    #[must_use]
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Sends a signal by name (`KILL`, `TERM`, `HUP`, `USR1`) with kill(1).
+    ///
+    /// # Errors
+    /// If it is not running or kill fails.
+    pub fn signal(&self, signal: &str) -> anyhow::Result<()> {
+        let pid = self.pid().context("not running")?;
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string())
+            .stderr(Stdio::null())
+            .status()
+            .context("running kill")?;
+        if !status.success() {
+            bail!("kill -{signal} {pid} failed");
+        }
+        Ok(())
+    }
+
+    /// SIGKILLs it and waits.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERMs it and waits up to `timeout`, then SIGKILLs.
+    pub fn stop(&mut self, timeout: Duration) {
+        if self.signal("TERM").is_ok() {
+            let deadline = Instant::now() + timeout;
+            while Instant::now() < deadline {
+                if self.child.as_mut().is_none_or(|c| c.try_wait().ok().flatten().is_some()) {
+                    self.child = None;
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        self.kill();
+    }
+
+    /// SIGKILLs it and starts it again with the same arguments.
+    ///
+    /// # Errors
+    /// If it cannot be started.
+    pub fn kill_and_restart(&mut self) -> anyhow::Result<()> {
+        self.kill();
+        self.start()
+    }
+
+    /// Whether it exited (and how).
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    /// Its log so far.
+    #[must_use]
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// One node of the box.
+#[derive(Debug)]
+pub struct BoxNode {
+    /// Its spec.
+    pub spec: NodeSpec,
+    /// Its directory.
+    pub dir: PathBuf,
+    /// The kubelet stand-in.
+    pub kubelet: Proc,
+    /// `gpushared`.
+    pub daemon: Proc,
+    /// Its private bus, if any.
+    pub bus: Option<Proc>,
+    /// The bus address for `gpusharectl --address`.
+    pub bus_address: Option<String>,
+    /// The fake NVML event file.
+    pub events: PathBuf,
+    /// The kubelet stand-in's record file.
+    pub record: PathBuf,
+}
+
+impl BoxNode {
+    /// Injects a fake NVML event (`xid 0 79`, `recover 0`, ...).
+    ///
+    /// # Errors
+    /// If the event file cannot be written.
+    pub fn inject(&self, line: &str) -> anyhow::Result<()> {
+        nvml::inject(&self.events, line)
+    }
+
+    /// The admissions in force on this node, by pod UID.
+    #[must_use]
+    pub fn admissions(&self) -> BTreeMap<String, Record> {
+        live_admissions(&self.record)
+    }
+}
+
+/// The running box.
+pub struct Cluster {
+    /// The state directory.
+    pub dir: PathBuf,
+    _temp: Option<tempfile::TempDir>,
+    /// The binaries.
+    pub bin: Binaries,
+    /// The kubeconfig for the API server.
+    pub kubeconfig: PathBuf,
+    /// The API server's URL.
+    pub api_url: String,
+    /// The API-server stand-in.
+    pub apiserver: Proc,
+    /// The nodes.
+    pub nodes: Vec<BoxNode>,
+    /// The extender.
+    pub extender: Proc,
+    /// The extender's address.
+    pub extender_addr: SocketAddr,
+    /// The scheduler stand-in.
+    pub scheduler: Proc,
+    /// The cluster unit.
+    pub unit: String,
+    client: kube::Client,
+}
+
+impl Cluster {
+    /// Starts everything and waits until every node's daemon has published its GPUs and the
+    /// extender is ready.
+    ///
+    /// # Errors
+    /// A process that does not start or get ready in time, with the end of its log.
+    pub async fn up(spec: &ClusterSpec, options: &Options) -> anyhow::Result<Cluster> {
+        let bin = Binaries::beside_current_exe()?;
+        let (dir, temp) = match &options.dir {
+            Some(d) => {
+                std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+                (d.clone(), None)
+            }
+            None => {
+                let t = tempfile::Builder::new().prefix("gpushare-box.").tempdir()?;
+                (t.path().to_path_buf(), Some(t))
+            }
+        };
+        let logs = dir.join("logs");
+        std::fs::create_dir_all(&logs)?;
+        let library = nvml::build(&dir)?;
+        let env = vec![("RUST_LOG".to_owned(), options.log_filter.clone())];
+
+        // The API server.
+        let kubeconfig = dir.join("kubeconfig");
+        let _ = std::fs::remove_file(&kubeconfig);
+        let mut apiserver = Proc::spawn(
+            "apiserver",
+            &bin.stand_ins,
+            vec![
+                "apiserver".into(),
+                "--listen".into(),
+                "127.0.0.1:0".into(),
+                "--kubeconfig-out".into(),
+                path(&kubeconfig),
+            ],
+            env.clone(),
+            &logs,
+        )?;
+        wait_for(&mut apiserver, Duration::from_secs(20), "the API server", || kubeconfig.is_file())?;
+        let api_url = std::fs::read_to_string(&kubeconfig)?
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("server: ").map(str::to_owned))
+            .context("the API server's kubeconfig names no server")?;
+        let client = client_for(&api_url)?;
+
+        let dbus_daemon = if options.dbus { which("dbus-daemon") } else { None };
+        let mut nodes = Vec::new();
+        for (i, node) in spec.nodes.iter().enumerate() {
+            nodes.push(start_node(&bin, &dir, &library, &kubeconfig, spec, node, i, options, dbus_daemon.as_deref())?);
+        }
+
+        // The extender and the scheduler.
+        let port = free_port()?;
+        let extender_addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let extender_config = dir.join("gpushare-extender.toml");
+        std::fs::write(
+            &extender_config,
+            format!(
+                "[server]\nlisten = \"{extender_addr}\"\n[kubernetes]\nkubeconfig = \"{}\"\n[resources]\nunit = \"{}\"\n",
+                kubeconfig.display(),
+                spec.unit
+            ),
+        )?;
+        let extender = Proc::spawn(
+            "extender",
+            &bin.extender,
+            vec!["--config".into(), path(&extender_config)],
+            env.clone(),
+            &logs,
+        )?;
+        let scheduler = Proc::spawn(
+            "scheduler",
+            &bin.stand_ins,
+            vec![
+                "scheduler".into(),
+                "--kubeconfig".into(),
+                path(&kubeconfig),
+                "--extender".into(),
+                format!("http://{extender_addr}/gpushare-scheduler"),
+                "--initial-backoff-ms".into(),
+                options.scheduler_backoff_ms.to_string(),
+            ],
+            env,
+            &logs,
+        )?;
+        let mut cluster = Cluster {
+            dir,
+            _temp: temp,
+            bin,
+            kubeconfig,
+            api_url,
+            apiserver,
+            nodes,
+            extender,
+            extender_addr,
+            scheduler,
+            unit: spec.unit.clone(),
+            client,
+        };
+        cluster.wait_ready(Duration::from_secs(60)).await?;
+        // GPUs the cluster file marks unhealthy get that fault from NVML, once their daemon
+        // watches for events.
+        let mut faulty = Vec::new();
+        for node in &spec.nodes {
+            for (i, gpu) in node.gpus.iter().flat_map(|g| (0..g.count).map(move |_| g)).enumerate() {
+                if let Some(fault) = &gpu.unhealthy {
+                    let xid = fault.trim().strip_prefix("Xid ").unwrap_or("79");
+                    cluster.node(&node.name).context("node")?.inject(&format!("xid {i} {xid}"))?;
+                    faulty.push((node.name.clone(), i));
+                }
+            }
+        }
+        for (node, i) in faulty {
+            cluster.wait_gpu_health(&node, i, false, Duration::from_secs(20)).await?;
+        }
+        Ok(cluster)
+    }
+
+    /// A kube client for the API server.
+    #[must_use]
+    pub fn client(&self) -> kube::Client {
+        self.client.clone()
+    }
+
+    /// The node named `name`.
+    #[must_use]
+    pub fn node(&self, name: &str) -> Option<&BoxNode> {
+        self.nodes.iter().find(|n| n.spec.name == name)
+    }
+
+    /// Waits until every node's daemon published its state and its kubelet its capacity, and
+    /// the extender is ready.
+    ///
+    /// # Errors
+    /// On timeout, naming what is missing.
+    pub async fn wait_ready(&mut self, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let resource = "gpushare.io/gpu-mem";
+        loop {
+            let mut missing = Vec::new();
+            match nodes.list(&ListParams::default()).await {
+                Ok(list) => {
+                    for n in &self.nodes {
+                        let found = list.items.iter().find(|x| x.metadata.name.as_deref() == Some(&n.spec.name));
+                        let published = found
+                            .and_then(|x| x.metadata.annotations.as_ref())
+                            .is_some_and(|a| a.contains_key(NODE_STATE_KEY));
+                        let capacity = found
+                            .and_then(|x| x.status.as_ref())
+                            .and_then(|s| s.allocatable.as_ref())
+                            .is_some_and(|a| a.contains_key(resource));
+                        if !published || !capacity {
+                            missing.push(format!("node {} (annotation {published}, capacity {capacity})", n.spec.name));
+                        }
+                    }
+                }
+                Err(e) => missing.push(format!("the API server ({e})")),
+            }
+            if http_get(self.extender_addr, "/readyz").await.map(|(s, _)| s) != Some(200) {
+                missing.push("the extender's readyz".into());
+            }
+            if missing.is_empty() {
+                return Ok(());
+            }
+            for p in self.processes_mut() {
+                if let Some(status) = p.exited() {
+                    bail!("{} exited ({status}); its log ends:\n{}", p.name, tail(&p.log(), 30));
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("the box is not ready after {timeout:?}: waiting for {}", missing.join(", "));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The node-state annotation `node`'s daemon published, decoded.
+    ///
+    /// # Errors
+    /// The API server's error, or no (valid) annotation.
+    pub async fn node_state(&self, node: &str) -> anyhow::Result<NodeState> {
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let n = nodes.get(node).await.with_context(|| format!("getting node {node}"))?;
+        let value = n
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(NODE_STATE_KEY))
+            .with_context(|| format!("node {node} has no {NODE_STATE_KEY} annotation"))?;
+        Ok(NodeState::decode(value)?)
+    }
+
+    /// Waits until `node`'s daemon publishes GPU `index` as healthy (or not).
+    ///
+    /// # Errors
+    /// On timeout.
+    pub async fn wait_gpu_health(
+        &self,
+        node: &str,
+        index: usize,
+        healthy: bool,
+        timeout: Duration,
+    ) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(state) = self.node_state(node).await
+                && state.inventory.gpus().get(index).is_some_and(|g| g.health.is_healthy() == healthy)
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "node {node} GPU {index} is not published {} after {timeout:?}",
+                    if healthy { "healthy" } else { "unhealthy" }
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Every process of the box.
+    pub fn processes_mut(&mut self) -> impl Iterator<Item = &mut Proc> {
+        let nodes = self.nodes.iter_mut().flat_map(|n| {
+            let bus = n.bus.as_mut();
+            [Some(&mut n.kubelet), Some(&mut n.daemon), bus].into_iter().flatten()
+        });
+        [&mut self.apiserver, &mut self.extender, &mut self.scheduler].into_iter().chain(nodes)
+    }
+
+    /// Creates pods (a namespace missing from a pod is `default`).
+    ///
+    /// # Errors
+    /// The API server's refusal, naming the pod.
+    pub async fn apply(&self, pods: &[Value]) -> anyhow::Result<()> {
+        for pod in pods {
+            let ns = pod.pointer("/metadata/namespace").and_then(Value::as_str).unwrap_or("default");
+            let name = pod.pointer("/metadata/name").and_then(Value::as_str).unwrap_or_default();
+            let api: Api<Pod> = Api::namespaced(self.client.clone(), ns);
+            let typed: Pod = serde_json::from_value(pod.clone()).with_context(|| format!("pod {ns}/{name}"))?;
+            api.create(&PostParams::default(), &typed).await.with_context(|| format!("creating pod {ns}/{name}"))?;
+        }
+        Ok(())
+    }
+
+    /// Deletes a pod.
+    ///
+    /// # Errors
+    /// The API server's refusal.
+    pub async fn delete_pod(&self, namespace: &str, name: &str) -> anyhow::Result<()> {
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        api.delete(name, &DeleteParams::default()).await.with_context(|| format!("deleting {namespace}/{name}"))?;
+        Ok(())
+    }
+
+    /// Every pod.
+    ///
+    /// # Errors
+    /// The API server's error.
+    pub async fn pods(&self) -> anyhow::Result<Vec<Pod>> {
+        let api: Api<Pod> = Api::all(self.client.clone());
+        Ok(api.list(&ListParams::default()).await?.items)
+    }
+
+    /// Every node.
+    ///
+    /// # Errors
+    /// The API server's error.
+    pub async fn nodes(&self) -> anyhow::Result<Vec<Node>> {
+        let api: Api<Node> = Api::all(self.client.clone());
+        Ok(api.list(&ListParams::default()).await?.items)
+    }
+
+    /// Waits until no pod is still on its way: each is Running, Failed, Succeeded, or waits
+    /// with a `PodScheduled=False` reason from the scheduler.
+    ///
+    /// # Errors
+    /// On timeout, naming the pods still on their way.
+    pub async fn settle(&self, timeout: Duration) -> anyhow::Result<Vec<Pod>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let pods = self.pods().await?;
+            let moving: Vec<String> = pods.iter().filter(|p| !is_settled(p)).map(pod_key).collect();
+            if moving.is_empty() {
+                return Ok(pods);
+            }
+            if Instant::now() > deadline {
+                bail!("pods still on their way after {timeout:?}: {}", moving.join(", "));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Checks the invariants once ([`crate::invariants::check`]).
+    ///
+    /// # Errors
+    /// The API server's error.
+    pub async fn check(&self) -> anyhow::Result<Report> {
+        // The records first: a pod admitted after they are read is simply not checked, while
+        // one admitted before is bound in the pod list read after them.
+        let admissions = self.nodes.iter().map(|n| (n.spec.name.clone(), n.admissions())).collect();
+        let nodes = self.nodes().await?;
+        let pods = self.pods().await?;
+        Ok(crate::invariants::check(&pods, &nodes, &admissions))
+    }
+
+    /// Checks the invariants until the settled ones hold too (the daemons publish within a
+    /// second), or `timeout`; returns the last report. An always-invariant violation returns
+    /// at once.
+    ///
+    /// # Errors
+    /// The API server's error.
+    pub async fn check_settled(&self, timeout: Duration) -> anyhow::Result<Report> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let report = self.check().await?;
+            if report.is_clean() || !report.violations.is_empty() || Instant::now() > deadline {
+                return Ok(report);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits until pod `namespace/name` is in `phase`.
+    ///
+    /// # Errors
+    /// On timeout, with the pod's last status.
+    pub async fn wait_phase(&self, namespace: &str, name: &str, phase: &str, timeout: Duration) -> anyhow::Result<Pod> {
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        let deadline = Instant::now() + timeout;
+        loop {
+            let pod = api.get_opt(name).await.ok().flatten();
+            if let Some(p) = &pod
+                && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some(phase)
+            {
+                return Ok(p.clone());
+            }
+            if Instant::now() > deadline {
+                let status = pod.and_then(|p| p.status).map(|s| format!("{s:?}")).unwrap_or_default();
+                bail!("pod {namespace}/{name} is not {phase} after {timeout:?}: {status}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Runs `kubectl-inspect-gpushare` with `args` against the box.
+    ///
+    /// # Errors
+    /// If it cannot run or fails.
+    pub fn inspect(&self, args: &[&str]) -> anyhow::Result<String> {
+        let out = Command::new(&self.bin.inspect)
+            .args(args)
+            .env("KUBECONFIG", &self.kubeconfig)
+            .output()
+            .context("running kubectl-inspect-gpushare")?;
+        if !out.status.success() {
+            bail!("kubectl-inspect-gpushare failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Stops everything: the scheduler and extender, the daemons (SIGTERM), the kubelets, the
+    /// buses and the API server.
+    pub fn shutdown(&mut self) {
+        self.scheduler.stop(Duration::from_secs(2));
+        self.extender.stop(Duration::from_secs(2));
+        for n in &mut self.nodes {
+            n.daemon.stop(Duration::from_secs(5));
+            n.kubelet.stop(Duration::from_secs(2));
+            if let Some(bus) = n.bus.as_mut() {
+                bus.stop(Duration::from_secs(2));
+            }
+        }
+        self.apiserver.stop(Duration::from_secs(2));
+    }
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster").field("dir", &self.dir).field("api_url", &self.api_url).finish_non_exhaustive()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn start_node(
+    bin: &Binaries,
+    dir: &Path,
+    library: &Path,
+    kubeconfig: &Path,
+    spec: &ClusterSpec,
+    node: &NodeSpec,
+    i: usize,
+    options: &Options,
+    dbus_daemon: Option<&Path>,
+) -> anyhow::Result<BoxNode> {
+    let ndir = dir.join("nodes").join(&node.name);
+    let plugin_dir = ndir.join("device-plugins");
+    std::fs::create_dir_all(&plugin_dir)?;
+    let logs = dir.join("logs");
+    let pod_resources = ndir.join("pod-resources").join("kubelet.sock");
+    let record = ndir.join("kubelet-record.jsonl");
+    let events = ndir.join("nvml-events");
+    std::fs::write(&events, "")?;
+    let gpus: Vec<FakeGpu> = node
+        .gpus
+        .iter()
+        .flat_map(|g| (0..g.count).map(move |_| g))
+        .enumerate()
+        .map(|(k, g)| {
+            let k = u32::try_from(k).unwrap_or(u32::MAX);
+            let mut gpu = FakeGpu::new(&node.name, k, g.memory_mib, &g.model);
+            gpu.numa = Some(k / 4);
+            gpu
+        })
+        .collect();
+    let nvml_config = ndir.join("nvml.conf");
+    nvml::write_config(&nvml_config, &gpus, &nvml::events_directive(&events))?;
+    let address = node.address.clone().unwrap_or_else(|| format!("10.0.{}.{}", i / 250, i % 250 + 10));
+    let env = vec![("RUST_LOG".to_owned(), options.log_filter.clone())];
+    let kubelet = Proc::spawn(
+        &format!("kubelet-{}", node.name),
+        &bin.stand_ins,
+        vec![
+            "kubelet".into(),
+            "--node".into(),
+            node.name.clone(),
+            "--address".into(),
+            address,
+            "--kubeconfig".into(),
+            path(kubeconfig),
+            "--plugin-dir".into(),
+            path(&plugin_dir),
+            "--pod-resources-socket".into(),
+            path(&pod_resources),
+            "--record".into(),
+            path(&record),
+            "--pod-subnet".into(),
+            (i % 250).to_string(),
+        ],
+        env.clone(),
+        &logs,
+    )?;
+    let (bus, bus_address) = match dbus_daemon {
+        Some(program) => {
+            let socket = ndir.join("bus");
+            let config = ndir.join("bus.conf");
+            std::fs::write(
+                &config,
+                format!(
+                    "<!DOCTYPE busconfig PUBLIC \"-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN\" \
+                     \"http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd\">\n<busconfig>\n  \
+                     <type>system</type>\n  <listen>unix:path={}</listen>\n  <auth>EXTERNAL</auth>\n  \
+                     <policy context=\"default\">\n    <allow user=\"*\"/>\n    <allow own=\"*\"/>\n    \
+                     <allow send_destination=\"*\" eavesdrop=\"true\"/>\n    <allow eavesdrop=\"true\"/>\n  \
+                     </policy>\n</busconfig>\n",
+                    socket.display()
+                ),
+            )?;
+            let bus = Proc::spawn(
+                &format!("dbus-{}", node.name),
+                program,
+                vec![format!("--config-file={}", config.display()), "--nofork".into(), "--nopidfile".into()],
+                Vec::new(),
+                &logs,
+            )?;
+            (Some(bus), Some(format!("unix:path={}", socket.display())))
+        }
+        None => (None, None),
+    };
+    let dbus_section = match &bus_address {
+        Some(a) => format!("[dbus]\nenabled = true\naddress = \"{a}\"\n"),
+        None => "[dbus]\nenabled = false\n".to_owned(),
+    };
+    let config = ndir.join("gpushared.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "node_name = \"{}\"\n[kubelet]\ndevice_plugin_dir = \"{}\"\npod_resources_socket = \"{}\"\n\
+             [ledger]\npath = \"{}\"\n[kubernetes]\nkubeconfig = \"{}\"\n[nvml]\nlibrary = \"{}\"\n\
+             [resources]\nunit = \"{}\"\n{dbus_section}{}\n",
+            node.name,
+            plugin_dir.display(),
+            pod_resources.display(),
+            ndir.join("state").join("ledger.db").display(),
+            kubeconfig.display(),
+            library.display(),
+            spec.unit,
+            options.daemon_extra
+        ),
+    )?;
+    let mut daemon_env = env;
+    daemon_env.push(("FAKE_NVML_CONFIG".into(), path(&nvml_config)));
+    let daemon = Proc::spawn(
+        &format!("gpushared-{}", node.name),
+        &bin.gpushared,
+        vec!["--config".into(), path(&config)],
+        daemon_env,
+        &logs,
+    )?;
+    Ok(BoxNode { spec: node.clone(), dir: ndir, kubelet, daemon, bus, bus_address, events, record })
+}
+
+/// Whether a pod is where it will stay for now.
+#[must_use]
+pub fn is_settled(pod: &Pod) -> bool {
+    let status = pod.status.as_ref();
+    let phase = status.and_then(|s| s.phase.as_deref()).unwrap_or("Pending");
+    if matches!(phase, "Running" | "Failed" | "Succeeded") {
+        return true;
+    }
+    let bound = pod.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some();
+    !bound && unschedulable_reason(pod).is_some()
+}
+
+/// The scheduler's `PodScheduled=False` (`Unschedulable`) message, for a pod no node fits.
+#[must_use]
+pub fn unschedulable_reason(pod: &Pod) -> Option<String> {
+    pod.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "PodScheduled" && c.status == "False" && c.reason.as_deref() == Some("Unschedulable"))
+        .map(|c| c.message.clone().unwrap_or_default())
+}
+
+/// `namespace/name`.
+#[must_use]
+pub fn pod_key(pod: &Pod) -> String {
+    format!(
+        "{}/{}",
+        pod.metadata.namespace.as_deref().unwrap_or_default(),
+        pod.metadata.name.as_deref().unwrap_or_default()
+    )
+}
+
+/// A kube client for `url` (plain HTTP, no credentials).
+///
+/// # Errors
+/// If the URL is not one.
+pub fn client_for(url: &str) -> anyhow::Result<kube::Client> {
+    let uri: http::Uri = url.parse().with_context(|| format!("{url} is not a URL"))?;
+    let mut config = kube::Config::new(uri);
+    config.default_namespace = "default".into();
+    kube::Client::try_from(config).context("building a client for the API server")
+}
+
+/// `GET path` over plain HTTP/1.1; `None` if the server does not answer.
+pub async fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    let fut = async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+        let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.ok()?;
+        let mut out = Vec::new();
+        stream.read_to_end(&mut out).await.ok()?;
+        let text = String::from_utf8_lossy(&out).into_owned();
+        let status = text.split_whitespace().nth(1)?.parse().ok()?;
+        let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+        Some((status, body))
+    };
+    tokio::time::timeout(Duration::from_secs(5), fut).await.ok().flatten()
+}
+
+fn wait_for(proc: &mut Proc, timeout: Duration, what: &str, ready: impl Fn() -> bool) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    while !ready() {
+        if let Some(status) = proc.exited() {
+            bail!("{what} exited ({status}); its log ends:\n{}", tail(&proc.log(), 30));
+        }
+        if Instant::now() > deadline {
+            bail!("{what} is not up after {timeout:?}; its log ends:\n{}", tail(&proc.log(), 30));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn which(program: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join(program)).find(|p| p.is_file())
+}
+
+fn path(p: &Path) -> String {
+    p.display().to_string()
+}

@@ -1,0 +1,150 @@
+//! End to end through the whole box, every piece its own process: the API-server stand-in,
+//! per node a kubelet stand-in and the real `gpushared` on the fake NVML library, the real
+//! `gpushare-extender`, the kube-scheduler stand-in. Every request shape lands on a GPU with
+//! room, each container's environment matches its assignment, and the invariants of design.md
+//! ([`gpushare_testkit::invariants`]) are checked after every step.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::time::Duration;
+
+use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
+use gpushare_testkit::cluster::{self, Cluster, ClusterSpec, GpuSpec, NodeSpec, Options};
+use k8s_openapi::api::core::v1::Pod;
+use serde_json::{Value, json};
+
+const SETTLE: Duration = Duration::from_secs(30);
+
+fn pod(ns: &str, name: &str, containers: &[(&str, u64, u64)], init: &[(&str, u64)]) -> Value {
+    let c = |(n, mib, count): &(&str, u64, u64)| {
+        let mut limits = serde_json::Map::new();
+        if *mib > 0 {
+            limits.insert("gpushare.io/gpu-mem".into(), json!(mib.to_string()));
+        }
+        if *count > 1 {
+            limits.insert("gpushare.io/gpu-count".into(), json!(count.to_string()));
+        }
+        json!({"name": n, "image": "registry.example/app:1", "resources": {"limits": limits}})
+    };
+    let init: Vec<Value> = init.iter().map(|(n, mib)| c(&(n, *mib, 1))).collect();
+    json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
+           "spec": {"containers": containers.iter().map(c).collect::<Vec<_>>(), "initContainers": init}})
+}
+
+fn spec() -> ClusterSpec {
+    let gpu =
+        |model: &str, mib: u64, count: u32| GpuSpec { model: model.into(), memory_mib: mib, count, unhealthy: None };
+    ClusterSpec {
+        unit: "MiB".into(),
+        nodes: vec![
+            NodeSpec { name: "t4".into(), address: None, gpus: vec![gpu("Tesla T4", 15_360, 2)] },
+            NodeSpec { name: "a10".into(), address: None, gpus: vec![gpu("NVIDIA A10", 23_028, 2)] },
+        ],
+    }
+}
+
+/// Waits for `running` to run and every other pod to settle, then checks the invariants.
+async fn settle_and_check(box_: &Cluster, step: &str, running: &[(&str, &str)]) -> Vec<Pod> {
+    for (ns, name) in running {
+        box_.wait_phase(ns, name, "Running", SETTLE).await.unwrap_or_else(|e| panic!("{step}: {e:#}"));
+    }
+    let pods = box_.settle(SETTLE).await.unwrap_or_else(|e| panic!("{step}: {e:#}"));
+    let report = box_.check_settled(Duration::from_secs(10)).await.unwrap();
+    assert!(report.is_clean(), "{step}: invariants violated:\n{}", report.describe());
+    eprintln!(
+        "{step}: {} pods, {} admitted, {} containers checked, {} GPUs, violations 0",
+        report.pods, report.admitted, report.containers_checked, report.gpus_checked
+    );
+    pods
+}
+
+fn find<'a>(pods: &'a [Pod], key: &str) -> &'a Pod {
+    pods.iter().find(|p| cluster::pod_key(p) == key).unwrap_or_else(|| panic!("no pod {key}"))
+}
+
+fn phase(p: &Pod) -> &str {
+    p.status.as_ref().and_then(|s| s.phase.as_deref()).unwrap_or("Pending")
+}
+
+fn assignment(p: &Pod) -> Assignment {
+    Assignment::decode(&p.metadata.annotations.as_ref().unwrap()[ASSIGNMENT_KEY]).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_request_shape_lands_on_a_gpu_with_room() {
+    let options = Options { dbus: false, scheduler_backoff_ms: 200, ..Options::default() };
+    let box_ = Cluster::up(&spec(), &options).await.unwrap();
+
+    // Fits no single GPU, though both nodes have the memory in total: kube-scheduler's
+    // node-level fit passes them, the extender's per-GPU filter says why not.
+    box_.apply(&[pod("default", "too-big", &[("main", 24_000, 1)], &[])]).await.unwrap();
+    let pods = settle_and_check(&box_, "unfit", &[]).await;
+    let waiting = find(&pods, "default/too-big");
+    assert_eq!(phase(waiting), "Pending");
+    let reason = cluster::unschedulable_reason(waiting).unwrap();
+    assert!(reason.starts_with("0/2 nodes are available: "), "{reason}");
+    for largest in ["the largest usable GPU here has 15360 MiB", "the largest usable GPU here has 23028 MiB"] {
+        assert!(reason.contains(largest), "the extender's reason per node: {reason}");
+    }
+
+    // Single containers of mixed sizes.
+    box_.apply(&[
+        pod("default", "small", &[("main", 3_500, 1)], &[]),
+        pod("default", "medium", &[("main", 7_000, 1)], &[]),
+        pod("default", "large", &[("main", 20_000, 1)], &[]),
+    ])
+    .await
+    .unwrap();
+    let pods = settle_and_check(
+        &box_,
+        "single containers",
+        &[("default", "small"), ("default", "medium"), ("default", "large")],
+    )
+    .await;
+    for name in ["small", "medium", "large"] {
+        assert_eq!(phase(find(&pods, &format!("default/{name}"))), "Running", "{name}");
+    }
+    let large = find(&pods, "default/large");
+    assert_eq!(large.spec.as_ref().unwrap().node_name.as_deref(), Some("a10"), "only an A10 holds 20 000 MiB");
+
+    // Several containers and an init container.
+    box_.apply(&[pod("ml", "chat", &[("model", 9_000, 1), ("tokenizer", 1_500, 1)], &[("fetch", 2_000)])])
+        .await
+        .unwrap();
+    let pods = settle_and_check(&box_, "multi-container with init", &[("ml", "chat")]).await;
+    let chat = find(&pods, "ml/chat");
+    assert_eq!(phase(chat), "Running");
+    assert_eq!(assignment(chat).containers.len(), 3);
+
+    // One container over two GPUs.
+    box_.apply(&[pod("ml", "train", &[("trainer", 8_000, 2)], &[])]).await.unwrap();
+    let pods = settle_and_check(&box_, "2-GPU container", &[("ml", "train")]).await;
+    let train = find(&pods, "ml/train");
+    assert_eq!(phase(train), "Running");
+    let a = assignment(train);
+    assert_eq!(a.containers[0].gpus.len(), 2);
+    assert!(a.containers[0].gpus.iter().all(|g| g.mib.get() == 4_000));
+    assert_ne!(a.containers[0].gpus[0].index, a.containers[0].gpus[1].index);
+
+    // A pod with no GPU is bound by the scheduler itself and runs.
+    box_.apply(&[json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web", "namespace": "default"},
+                        "spec": {"containers": [{"name": "nginx", "image": "nginx"}]}})])
+        .await
+        .unwrap();
+    let pods = settle_and_check(&box_, "no GPU", &[("default", "web")]).await;
+    assert_eq!(phase(find(&pods, "default/web")), "Running");
+
+    // Deleting pods returns their memory: a 2-GPU pod that needed it now lands.
+    box_.apply(&[pod("ml", "wide", &[("w", 40_000, 2)], &[])]).await.unwrap();
+    let pods = settle_and_check(&box_, "wide waits", &[]).await;
+    assert_eq!(phase(find(&pods, "ml/wide")), "Pending");
+    for (ns, name) in
+        [("default", "small"), ("default", "medium"), ("default", "large"), ("ml", "chat"), ("ml", "train")]
+    {
+        box_.delete_pod(ns, name).await.unwrap();
+    }
+    let pods = settle_and_check(&box_, "after deletions", &[("ml", "wide")]).await;
+    let wide = find(&pods, "ml/wide");
+    assert_eq!(phase(wide), "Running", "freed memory is reused: {:?}", cluster::unschedulable_reason(wide));
+    assert_eq!(wide.spec.as_ref().unwrap().node_name.as_deref(), Some("a10"));
+    assert_eq!(phase(find(&pods, "default/too-big")), "Pending", "still fits no GPU");
+}

@@ -1,0 +1,203 @@
+//! The fault suite: pods churn over tens of nodes while `gpushared` and the extender are
+//! killed with `SIGKILL`, kubelets restart, the API server goes away during admission and GPUs go
+//! unhealthy and recover, all at random moments. After every fault the always-invariants are
+//! checked; at the end, once the box is quiet, the settled ones too (no lost or duplicated
+//! allocation). The output reports the counts.
+//!
+//! Bounded: `GPUSHARE_FAULT_PODS` pods (default 2000) over `GPUSHARE_FAULT_NODES` nodes
+//! (default 20); `GPUSHARE_FAULT_SEED` repeats a run.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use gpushare_testkit::cluster::{Cluster, ClusterSpec, Options, is_settled, pod_key};
+use serde_json::json;
+
+/// The longest this test waits for one API call (kube's client retries 503s during an outage).
+const CALL: Duration = Duration::from_secs(3);
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+fn env(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+#[derive(Default, Debug)]
+struct Counts {
+    created: u64,
+    deleted: u64,
+    daemon_kills: u64,
+    extender_kills: u64,
+    kubelet_restarts: u64,
+    api_outages: u64,
+    gpu_faults: u64,
+    checks: u64,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn churn_under_faults_keeps_every_invariant() {
+    let total = env("GPUSHARE_FAULT_PODS", 2000);
+    let n_nodes = usize::try_from(env("GPUSHARE_FAULT_NODES", 20)).unwrap();
+    let seed = env("GPUSHARE_FAULT_SEED", 0).max(1)
+        ^ if std::env::var("GPUSHARE_FAULT_SEED").is_ok() { 0 } else { u64::from(std::process::id()) << 20 | 0x9E37 };
+    let mut rng = Rng(seed);
+    eprintln!("fault suite: {total} pods over {n_nodes} nodes, seed GPUSHARE_FAULT_SEED={seed}");
+
+    // GiB units keep 20 nodes' device lists small on a 2-core machine; recovery after 2 s.
+    let spec = ClusterSpec::uniform(n_nodes, 2, 16_384, "GiB");
+    let options = Options {
+        dbus: false,
+        scheduler_backoff_ms: 200,
+        daemon_extra: "[health]\nprobe_interval_seconds = 1\nrecovery_seconds = 2\n[reconcile]\ninterval_seconds = 5\ngrace_seconds = 5\n"
+            .into(),
+        ..Options::default()
+    };
+    let started = Instant::now();
+    let mut box_ = Cluster::up(&spec, &options).await.unwrap();
+    eprintln!("box up in {:.1} s", started.elapsed().as_secs_f64());
+
+    let mut counts = Counts::default();
+    let mut live: VecDeque<String> = VecDeque::new();
+    let target_live = (n_nodes * 6) as u64; // about 60% of the box's memory at 4.5 GiB per pod
+    let mut next_fault = Instant::now() + Duration::from_millis(500);
+    let mut outage_until: Option<Instant> = None;
+    let mut restarts: Vec<(Instant, usize)> = Vec::new(); // (when, node) daemons to bring back
+    let mut extender_back: Option<Instant> = None;
+    let churn_started = Instant::now();
+    while counts.created < total {
+        // Create a few pods, delete the oldest beyond the target.
+        for _ in 0..5 {
+            if counts.created >= total {
+                break;
+            }
+            let name = format!("p{:05}", counts.created);
+            let gib = 1 + rng.below(8);
+            let count = if rng.below(10) == 0 { 2 } else { 1 };
+            let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "churn"},
+                "spec": {"containers": [{"name": "main", "image": "x", "resources": {"limits": {
+                    "gpushare.io/gpu-mem": (gib * count).to_string(), "gpushare.io/gpu-count": count.to_string()}}}]}});
+            if tokio::time::timeout(CALL, box_.apply(&[pod])).await.is_ok_and(|r| r.is_ok()) {
+                counts.created += 1;
+                live.push_back(name);
+            } else {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        while live.len() as u64 > target_live {
+            let name = live.front().unwrap().clone();
+            if tokio::time::timeout(CALL, box_.delete_pod("churn", &name)).await.is_ok_and(|r| r.is_ok()) {
+                live.pop_front();
+                counts.deleted += 1;
+            } else {
+                break;
+            }
+        }
+        // Faults.
+        let now = Instant::now();
+        if outage_until.is_some_and(|t| now > t) {
+            outage_until = None;
+        }
+        for (_, node) in restarts.iter().filter(|(t, _)| now > *t) {
+            box_.nodes[*node].daemon.kill_and_restart().unwrap();
+        }
+        restarts.retain(|(t, _)| now <= *t);
+        if extender_back.is_some_and(|t| now > t) {
+            box_.extender.kill_and_restart().unwrap();
+            extender_back = None;
+        }
+        if now > next_fault {
+            next_fault = now + Duration::from_millis(300 + rng.below(700));
+            let node = usize::try_from(rng.below(n_nodes as u64)).unwrap();
+            match rng.below(5) {
+                0 if !restarts.iter().any(|(_, n)| *n == node) => {
+                    box_.nodes[node].daemon.kill();
+                    restarts.push((now + Duration::from_millis(200 + rng.below(800)), node));
+                    counts.daemon_kills += 1;
+                }
+                1 if extender_back.is_none() => {
+                    box_.extender.kill();
+                    extender_back = Some(now + Duration::from_millis(200 + rng.below(800)));
+                    counts.extender_kills += 1;
+                }
+                2 if box_.nodes[node].kubelet.signal("HUP").is_ok() => counts.kubelet_restarts += 1,
+                3 if outage_until.is_none() => {
+                    // The outage ends on its own clock: clients (this test's too) may block
+                    // while it lasts, as kube's client retries 503s.
+                    let length = Duration::from_millis(500 + rng.below(1000));
+                    box_.apiserver.signal("USR1").unwrap();
+                    let pid = box_.apiserver.pid().unwrap();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(length).await;
+                        let _ = std::process::Command::new("kill").arg("-USR2").arg(pid.to_string()).status();
+                    });
+                    outage_until = Some(now + length + Duration::from_millis(100));
+                    counts.api_outages += 1;
+                }
+                4 => {
+                    let gpu = rng.below(2);
+                    box_.nodes[node].inject(&format!("xid {gpu} 79")).unwrap();
+                    counts.gpu_faults += 1;
+                }
+                _ => {}
+            }
+            if outage_until.is_none()
+                && let Ok(Ok(report)) = tokio::time::timeout(CALL, box_.check()).await
+            {
+                counts.checks += 1;
+                assert!(report.violations.is_empty(), "after {counts:?}:\n{}", report.describe());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Every fault healed: the API server serves, every daemon and the extender run.
+    if let Some(t) = outage_until {
+        tokio::time::sleep(t.saturating_duration_since(Instant::now())).await;
+    }
+    for (_, node) in std::mem::take(&mut restarts) {
+        box_.nodes[node].daemon.kill_and_restart().unwrap();
+    }
+    if extender_back.is_some() {
+        box_.extender.kill_and_restart().unwrap();
+    }
+    let churn = churn_started.elapsed();
+    box_.wait_ready(Duration::from_secs(60)).await.unwrap();
+    let pods = box_.settle(Duration::from_secs(120)).await.unwrap();
+    let report = box_.check_settled(Duration::from_secs(30)).await.unwrap();
+    let running = pods.iter().filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")).count();
+    let failed = pods.iter().filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed")).count();
+    let waiting =
+        pods.iter().filter(|p| is_settled(p) && p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_none()).count();
+    eprintln!(
+        "fault suite: {} pods created, {} deleted in {:.1} s; faults injected: {} gpushared SIGKILLs, {} extender SIGKILLs, \
+         {} kubelet restarts, {} API-server outages, {} GPU Xid 79s ({} in all); {} invariant checks; at the end {} live \
+         pods: {running} running, {failed} failed admission, {waiting} waiting; {} containers checked; violations = {}",
+        counts.created,
+        counts.deleted,
+        churn.as_secs_f64(),
+        counts.daemon_kills,
+        counts.extender_kills,
+        counts.kubelet_restarts,
+        counts.api_outages,
+        counts.gpu_faults,
+        counts.daemon_kills + counts.extender_kills + counts.kubelet_restarts + counts.api_outages + counts.gpu_faults,
+        counts.checks + 1,
+        pods.len(),
+        report.containers_checked,
+        report.violations.len() + report.settled_violations.len(),
+    );
+    assert!(report.is_clean(), "invariants violated at the end:\n{}", report.describe());
+    assert!(running > 0, "nothing runs: {:?}", pods.iter().map(pod_key).collect::<Vec<_>>());
+}
