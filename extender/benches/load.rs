@@ -197,7 +197,8 @@ async fn main() {
     api.insert(node(target)).unwrap();
     let binds = 1000;
     for b in 0..binds {
-        api.insert(pod(&format!("new-{b:04}"), 512, None)).unwrap();
+        // Sizes vary: pods the kubelet cannot tell apart are bound to a node one at a time.
+        api.insert(pod(&format!("new-{b:04}"), 256 + (b % 500), None)).unwrap();
     }
     eprintln!(
         "stand-in filled: {} nodes, {} pods in {:.1} s",

@@ -23,10 +23,13 @@ pub enum BindOutcome {
     Failed,
     /// The request made no sense (unknown pod, wrong node).
     Invalid,
+    /// Deferred: the node is still admitting a pod the kubelet cannot tell from this one.
+    Deferred,
 }
 
 impl BindOutcome {
-    const ALL: [BindOutcome; 4] = [BindOutcome::Bound, BindOutcome::NoFit, BindOutcome::Failed, BindOutcome::Invalid];
+    const ALL: [BindOutcome; 5] =
+        [BindOutcome::Bound, BindOutcome::NoFit, BindOutcome::Failed, BindOutcome::Invalid, BindOutcome::Deferred];
 
     fn label(self) -> &'static str {
         match self {
@@ -34,6 +37,7 @@ impl BindOutcome {
             BindOutcome::NoFit => "no_fit",
             BindOutcome::Failed => "failed",
             BindOutcome::Invalid => "invalid",
+            BindOutcome::Deferred => "deferred",
         }
     }
 }
@@ -79,7 +83,7 @@ pub struct GpuSample {
 #[derive(Debug, Default)]
 pub struct Metrics {
     latency: [Histogram; VERBS.len()],
-    binds: [AtomicU64; 4],
+    binds: [AtomicU64; 5],
     bad_requests: AtomicU64,
 }
 

@@ -346,6 +346,17 @@ impl<C: Cluster> Extender<C> {
                 let assignment = view
                     .place(placer, &args.node, &request, self.policies.gpu, &gone)
                     .map_err(|r| (BindOutcome::NoFit, format!("pod {key} no longer fits node {}: {r}", args.node)))?;
+                if let Some(other) = view.lookalike_in_admission(&args.node, &uid, &assignment) {
+                    return Err((
+                        BindOutcome::Deferred,
+                        format!(
+                            "node {} is still admitting pod {other}, whose first GPU request is the same size as pod \
+                             {key}'s but on other GPUs; the kubelet cannot tell the two apart, so {key} is bound once \
+                             the node's daemon reports {other} allocated (the scheduler retries)",
+                            args.node
+                        ),
+                    ));
+                }
                 let encoded = assignment.encode().map_err(|e| invalid(format!("pod {key}: {e}")))?;
                 annotations.insert(ASSIGNMENT_KEY.to_owned(), encoded);
                 if view.config().alibaba

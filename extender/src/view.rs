@@ -21,7 +21,7 @@ use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_core::placement::{GpuPolicy, NodeView, Placer, Rejection};
 use gpushare_core::schedule::Policies;
-use gpushare_core::{MemoryUnit, Mib, NodeInventory, PodRequest, ResourceNames};
+use gpushare_core::{ContainerRole, MemoryUnit, Mib, NodeInventory, PodRequest, ResourceNames};
 
 use crate::objects::{NodeObject, PodObject};
 
@@ -826,6 +826,52 @@ impl ClusterView {
             let placement = placer.place(view, pod, policy).map_err(NodeRefusal::Rejected)?;
             Ok(Assignment::from_placement(node, inventory, pod, &placement))
         })?
+    }
+}
+
+/// What the kubelet's first device request for a pod looks like to the daemon: the memory of
+/// the first container that asks for any, in admission order (init containers and sidecars
+/// first); `None` for a pod that asks for none.
+fn first_request(a: &Assignment) -> Option<u64> {
+    let init = a.containers.iter().filter(|c| c.role != ContainerRole::App);
+    let app = a.containers.iter().filter(|c| c.role == ContainerRole::App);
+    init.chain(app).map(|c| c.gpus.iter().map(|g| g.mib.get()).sum::<u64>()).find(|m| *m > 0)
+}
+
+/// An assignment with the container names left out: two pods with the same shape get the
+/// same GPUs and budgets whichever of them the daemon serves first.
+fn shape(a: &Assignment) -> Vec<(ContainerRole, Vec<(&str, u64)>)> {
+    a.containers.iter().map(|c| (c.role, c.gpus.iter().map(|g| (g.uuid.as_str(), g.mib.get())).collect())).collect()
+}
+
+impl ClusterView {
+    /// A pod bound (or being bound) to `node` that its daemon has not allocated yet and that
+    /// the kubelet cannot tell from a pod placed as `assignment`: its first device request is
+    /// the same size, but its GPUs differ. The kubelet's device-plugin calls carry only device
+    /// counts, so the daemon would serve whichever it takes to be first; binding a look-alike
+    /// while the other is admitted could hand each the other's GPUs. Returns `namespace/name`.
+    #[must_use]
+    pub fn lookalike_in_admission(&self, node: &str, uid: &str, assignment: &Assignment) -> Option<String> {
+        let first = first_request(assignment)?;
+        let mine = shape(assignment);
+        let allocated: HashSet<&str> = match self.nodes.get(node).map(|n| &n.gpus) {
+            Some(NodeGpus::Reported(state)) => state.allocations.iter().map(|a| a.pod.uid.as_str()).collect(),
+            _ => HashSet::new(),
+        };
+        let differs = |other: &Assignment| first_request(other) == Some(first) && shape(other) != mine;
+        let bound = self.bound.get(node).into_iter().flatten().filter_map(|u| {
+            let p = self.pods.get(u)?;
+            match &p.holding {
+                Holding::Assigned(a) if !p.terminal => Some((u.as_str(), format!("{}/{}", p.namespace, p.name), &**a)),
+                _ => None,
+            }
+        });
+        let assumed = self
+            .assumed
+            .iter()
+            .filter(|(_, a)| a.node == node)
+            .map(|(u, a)| (u.as_str(), format!("{}/{}", a.namespace, a.name), &a.assignment));
+        bound.chain(assumed).find(|(u, _, a)| *u != uid && !allocated.contains(u) && differs(a)).map(|(_, key, _)| key)
     }
 }
 

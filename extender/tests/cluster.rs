@@ -5,8 +5,10 @@
 
 use std::collections::BTreeMap;
 
+use gpushare_core::Mib;
 use gpushare_core::codec::alibaba;
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
+use gpushare_core::codec::node::{NODE_STATE_KEY, NodeAllocation, NodeState, PodRef};
 use serde_json::{Value, json};
 
 mod common;
@@ -15,6 +17,46 @@ use common::{http, node_object, pod_object, start, start_with, until};
 fn bind_body(pod: &Value, node: &str) -> String {
     json!({"PodName": pod["metadata"]["name"], "PodNamespace": "default", "PodUID": pod["metadata"]["uid"], "Node": node})
         .to_string()
+}
+
+/// Plays gpu-a's daemon: publishes every assigned pod as allocated, as it would once the
+/// kubelet admitted them.
+fn publish_allocations(api: &gpushare_testkit::apiserver::ApiServer, generation: u64) -> usize {
+    let mut state =
+        NodeState::decode(api.node("gpu-a").unwrap()["metadata"]["annotations"][NODE_STATE_KEY].as_str().unwrap())
+            .unwrap();
+    state.allocations.clear();
+    state.used = vec![Mib::ZERO; state.inventory.gpus().len()];
+    for p in api.list(gpushare_testkit::apiserver::Kind::Pod) {
+        let Some(a) = p.pointer(&format!("/metadata/annotations/{}", ASSIGNMENT_KEY.replace('/', "~1"))) else {
+            continue;
+        };
+        for c in Assignment::decode(a.as_str().unwrap()).unwrap().containers {
+            for g in c.gpus {
+                state.used[g.index as usize] = state.used[g.index as usize].saturating_add(g.mib);
+                state.allocations.push(NodeAllocation {
+                    pod: PodRef {
+                        namespace: "default".into(),
+                        name: p["metadata"]["name"].as_str().unwrap().into(),
+                        uid: p["metadata"]["uid"].as_str().unwrap().into(),
+                    },
+                    container: c.name.clone(),
+                    gpu: g.index,
+                    mib: g.mib,
+                });
+            }
+        }
+    }
+    state.generation = generation;
+    let n = state.allocations.len();
+    api.patch(
+        gpushare_testkit::apiserver::Kind::Node,
+        "",
+        "gpu-a",
+        &json!({"metadata": {"annotations": {NODE_STATE_KEY: state.encode().unwrap()}}}),
+    )
+    .unwrap();
+    n
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -29,25 +71,44 @@ async fn hundreds_of_racing_binds_into_one_node_never_overcommit() {
     })
     .await;
     let addr = h.addr;
-    let tasks: Vec<_> = pods
-        .iter()
-        .map(|p| {
-            let body = bind_body(p, "gpu-a");
-            tokio::spawn(async move { http(addr, "POST", "/gpushare-scheduler/bind", &body).await })
-        })
-        .collect();
     let (mut bound, mut refused) = (0, 0);
-    for t in tasks {
-        let (status, body) = t.await.unwrap();
-        assert_eq!(status, 200, "{body}");
-        let error = serde_json::from_str::<Value>(&body).unwrap()["Error"].as_str().unwrap().to_owned();
-        if error.is_empty() {
-            bound += 1;
-        } else {
-            assert!(error.contains("no longer fits node gpu-a"), "{error}");
-            refused += 1;
+    let mut waiting: Vec<&Value> = pods.iter().collect();
+    // Rounds: all race; look-alikes that would land on another GPU while the first ones are
+    // still being admitted are deferred; then the "daemon" reports what it allocated.
+    for round in 1..=10 {
+        let tasks: Vec<_> = waiting
+            .iter()
+            .map(|p| {
+                let body = bind_body(p, "gpu-a");
+                tokio::spawn(async move { http(addr, "POST", "/gpushare-scheduler/bind", &body).await })
+            })
+            .collect();
+        let mut deferred = Vec::new();
+        for (t, p) in tasks.into_iter().zip(&waiting) {
+            let (status, body) = t.await.unwrap();
+            assert_eq!(status, 200, "{body}");
+            let error = serde_json::from_str::<Value>(&body).unwrap()["Error"].as_str().unwrap().to_owned();
+            if error.is_empty() {
+                bound += 1;
+            } else if error.contains("is still admitting") {
+                deferred.push(*p);
+            } else {
+                assert!(error.contains("no longer fits node gpu-a"), "{error}");
+                refused += 1;
+            }
         }
+        waiting = deferred;
+        if waiting.is_empty() {
+            break;
+        }
+        until("the binds in the view", async || h.ext.with_view(|v| v.counts().2) == 0).await;
+        let n = publish_allocations(&h.api, 1 + round);
+        until("the daemon's report in the view", async || {
+            h.ext.report().nodes[0].gpus.iter().map(|g| g.used_mib).sum::<u64>() == n as u64 * 1024
+        })
+        .await;
     }
+    assert!(waiting.is_empty(), "{} still deferred after 10 rounds", waiting.len());
     assert_eq!((bound, refused), (64, 236));
     // What the API server holds: per GPU, never more than its 16 384 MiB.
     let mut per_gpu: BTreeMap<String, u64> = BTreeMap::new();

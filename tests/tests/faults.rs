@@ -5,7 +5,7 @@
 //! allocation). The output reports the counts.
 //!
 //! Bounded: `GPUSHARE_FAULT_PODS` pods (default 2000) over `GPUSHARE_FAULT_NODES` nodes
-//! (default 20); `GPUSHARE_FAULT_SEED` repeats a run.
+//! (default 20); `GPUSHARE_FAULT_SEED` repeats a run; `GPUSHARE_BOX_DIR` keeps its state.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::VecDeque;
@@ -59,6 +59,8 @@ async fn churn_under_faults_keeps_every_invariant() {
     // GiB units keep 20 nodes' device lists small on a 2-core machine; recovery after 2 s.
     let spec = ClusterSpec::uniform(n_nodes, 2, 16_384, "GiB");
     let options = Options {
+        // GPUSHARE_BOX_DIR keeps the logs, ledgers and records of a run to study.
+        dir: std::env::var_os("GPUSHARE_BOX_DIR").map(std::path::PathBuf::from),
         dbus: false,
         scheduler_backoff_ms: 200,
         daemon_extra: "[health]\nprobe_interval_seconds = 1\nrecovery_seconds = 2\n[reconcile]\ninterval_seconds = 5\ngrace_seconds = 5\n"

@@ -132,26 +132,59 @@ async fn a_failed_binding_rolls_back_and_a_lost_reply_is_recognized() {
 async fn concurrent_binds_to_one_node_never_overcommit() {
     let pods: Vec<PodObject> = (0..12).map(|i| pod(&format!("p{i}"), 250, None, "Pending")).collect();
     let ext = extender(&[node("n1", 2, 1000, 1, vec![])], &pods);
-    let tasks: Vec<_> = (0..12)
-        .map(|i| {
-            let ext = ext.clone();
-            tokio::spawn(async move { ext.bind(&bind_args(&format!("p{i}"), "n1")).await })
-        })
-        .collect();
-    let mut ok = 0;
-    for t in tasks {
-        let r = t.await.unwrap();
-        if r.error.is_empty() {
-            ok += 1;
-        } else {
-            assert!(r.error.contains("no longer fits"), "{r:?}");
+    let race = |names: Vec<String>| {
+        let tasks: Vec<_> = names
+            .into_iter()
+            .map(|n| {
+                let ext = ext.clone();
+                tokio::spawn(async move { (n.clone(), ext.bind(&bind_args(&n, "n1")).await) })
+            })
+            .collect();
+        async move {
+            let mut out = Vec::new();
+            for t in tasks {
+                out.push(t.await.unwrap());
+            }
+            out
         }
+    };
+    // Binpack fills GPU0 with four; the others would go to GPU1 while those four, which look
+    // the same to the kubelet, are not admitted yet: deferred.
+    let first = race((0..12).map(|i| format!("p{i}")).collect()).await;
+    let bound: Vec<&str> = first.iter().filter(|(_, r)| r.error.is_empty()).map(|(n, _)| n.as_str()).collect();
+    assert_eq!(bound.len(), 4, "{first:?}");
+    for (_, r) in first.iter().filter(|(_, r)| !r.error.is_empty()) {
+        assert!(r.error.contains("is still admitting pod default/p"), "{r:?}");
     }
-    assert_eq!(ok, 8);
+    assert_eq!(ext.metrics().binds(BindOutcome::Deferred), 8);
+    // The daemon reports them allocated: the rest race again, and only what fits is bound.
+    let held = bound.iter().map(|n| holding(n, "main", 0, 250)).collect();
+    ext.with_view(|v| v.apply_node(&node("n1", 2, 1000, 2, held)));
+    let rest: Vec<String> = first.iter().filter(|(_, r)| !r.error.is_empty()).map(|(n, _)| n.clone()).collect();
+    let second = race(rest).await;
+    let ok = second.iter().filter(|(_, r)| r.error.is_empty()).count();
+    for (_, r) in second.iter().filter(|(_, r)| !r.error.is_empty()) {
+        assert!(r.error.contains("no longer fits"), "{r:?}");
+    }
+    assert_eq!(ok, 4);
     let report = ext.report();
     assert!(report.nodes[0].gpus.iter().all(|g| g.used_mib <= g.total_mib));
     assert_eq!(report.nodes[0].gpus.iter().map(|g| g.used_mib).sum::<u64>(), 2000);
     assert_eq!(ext.metrics().binds(BindOutcome::NoFit), 4);
+}
+
+#[tokio::test]
+async fn a_look_alike_on_the_same_gpu_is_not_held_back() {
+    let ext = extender(
+        &[node("n1", 2, 1000, 1, vec![])],
+        &[pod("a", 300, None, "Pending"), pod("b", 300, None, "Pending"), pod("c", 200, None, "Pending")],
+    );
+    assert_eq!(ext.bind(&bind_args("a", "n1")).await.error, "");
+    // Same size, same GPU (binpack): whichever the daemon serves first gets what it was assigned.
+    assert_eq!(ext.bind(&bind_args("b", "n1")).await.error, "");
+    // Another size is told apart by the kubelet's request.
+    assert_eq!(ext.bind(&bind_args("c", "n1")).await.error, "");
+    assert_eq!(ext.metrics().binds(BindOutcome::Deferred), 0);
 }
 
 #[tokio::test]

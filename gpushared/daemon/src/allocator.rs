@@ -11,7 +11,7 @@
 //! GPU and remembers the proposal, so the `Allocate` that follows is tied to the same container.
 //! A repeated `Allocate` of the same devices gets the same answer from the ledger.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 
 use gpushare_core::codec::alibaba;
@@ -105,6 +105,21 @@ pub enum AllocError {
     /// An operator named a GPU this node does not have.
     #[error("no GPU {0:?} on this node; name it by its index or UUID (gpusharectl gpus lists them)")]
     NoSuchGpu(String),
+    /// Pods the kubelet cannot tell apart wait: the same first request, other GPUs.
+    #[error(
+        "pods {first} and {other} both wait for {units} {unit} first but are assigned different GPUs; the kubelet's \
+         call does not say which it admits (gpushare-extender binds such pods to a node one at a time)"
+    )]
+    Ambiguous {
+        /// The one that would be chosen.
+        first: String,
+        /// A look-alike.
+        other: String,
+        /// Devices asked for.
+        units: usize,
+        /// The unit.
+        unit: gpushare_core::MemoryUnit,
+    },
 }
 
 /// A container's answer: the environment the kubelet puts into it.
@@ -373,7 +388,7 @@ impl Allocator {
     }
 
     /// The container a request of `units` devices is for.
-    fn choose(&self, state: &State, units: usize) -> Result<Candidate, AllocError> {
+    fn choose(&self, state: &State, units: usize, patient: bool) -> Result<Candidate, AllocError> {
         let (mut fitting, _) = self.pending(&state.held, Some(units), false);
         // The pod being admitted first; then containers without an outstanding proposal (a
         // proposal not yet followed by Allocate belongs to another admission); then the oldest.
@@ -389,6 +404,9 @@ impl Allocator {
             )
         };
         fitting.sort_by_cached_key(key);
+        if patient && let Some((first, other)) = Self::ambiguity(state, &fitting) {
+            return Err(AllocError::Ambiguous { first, other, units, unit: self.inventory.unit() });
+        }
         fitting.into_iter().next().ok_or_else(|| {
             let (pending, notes) = self.pending(&state.held, None, true);
             let mut seen: Vec<String> = pending
@@ -417,6 +435,79 @@ impl Allocator {
         })
     }
 
+    /// Releases recent rows whose devices the kubelet offers as free (`available`, less its
+    /// `must_include`): the kubelet does not hold them, so the container they were allocated
+    /// to never got them — an admission that failed after `Allocate`, or an `Allocate` the
+    /// kubelet made for a pod the daemon took for another (it admitted a pod its own watch
+    /// still showed after it was deleted). Left in place, the row would make its pod look
+    /// admitted, and the pod's real admission would be taken for the next pod in line. A set
+    /// the kubelet holds is never offered, so one device of each set is enough to tell.
+    fn release_offered<'a, I>(&self, state: &mut State, available: I, must_include: &[String]) -> Result<(), AllocError>
+    where
+        I: IntoIterator<Item = &'a str>,
+    {
+        const RECENT_MS: i64 = 120_000;
+        if state.held.is_empty() {
+            return Ok(());
+        }
+        let rows: Vec<Row> = state
+            .ledger
+            .all_since(crate::ledger::now_ms() - RECENT_MS)?
+            .into_iter()
+            .filter(|r| r.released_at.is_none())
+            .collect();
+        let mut first: HashMap<&str, Vec<i64>> = HashMap::new();
+        for r in &rows {
+            if let Some(id) = r.device_ids.first()
+                && !must_include.contains(id)
+            {
+                first.entry(id.as_str()).or_default().push(r.id);
+            }
+        }
+        if first.is_empty() {
+            return Ok(());
+        }
+        let stale: Vec<i64> = available.into_iter().filter_map(|id| first.get(id)).flatten().copied().collect();
+        if stale.is_empty() {
+            return Ok(());
+        }
+        let reason = "the kubelet offers these devices as free, so it never gave them to this container";
+        state.ledger.release_rows(&stale, reason)?;
+        state.held.retain(|h| !stale.contains(&h.id));
+        for r in rows.iter().filter(|r| stale.contains(&r.id)) {
+            tracing::warn!(pod = %format!("{}/{}", r.pod.namespace, r.pod.name), container = %r.container,
+                gpu = r.gpu_index, mib = r.mib.get(), reason, "released");
+        }
+        self.changed();
+        Ok(())
+    }
+
+    /// Whether the first of `fitting` (sorted by [`Self::choose`]) is a guess: it has not
+    /// started admission (no row, not the pod being admitted), and another pod that has not
+    /// either waits for as many units first but is assigned differently. Returns both names.
+    fn ambiguity(state: &State, fitting: &[Candidate]) -> Option<(String, String)> {
+        let top = fitting.first()?;
+        let started =
+            |uid: &str| state.admitting.as_deref() == Some(uid) || state.held.iter().any(|h| h.pod.uid == uid);
+        let uid = top.view().pod.uid.as_str();
+        if started(uid) {
+            return None;
+        }
+        let shape = |c: &Candidate| -> Vec<(ContainerRole, Vec<(String, u64)>)> {
+            c.assignment
+                .containers
+                .iter()
+                .map(|k| (k.role, k.gpus.iter().map(|g| (g.uuid.to_string(), g.mib.get())).collect()))
+                .collect()
+        };
+        let mine = shape(top);
+        let name = |c: &Candidate| format!("{}/{}", c.view().pod.namespace, c.view().pod.name);
+        fitting[1..]
+            .iter()
+            .find(|c| c.view().pod.uid != uid && !started(&c.view().pod.uid) && shape(c) != mine)
+            .map(|c| (name(top), name(c)))
+    }
+
     /// Answers `GetPreferredAllocation` for one container: `size` devices from `available`,
     /// including `must_include`, on the GPUs assigned to the container being admitted.
     ///
@@ -431,8 +522,27 @@ impl Allocator {
     where
         I: IntoIterator<Item = &'a str> + Clone,
     {
+        self.preferred_with(available, must_include, size, false)
+    }
+
+    /// [`Self::preferred`]; when `patient`, an ambiguous choice is
+    /// [`AllocError::Ambiguous`] instead of a guess (the caller waits for the pod watch).
+    ///
+    /// # Errors
+    /// As [`Self::preferred`], and [`AllocError::Ambiguous`].
+    pub fn preferred_with<'a, I>(
+        &self,
+        available: I,
+        must_include: &[String],
+        size: usize,
+        patient: bool,
+    ) -> Result<Vec<String>, AllocError>
+    where
+        I: IntoIterator<Item = &'a str> + Clone,
+    {
         let mut state = self.lock();
-        let cand = self.choose(&state, size)?;
+        self.release_offered(&mut state, available.clone(), must_include)?;
+        let cand = self.choose(&state, size, patient)?;
         let unit = self.inventory.unit().mib_per_unit();
         // Devices still needed on each assigned GPU.
         let mut need: BTreeMap<usize, u64> = BTreeMap::new();
@@ -511,6 +621,15 @@ impl Allocator {
     /// # Errors
     /// [`AllocError`], and nothing is written.
     pub fn allocate(&self, device_ids: &[String]) -> Result<Answer, AllocError> {
+        self.allocate_with(device_ids, false)
+    }
+
+    /// [`Self::allocate`]; when `patient`, an ambiguous choice (no proposal names the
+    /// container) is [`AllocError::Ambiguous`] instead of a guess.
+    ///
+    /// # Errors
+    /// As [`Self::allocate`], and [`AllocError::Ambiguous`].
+    pub fn allocate_with(&self, device_ids: &[String], patient: bool) -> Result<Answer, AllocError> {
         for id in device_ids {
             if self.devices.resolve(id).is_none() {
                 return Err(AllocError::UnknownDevice(id.clone()));
@@ -542,7 +661,7 @@ impl Allocator {
         let owner = state.proposals.get(&key).cloned();
         let cand = match owner.and_then(|o| self.candidate_for(&o, &state.held)) {
             Some(c) => c,
-            None => self.choose(&state, device_ids.len())?,
+            None => self.choose(&state, device_ids.len(), patient)?,
         };
         let pod_name = format!("{}/{}", cand.view().pod.namespace, cand.view().pod.name);
         let mut rows = Vec::with_capacity(cand.container().gpus.len());

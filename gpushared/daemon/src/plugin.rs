@@ -63,6 +63,7 @@ fn status(e: &AllocError) -> Status {
         AllocError::UnknownDevice(_) => Status::invalid_argument(msg),
         AllocError::NoRoom { .. } => Status::resource_exhausted(msg),
         AllocError::NoCandidate { .. }
+        | AllocError::Ambiguous { .. }
         | AllocError::UnknownGpu { .. }
         | AllocError::Unhealthy { .. }
         | AllocError::Cordoned { .. } => Status::failed_precondition(msg),
@@ -104,6 +105,47 @@ async fn stopped(mut stop: watch::Receiver<bool>) {
 
 type DeviceStream = Pin<Box<dyn Stream<Item = Result<ListAndWatchResponse, Status>> + Send>>;
 
+/// How long a kubelet call waits for its pod to become clear in the pod watch: to appear at all,
+/// or to be the only candidate. The kubelet admits only pods it has seen bound, through its own
+/// watch of the same API server, so the daemon is at most moments behind — longer only after an
+/// API-server outage, while its watch reconnects. Refusing at once would fail the pod's
+/// admission, and the kubelet would go on to the next pod while the daemon still took the failed
+/// one to be first in line; guessing among look-alikes could hand a container another's GPUs.
+pub const CANDIDATE_WAIT: Duration = Duration::from_secs(5);
+
+impl Plugin {
+    /// Runs `call` (patient) on the blocking pool; while it finds no pod waiting for what the
+    /// kubelet asks, or cannot tell which of several it is, runs it again every 50 ms for up to
+    /// [`CANDIDATE_WAIT`]; then once more, impatient (the oldest look-alike is taken).
+    async fn waiting_for_the_pod<T, F>(&self, call: F) -> Result<T, Status>
+    where
+        T: Send + 'static,
+        F: Fn(&Allocator, bool) -> Result<T, AllocError> + Send + Sync + 'static,
+    {
+        let call = Arc::new(call);
+        let deadline = tokio::time::Instant::now() + CANDIDATE_WAIT;
+        let mut patient = true;
+        loop {
+            let (alloc, f) = (Arc::clone(&self.alloc), Arc::clone(&call));
+            let result = tokio::task::spawn_blocking(move || f(&alloc, patient))
+                .await
+                .map_err(|e| Status::internal(format!("allocation task failed: {e}")))?;
+            let waiting = tokio::time::Instant::now() < deadline;
+            match result {
+                Err(AllocError::NoCandidate { .. }) if waiting => {}
+                Err(AllocError::Ambiguous { .. }) if waiting => {}
+                Err(e @ AllocError::Ambiguous { .. }) => {
+                    tracing::warn!(error = %e, "still ambiguous after waiting; serving the oldest");
+                    patient = false;
+                    continue;
+                }
+                other => return other.map_err(|e| status(&e)),
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
 #[tonic::async_trait]
 impl DevicePlugin for Plugin {
     async fn get_device_plugin_options(&self, _: Request<Empty>) -> Result<Response<DevicePluginOptions>, Status> {
@@ -123,50 +165,56 @@ impl DevicePlugin for Plugin {
         &self,
         request: Request<PreferredAllocationRequest>,
     ) -> Result<Response<PreferredAllocationResponse>, Status> {
-        let alloc = Arc::clone(&self.alloc);
-        let requests = request.into_inner().container_requests;
-        let responses = tokio::task::spawn_blocking(move || {
-            let responses = requests
-                .iter()
-                .map(|r| {
-                    let size = usize::try_from(r.allocation_size)
-                        .map_err(|_| Status::invalid_argument(format!("allocation_size {}", r.allocation_size)))?;
-                    alloc
-                        .preferred(r.available_device_i_ds.iter(), &r.must_include_device_i_ds.to_vec(), size)
-                        .map(|device_i_ds| ContainerPreferredAllocationResponse { device_i_ds })
-                        .map_err(|e| status(&e))
-                })
-                .collect::<Result<Vec<_>, Status>>();
-            // The kubelet lists every free device (131 072 IDs for 8 x 16 GiB in MiB mode).
-            let listed: usize = requests.iter().map(|r| r.available_device_i_ds.len()).sum();
-            drop(requests);
-            crate::memory::after_list(listed);
-            responses
-        })
-        .await
-        .map_err(|e| Status::internal(format!("preferred allocation task failed: {e}")))??;
-        Ok(Response::new(PreferredAllocationResponse { container_responses: responses }))
+        let requests = Arc::new(request.into_inner().container_requests);
+        let mut sizes = Vec::with_capacity(requests.len());
+        for r in requests.iter() {
+            sizes.push(
+                usize::try_from(r.allocation_size)
+                    .map_err(|_| Status::invalid_argument(format!("allocation_size {}", r.allocation_size)))?,
+            );
+        }
+        let sizes = Arc::new(sizes);
+        let listed: usize = requests.iter().map(|r| r.available_device_i_ds.len()).sum();
+        let responses = self
+            .waiting_for_the_pod(move |alloc, patient| {
+                requests
+                    .iter()
+                    .zip(sizes.iter())
+                    .map(|(r, size)| {
+                        alloc
+                            .preferred_with(
+                                r.available_device_i_ds.iter(),
+                                &r.must_include_device_i_ds.to_vec(),
+                                *size,
+                                patient,
+                            )
+                            .map(|device_i_ds| ContainerPreferredAllocationResponse { device_i_ds })
+                    })
+                    .collect::<Result<Vec<_>, AllocError>>()
+            })
+            .await;
+        // The kubelet lists every free device (131 072 IDs for 8 x 16 GiB in MiB mode); the
+        // list is dropped by now.
+        tokio::task::spawn_blocking(move || crate::memory::after_list(listed)).await.ok();
+        Ok(Response::new(PreferredAllocationResponse { container_responses: responses? }))
     }
 
     async fn allocate(&self, request: Request<AllocateRequest>) -> Result<Response<AllocateResponse>, Status> {
-        let alloc = Arc::clone(&self.alloc);
-        let requests = request.into_inner().container_requests;
-        let responses = tokio::task::spawn_blocking(move || {
-            requests
-                .iter()
-                .map(|r| {
-                    alloc
-                        .allocate(&r.devices_ids)
-                        .map(|a| ContainerAllocateResponse { envs: a.envs.into_iter().collect(), ..Default::default() })
-                        .map_err(|e| {
-                            tracing::warn!(error = %e, devices = r.devices_ids.len(), "Allocate refused");
-                            status(&e)
+        let requests = Arc::new(request.into_inner().container_requests);
+        let responses = self
+            .waiting_for_the_pod(move |alloc, patient| {
+                requests
+                    .iter()
+                    .map(|r| {
+                        alloc.allocate_with(&r.devices_ids, patient).map(|a| ContainerAllocateResponse {
+                            envs: a.envs.into_iter().collect(),
+                            ..Default::default()
                         })
-                })
-                .collect::<Result<Vec<_>, Status>>()
-        })
-        .await
-        .map_err(|e| Status::internal(format!("allocate task failed: {e}")))??;
+                    })
+                    .collect::<Result<Vec<_>, AllocError>>()
+            })
+            .await
+            .inspect_err(|e| tracing::warn!(error = %e.message(), "Allocate refused"))?;
         Ok(Response::new(AllocateResponse { container_responses: responses }))
     }
 

@@ -111,13 +111,14 @@ fn ledger(host: &Host) -> Ledger {
     Ledger::open(&host.ledger()).unwrap().ledger
 }
 
-/// Admits a one-container pod of `mib` on GPU `gpu`, once the daemon has seen it.
-async fn place(api: &ApiServer, kubelet: &Kubelet, name: &str, gpu: u32, mib: u64) {
+/// Admits a one-container pod of `mib` on GPU `gpu`, once the daemon has seen it; returns
+/// the devices it received.
+async fn place(api: &ApiServer, kubelet: &Kubelet, name: &str, gpu: u32, mib: u64) -> Vec<String> {
     bound_pod(api, name, &[("main", ContainerRole::App, &[(gpu, mib)])]);
     let deadline = Instant::now() + WAIT;
     loop {
         match kubelet.admit(&[usize::try_from(mib).unwrap()]).await {
-            Ok(_) => return,
+            Ok(mut admitted) => return admitted.remove(0).devices,
             Err(e) if Instant::now() < deadline && e.to_string().contains("no pod bound") => {
                 tokio::time::sleep(Duration::from_millis(30)).await;
             }
@@ -130,15 +131,16 @@ async fn place(api: &ApiServer, kubelet: &Kubelet, name: &str, gpu: u32, mib: u6
 async fn tells_systemd_when_ready_what_it_does_and_that_it_lives() {
     let (host, api, config) = host_with_api().await;
     // A first run leaves an allocation in the ledger.
-    {
+    let kept = {
         let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
         let daemon = Daemon::start(&config, host.path("first.log"));
         kubelet.wait_registered(1, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
         kubelet.wait_devices(WAIT, |d| !d.is_empty()).await.unwrap();
-        place(&api, &kubelet, "kept", 0, 300).await;
+        let devices = place(&api, &kubelet, "kept", 0, 300).await;
         daemon.signal("TERM");
         kubelet.stop();
-    }
+        devices
+    };
 
     let notify = host.path("notify.sock");
     let notes = Notes::listen(&notify);
@@ -164,6 +166,21 @@ async fn tells_systemd_when_ready_what_it_does_and_that_it_lives() {
 
     // Serving once the kubelet accepted the registration.
     let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
+    // It holds the first run's devices, as a kubelet restored from its checkpoint does.
+    kubelet.inject_pod_resources(gpushare_proto::podresources::PodResources {
+        name: "kept".into(),
+        namespace: "default".into(),
+        containers: vec![gpushare_proto::podresources::ContainerResources {
+            name: "main".into(),
+            devices: vec![gpushare_proto::podresources::ContainerDevices {
+                resource_name: "gpushare.io/gpu-mem".into(),
+                device_ids: kept,
+                topology: None,
+            }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    });
     kubelet.wait_registered(1, WAIT).await.unwrap();
     notes.wait_for("serving status", |m| m == "STATUS=serving 2 GPUs, 1 allocation");
     kubelet.wait_devices(WAIT, |d| !d.is_empty()).await.unwrap();

@@ -338,3 +338,46 @@ fn a_cordoned_gpu_takes_no_new_allocation_and_the_cordon_is_persisted() {
     assert_eq!(f.alloc.set_cordon("GPU-1", false).unwrap(), (1, true));
     admit(&f, 100).unwrap();
 }
+
+#[test]
+fn look_alike_pods_on_other_gpus_make_a_patient_choice_wait() {
+    let f = fixture(Compatibility::Gpushare);
+    pod(&f, "a", "2026-01-01T00:00:01Z", &[("main", ContainerRole::App, &[(0, 400)])]);
+    pod(&f, "b", "2026-01-01T00:00:02Z", &[("main", ContainerRole::App, &[(2, 400)])]);
+    let available = all_devices(&f);
+    let ids = || available.iter().map(String::as_str);
+    let err = f.alloc.preferred_with(ids(), &[], 400, true).unwrap_err();
+    assert!(matches!(err, AllocError::Ambiguous { .. }), "{err}");
+    assert!(err.to_string().contains("default/pod-a and default/pod-b both wait for 400 MiB"), "{err}");
+    // Impatient, the oldest is taken, as the kubelet admits in creation order.
+    assert_eq!(gpus_of(&f, &f.alloc.preferred_with(ids(), &[], 400, false).unwrap()), BTreeSet::from([0]));
+    // Once the look-alike goes, the choice is clear.
+    f.pods.remove("b");
+    assert_eq!(gpus_of(&f, &f.alloc.preferred_with(ids(), &[], 400, true).unwrap()), BTreeSet::from([0]));
+    // Look-alikes placed alike are no ambiguity: either gets what it was assigned.
+    pod(&f, "c", "2026-01-01T00:00:03Z", &[("main", ContainerRole::App, &[(0, 400)])]);
+    assert!(f.alloc.preferred_with(ids(), &[], 400, true).is_ok());
+}
+
+#[test]
+fn rows_whose_devices_the_kubelet_offers_as_free_are_released() {
+    let f = fixture(Compatibility::Gpushare);
+    pod(&f, "a", "2026-01-01T00:00:01Z", &[("main", ContainerRole::App, &[(0, 300)])]);
+    // The kubelet's call was really for another pod whose admission then failed: it holds
+    // nothing, so a's devices are free again in its next call.
+    let ids = f.alloc.preferred(all_devices(&f).iter().map(String::as_str), &[], 300).unwrap();
+    f.alloc.allocate(&ids).unwrap();
+    assert_eq!(f.alloc.live().unwrap().len(), 1);
+    pod(&f, "b", "2026-01-01T00:00:02Z", &[("main", ContainerRole::App, &[(1, 300)])]);
+    let again = f.alloc.preferred_with(all_devices(&f).iter().map(String::as_str), &[], 300, false).unwrap();
+    assert!(f.alloc.live().unwrap().is_empty(), "a's row is released");
+    assert_eq!(gpus_of(&f, &again), BTreeSet::from([0]), "a, the older, is first in line again");
+    let history = f.alloc.history(0).unwrap();
+    assert!(history.iter().any(|(_, _, detail)| detail.contains("offers these devices as free")), "{history:?}");
+    // Devices the kubelet holds are never offered: a held row stays.
+    let answer = f.alloc.allocate(&again).unwrap();
+    f.in_use.borrow_mut().extend(again);
+    assert_eq!(answer.pod.uid, "a");
+    f.alloc.preferred(all_devices(&f).iter().map(String::as_str), &[], 300).unwrap();
+    assert_eq!(f.alloc.live().unwrap().len(), 1);
+}

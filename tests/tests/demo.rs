@@ -1,0 +1,48 @@
+//! README command 1, as a user runs it: `gpushare-box demo` on the sample cluster and workload
+//! brings the box up as processes, places the workload and explains it, and (with `--exit`)
+//! stops everything.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::process::Command;
+
+#[test]
+fn the_demo_places_the_sample_workload_and_explains_what_waits() {
+    let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples");
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_gpushare-box"))
+        .args(["demo", "--exit", "--cluster", &format!("{examples}/cluster.yaml")])
+        .args(["--workload", &format!("{examples}/workload.yaml")])
+        .arg("--dir")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    // The inspect table, with every node.
+    assert!(stdout.contains("GPU0(Allocated/Total)"), "{stdout}");
+    for node in ["gpu-node-a", "gpu-node-b", "gpu-node-c"] {
+        assert!(stdout.contains(node), "{node}: {stdout}");
+    }
+    // Every container of the multi-container pod, the init container included, and the 2-GPU one.
+    for line in ["fetch-weights (init)", "model", "tokenizer", "trainer"] {
+        assert!(stdout.contains(line), "{line}: {stdout}");
+    }
+    assert!(stdout.contains("NVIDIA_VISIBLE_DEVICES=GPU-fake-"), "{stdout}");
+    // The pods that cannot fit wait, each with the scheduler's reason.
+    let waiting = stdout.split("Waiting").nth(1).unwrap_or_else(|| panic!("nothing waits: {stdout}"));
+    for pod in ["team-nlp/big-model", "default/wrong-unit"] {
+        let line = waiting.lines().find(|l| l.contains(pod)).unwrap_or_else(|| panic!("{pod}: {stdout}"));
+        assert!(line.contains("nodes are available"), "{line}");
+    }
+    assert!(stdout.contains("export KUBECONFIG="), "{stdout}");
+    // Every process it started is gone: none has the state directory on its command line.
+    let needle = dir.path().to_string_lossy().into_owned();
+    let leftovers: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.contains(&needle))
+        .collect();
+    assert!(leftovers.is_empty(), "still running: {leftovers:?}");
+}
