@@ -198,7 +198,7 @@ async fn main() {
     let binds = 1000;
     for b in 0..binds {
         // Sizes vary: pods the kubelet cannot tell apart are bound to a node one at a time.
-        api.insert(pod(&format!("new-{b:04}"), 256 + (b % 500), None)).unwrap();
+        api.insert(pod(&format!("new-{b:04}"), 256 + (b as u64 % 500), None)).unwrap();
     }
     eprintln!(
         "stand-in filled: {} nodes, {} pods in {:.1} s",

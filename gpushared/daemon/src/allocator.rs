@@ -105,6 +105,20 @@ pub enum AllocError {
     /// An operator named a GPU this node does not have.
     #[error("no GPU {0:?} on this node; name it by its index or UUID (gpusharectl gpus lists them)")]
     NoSuchGpu(String),
+    /// The pod first in line had devices the kubelet then offered as free.
+    #[error(
+        "pod {pod} waits for {units} {unit}, but the kubelet offered the devices allocated to it earlier as free: \
+         its admission failed or was another pod's, or the pod is gone and the API server has not said so yet; \
+         not served until the pod watch settles which pod the kubelet admits"
+    )]
+    Doubtful {
+        /// namespace/name.
+        pod: String,
+        /// Devices asked for.
+        units: usize,
+        /// The unit.
+        unit: gpushare_core::MemoryUnit,
+    },
     /// Pods the kubelet cannot tell apart wait: the same first request, other GPUs.
     #[error(
         "pods {first} and {other} both wait for {units} {unit} first but are assigned different GPUs; the kubelet's \
@@ -180,6 +194,10 @@ struct State {
     held: Vec<Arc<Held>>,
     /// Proposals by device-set key.
     proposals: BTreeMap<String, Owner>,
+    /// Pods whose rows were released because the kubelet offered their devices as free: it
+    /// may have admitted another pod with them, or freed them because the pod is gone while
+    /// the pod watch has not said so yet. Such a pod is served again only once it is clear.
+    doubtful: BTreeSet<String>,
     /// The pod the kubelet is admitting (the last one served).
     admitting: Option<String>,
 }
@@ -262,6 +280,7 @@ impl Allocator {
                 inventory: live_inventory,
                 held,
                 proposals: BTreeMap::new(),
+                doubtful: BTreeSet::new(),
                 admitting: None,
             }),
             changes: watch::Sender::new(0),
@@ -314,6 +333,7 @@ impl Allocator {
         let mut state = self.lock();
         let n = state.ledger.release_pod(uid, reason)?;
         state.held.retain(|h| h.pod.uid != uid);
+        state.doubtful.remove(uid);
         drop(state);
         if n > 0 {
             self.changed();
@@ -404,6 +424,12 @@ impl Allocator {
             )
         };
         fitting.sort_by_cached_key(key);
+        if let Some(top) = fitting.first()
+            && state.doubtful.contains(&top.view().pod.uid)
+        {
+            let pod = format!("{}/{}", top.view().pod.namespace, top.view().pod.name);
+            return Err(AllocError::Doubtful { pod, units, unit: self.inventory.unit() });
+        }
         if patient && let Some((first, other)) = Self::ambiguity(state, &fitting) {
             return Err(AllocError::Ambiguous { first, other, units, unit: self.inventory.unit() });
         }
@@ -474,6 +500,8 @@ impl Allocator {
         let reason = "the kubelet offers these devices as free, so it never gave them to this container";
         state.ledger.release_rows(&stale, reason)?;
         state.held.retain(|h| !stale.contains(&h.id));
+        let doubtful: Vec<String> = rows.iter().filter(|r| stale.contains(&r.id)).map(|r| r.pod.uid.clone()).collect();
+        state.doubtful.extend(doubtful);
         for r in rows.iter().filter(|r| stale.contains(&r.id)) {
             tracing::warn!(pod = %format!("{}/{}", r.pod.namespace, r.pod.name), container = %r.container,
                 gpu = r.gpu_index, mib = r.mib.get(), reason, "released");
@@ -692,6 +720,7 @@ impl Allocator {
         let written = state.ledger.allocate(&rows)?;
         state.held.extend(written.iter().map(|r| Arc::new(Held::from(r))));
         state.proposals.remove(&key);
+        state.doubtful.remove(&cand.view().pod.uid);
         state.admitting = Some(cand.view().pod.uid.clone());
         drop(state);
         self.changed();

@@ -64,6 +64,7 @@ fn status(e: &AllocError) -> Status {
         AllocError::NoRoom { .. } => Status::resource_exhausted(msg),
         AllocError::NoCandidate { .. }
         | AllocError::Ambiguous { .. }
+        | AllocError::Doubtful { .. }
         | AllocError::UnknownGpu { .. }
         | AllocError::Unhealthy { .. }
         | AllocError::Cordoned { .. } => Status::failed_precondition(msg),
@@ -115,8 +116,10 @@ pub const CANDIDATE_WAIT: Duration = Duration::from_secs(5);
 
 impl Plugin {
     /// Runs `call` (patient) on the blocking pool; while it finds no pod waiting for what the
-    /// kubelet asks, or cannot tell which of several it is, runs it again every 50 ms for up to
-    /// [`CANDIDATE_WAIT`]; then once more, impatient (the oldest look-alike is taken).
+    /// kubelet asks, cannot tell which of several it is, or the first in line is doubtful, runs
+    /// it again every 50 ms for up to [`CANDIDATE_WAIT`]; then once more, impatient (the oldest
+    /// look-alike is taken; a doubtful pod is still refused: failing an admission is safe,
+    /// handing a container another pod's GPU is not).
     async fn waiting_for_the_pod<T, F>(&self, call: F) -> Result<T, Status>
     where
         T: Send + 'static,
@@ -132,9 +135,9 @@ impl Plugin {
                 .map_err(|e| Status::internal(format!("allocation task failed: {e}")))?;
             let waiting = tokio::time::Instant::now() < deadline;
             match result {
-                Err(AllocError::NoCandidate { .. }) if waiting => {}
+                Err(AllocError::NoCandidate { .. } | AllocError::Doubtful { .. }) if waiting => {}
                 Err(AllocError::Ambiguous { .. }) if waiting => {}
-                Err(e @ AllocError::Ambiguous { .. }) => {
+                Err(e @ AllocError::Ambiguous { .. }) if patient => {
                     tracing::warn!(error = %e, "still ambiguous after waiting; serving the oldest");
                     patient = false;
                     continue;

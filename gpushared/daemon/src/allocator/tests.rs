@@ -360,24 +360,32 @@ fn look_alike_pods_on_other_gpus_make_a_patient_choice_wait() {
 }
 
 #[test]
-fn rows_whose_devices_the_kubelet_offers_as_free_are_released() {
+fn rows_whose_devices_the_kubelet_offers_as_free_are_released_and_their_pod_held_back() {
     let f = fixture(Compatibility::Gpushare);
     pod(&f, "a", "2026-01-01T00:00:01Z", &[("main", ContainerRole::App, &[(0, 300)])]);
-    // The kubelet's call was really for another pod whose admission then failed: it holds
-    // nothing, so a's devices are free again in its next call.
+    // The kubelet's call was really for another pod whose admission then failed (or a was
+    // deleted and the kubelet saw it first): it holds nothing, so a's devices are free again.
     let ids = f.alloc.preferred(all_devices(&f).iter().map(String::as_str), &[], 300).unwrap();
     f.alloc.allocate(&ids).unwrap();
     assert_eq!(f.alloc.live().unwrap().len(), 1);
     pod(&f, "b", "2026-01-01T00:00:02Z", &[("main", ContainerRole::App, &[(1, 300)])]);
-    let again = f.alloc.preferred_with(all_devices(&f).iter().map(String::as_str), &[], 300, false).unwrap();
+    let err = f.alloc.preferred_with(all_devices(&f).iter().map(String::as_str), &[], 300, false).unwrap_err();
     assert!(f.alloc.live().unwrap().is_empty(), "a's row is released");
-    assert_eq!(gpus_of(&f, &again), BTreeSet::from([0]), "a, the older, is first in line again");
     let history = f.alloc.history(0).unwrap();
     assert!(history.iter().any(|(_, _, detail)| detail.contains("offers these devices as free")), "{history:?}");
-    // Devices the kubelet holds are never offered: a held row stays.
+    // a is first in line, but nobody can say whether the kubelet is admitting a or b: refused.
+    assert!(matches!(err, AllocError::Doubtful { .. }), "{err}");
+    assert!(err.to_string().contains("pod default/pod-a waits for 300 MiB"), "{err}");
+    // The pod watch settles it: a is gone, b is served.
+    f.alloc.release_pod("a", "pod deleted").unwrap();
+    f.pods.remove("a");
+    let again = f.alloc.preferred_with(all_devices(&f).iter().map(String::as_str), &[], 300, true).unwrap();
+    assert_eq!(gpus_of(&f, &again), BTreeSet::from([1]));
     let answer = f.alloc.allocate(&again).unwrap();
     f.in_use.borrow_mut().extend(again);
-    assert_eq!(answer.pod.uid, "a");
+    assert_eq!(answer.pod.uid, "b");
+    // Devices the kubelet holds are never offered: a held row stays.
+    pod(&f, "c", "2026-01-01T00:00:03Z", &[("main", ContainerRole::App, &[(2, 300)])]);
     f.alloc.preferred(all_devices(&f).iter().map(String::as_str), &[], 300).unwrap();
     assert_eq!(f.alloc.live().unwrap().len(), 1);
 }
