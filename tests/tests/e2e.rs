@@ -133,6 +133,18 @@ async fn every_request_shape_lands_on_a_gpu_with_room() {
     let pods = settle_and_check(&box_, "no GPU", &[("default", "web")]).await;
     assert_eq!(phase(find(&pods, "default/web")), "Running");
 
+    // A kubelet that refuses admission: the pod fails with its reason, nothing is held.
+    for n in &box_.nodes {
+        n.kubelet.signal("USR1").unwrap();
+    }
+    box_.apply(&[pod("default", "refused", &[("main", 1_000, 1)], &[])]).await.unwrap();
+    let failed = box_.wait_phase("default", "refused", "Failed", SETTLE).await.unwrap();
+    assert_eq!(failed.status.as_ref().unwrap().reason.as_deref(), Some("AdmissionRefused"));
+    for n in &box_.nodes {
+        n.kubelet.signal("USR1").unwrap();
+    }
+    settle_and_check(&box_, "refused admission", &[]).await;
+
     // Deleting pods returns their memory: a 2-GPU pod that needed it now lands.
     box_.apply(&[pod("ml", "wide", &[("w", 40_000, 2)], &[])]).await.unwrap();
     let pods = settle_and_check(&box_, "wide waits", &[]).await;
