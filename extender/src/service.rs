@@ -193,22 +193,37 @@ impl<C: Cluster> Extender<C> {
                 Ok(request) if request.is_empty() => passing.clone_from(&candidates),
                 Ok(request) => {
                     let gone = view.evicted(&[args.pod.uid()]);
+                    let uid = args.pod.uid();
                     for n in &candidates {
                         // Most nodes of a healthy cluster fit the common shape outright; only
                         // the others go through the placer, which also says why not.
-                        if view.surely_fits(n, &request, &gone) == Some(true) {
-                            passing.push(*n);
+                        let fits = view.surely_fits(n, &request, &gone) == Some(true)
+                            || match view.score(placer, n, &request, self.policies, &gone) {
+                                Ok(_) => true,
+                                Err(r) if r.is_resolvable() => {
+                                    result.failed_nodes.insert((*n).to_owned(), r.to_string());
+                                    false
+                                }
+                                Err(r) => {
+                                    result.failed_and_unresolvable.insert((*n).to_owned(), r.to_string());
+                                    false
+                                }
+                            };
+                        if !fits {
                             continue;
                         }
-                        match view.score(placer, n, &request, self.policies, &gone) {
-                            Ok(_) => passing.push(*n),
-                            Err(r) if r.is_resolvable() => {
-                                result.failed_nodes.insert((*n).to_owned(), r.to_string());
-                            }
-                            Err(r) => {
-                                result.failed_and_unresolvable.insert((*n).to_owned(), r.to_string());
-                            }
+                        // A node still admitting a look-alike elsewhere on it would defer the
+                        // bind: the scheduler had better choose another node now.
+                        if view.admits_lookalike(n, &request, uid)
+                            && let Ok(a) = view.place(placer, n, &request, self.policies.gpu, &gone)
+                            && let Some(other) = view.lookalike_in_admission(n, uid, &a)
+                        {
+                            result
+                                .failed_nodes
+                                .insert((*n).to_owned(), Self::lookalike_reason(n, &other, &args.pod.key()));
+                            continue;
                         }
+                        passing.push(*n);
                     }
                 }
             }
@@ -347,15 +362,7 @@ impl<C: Cluster> Extender<C> {
                     .place(placer, &args.node, &request, self.policies.gpu, &gone)
                     .map_err(|r| (BindOutcome::NoFit, format!("pod {key} no longer fits node {}: {r}", args.node)))?;
                 if let Some(other) = view.lookalike_in_admission(&args.node, &uid, &assignment) {
-                    return Err((
-                        BindOutcome::Deferred,
-                        format!(
-                            "node {} is still admitting pod {other}, whose first GPU request is the same size as pod \
-                             {key}'s but on other GPUs; the kubelet cannot tell the two apart, so {key} is bound once \
-                             the node's daemon reports {other} allocated (the scheduler retries)",
-                            args.node
-                        ),
-                    ));
+                    return Err((BindOutcome::Deferred, Self::lookalike_reason(&args.node, &other, &key)));
                 }
                 let encoded = assignment.encode().map_err(|e| invalid(format!("pod {key}: {e}")))?;
                 annotations.insert(ASSIGNMENT_KEY.to_owned(), encoded);
@@ -407,6 +414,14 @@ impl<C: Cluster> Extender<C> {
                 Err((BindOutcome::Failed, format!("binding pod {key} to {}: {e}", args.node)))
             }
         }
+    }
+
+    fn lookalike_reason(node: &str, other: &str, pod: &str) -> String {
+        format!(
+            "node {node} is still admitting pod {other}, whose first GPU request is the same size as pod {pod}'s but \
+             on other GPUs; the kubelet cannot tell the two apart, so {pod} goes there once the node's daemon reports \
+             {other} allocated"
+        )
     }
 
     fn assumed(namespace: &str, name: &str, node: &str, assignment: Assignment) -> Assumed {

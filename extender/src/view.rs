@@ -176,10 +176,35 @@ pub struct Usage {
     pub base: Vec<Mib>,
     /// Each holder's memory per GPU position.
     pub pods: Vec<Holder>,
+    /// Pods bound (or being bound) to the node that its daemon has not reported allocated yet.
+    pub admitting: Vec<Admitting>,
     /// Pods bound to the node with a request but no placement yet (Alibaba's `PENDING`).
     pub pending: Vec<(String, Mib)>,
     /// `base` plus every holder.
     total: Vec<Mib>,
+}
+
+/// The placement of a pod's containers without their names: GPUs and budgets, by role.
+pub type Shape = Vec<(ContainerRole, Vec<(String, u64)>)>;
+
+/// A pod its node's daemon has not reported allocated yet, as the kubelet's first device
+/// request will show it (see [`ClusterView::lookalike_in_admission`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Admitting {
+    /// UID.
+    pub uid: String,
+    /// `namespace/name`.
+    pub pod: String,
+    /// The memory of its first container that asks for any, in admission order.
+    pub first: u64,
+    /// Its placement.
+    pub shape: Shape,
+}
+
+impl Admitting {
+    fn of(uid: &str, pod: String, a: &Assignment) -> Option<Admitting> {
+        Some(Admitting { uid: uid.to_owned(), pod, first: first_request(a)?, shape: shape(a) })
+    }
 }
 
 /// One pod's memory on a node.
@@ -656,12 +681,19 @@ impl ClusterView {
             attributed[p] = attributed[p].saturating_add(a.mib);
         }
         let base = state.used.iter().zip(&attributed).map(|(u, a)| u.saturating_sub(*a)).collect();
-        let mut usage = Usage { base, pods: Vec::new(), pending: Vec::new(), total: Vec::new() };
+        let mut usage = Usage { base, pods: Vec::new(), admitting: Vec::new(), pending: Vec::new(), total: Vec::new() };
         let mut counted: HashSet<&str> = HashSet::new();
         for uid in self.bound.get(node).into_iter().flatten() {
             let Some(pod) = self.pods.get(uid) else { continue };
             let daemon = reported.remove(uid.as_str());
             let own = if pod.terminal { None } else { self.footprint(inventory, &pod.holding) };
+            if daemon.is_none()
+                && own.is_some()
+                && let Holding::Assigned(a) = &pod.holding
+                && let Some(entry) = Admitting::of(uid, format!("{}/{}", pod.namespace, pod.name), a)
+            {
+                usage.admitting.push(entry);
+            }
             let mib = match (daemon, own) {
                 // The daemon wins; what it has not admitted yet (a container still to come) is added.
                 (Some((_, d)), Some(o)) => d.iter().zip(&o).map(|(d, o)| (*d).max(*o)).collect(),
@@ -694,6 +726,9 @@ impl ClusterView {
         for (uid, a) in &self.assumed {
             if a.node != node || counted.contains(uid.as_str()) {
                 continue;
+            }
+            if let Some(entry) = Admitting::of(uid, format!("{}/{}", a.namespace, a.name), &a.assignment) {
+                usage.admitting.push(entry);
             }
             if let Some(mib) = self.footprint(inventory, &Holding::Assigned(Box::new(a.assignment.clone()))) {
                 usage.pods.push(Holder {
@@ -838,40 +873,40 @@ fn first_request(a: &Assignment) -> Option<u64> {
     init.chain(app).map(|c| c.gpus.iter().map(|g| g.mib.get()).sum::<u64>()).find(|m| *m > 0)
 }
 
+/// [`first_request`] of a request not placed yet.
+fn first_requested(pod: &PodRequest) -> Option<u64> {
+    let init = pod.containers().iter().filter(|c| c.role != ContainerRole::App);
+    let app = pod.containers().iter().filter(|c| c.role == ContainerRole::App);
+    init.chain(app).map(|c| c.memory.get()).find(|m| *m > 0)
+}
+
 /// An assignment with the container names left out: two pods with the same shape get the
 /// same GPUs and budgets whichever of them the daemon serves first.
-fn shape(a: &Assignment) -> Vec<(ContainerRole, Vec<(&str, u64)>)> {
-    a.containers.iter().map(|c| (c.role, c.gpus.iter().map(|g| (g.uuid.as_str(), g.mib.get())).collect())).collect()
+fn shape(a: &Assignment) -> Shape {
+    a.containers
+        .iter()
+        .map(|c| (c.role, c.gpus.iter().map(|g| (g.uuid.as_str().to_owned(), g.mib.get())).collect()))
+        .collect()
 }
 
 impl ClusterView {
+    /// Whether `node` is admitting a pod whose first device request is the size of `pod`'s:
+    /// the cheap test before [`Self::lookalike_in_admission`].
+    pub fn admits_lookalike(&mut self, node: &str, pod: &PodRequest, uid: &str) -> bool {
+        let Some(first) = first_requested(pod) else { return false };
+        self.usage(node).is_ok_and(|u| u.admitting.iter().any(|a| a.first == first && a.uid != uid))
+    }
+
     /// A pod bound (or being bound) to `node` that its daemon has not allocated yet and that
     /// the kubelet cannot tell from a pod placed as `assignment`: its first device request is
     /// the same size, but its GPUs differ. The kubelet's device-plugin calls carry only device
     /// counts, so the daemon would serve whichever it takes to be first; binding a look-alike
     /// while the other is admitted could hand each the other's GPUs. Returns `namespace/name`.
-    #[must_use]
-    pub fn lookalike_in_admission(&self, node: &str, uid: &str, assignment: &Assignment) -> Option<String> {
+    pub fn lookalike_in_admission(&mut self, node: &str, uid: &str, assignment: &Assignment) -> Option<String> {
         let first = first_request(assignment)?;
         let mine = shape(assignment);
-        let allocated: HashSet<&str> = match self.nodes.get(node).map(|n| &n.gpus) {
-            Some(NodeGpus::Reported(state)) => state.allocations.iter().map(|a| a.pod.uid.as_str()).collect(),
-            _ => HashSet::new(),
-        };
-        let differs = |other: &Assignment| first_request(other) == Some(first) && shape(other) != mine;
-        let bound = self.bound.get(node).into_iter().flatten().filter_map(|u| {
-            let p = self.pods.get(u)?;
-            match &p.holding {
-                Holding::Assigned(a) if !p.terminal => Some((u.as_str(), format!("{}/{}", p.namespace, p.name), &**a)),
-                _ => None,
-            }
-        });
-        let assumed = self
-            .assumed
-            .iter()
-            .filter(|(_, a)| a.node == node)
-            .map(|(u, a)| (u.as_str(), format!("{}/{}", a.namespace, a.name), &a.assignment));
-        bound.chain(assumed).find(|(u, _, a)| *u != uid && !allocated.contains(u) && differs(a)).map(|(_, key, _)| key)
+        let usage = self.usage(node).ok()?;
+        usage.admitting.iter().find(|a| a.uid != uid && a.first == first && a.shape != mine).map(|a| a.pod.clone())
     }
 }
 

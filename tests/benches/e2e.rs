@@ -7,8 +7,9 @@
 //!
 //! The box (`gpushare_testkit::cluster`) runs every piece as its own process: the API-server
 //! stand-in, per node a kubelet stand-in and `gpushared` on the fake NVML library, the extender,
-//! the kube-scheduler stand-in. `GPUSHARE_BENCH_NODES` (default 10) nodes of 4 × 32 GiB,
-//! `GPUSHARE_BENCH_PODS` (default 1000) pods of 1–8 GiB created by 4 clients at once,
+//! the kube-scheduler stand-in. `GPUSHARE_BENCH_NODES` (default 20) nodes of 4 × 32 GiB,
+//! `GPUSHARE_BENCH_PODS` (default 1000) pods of 1–3 GiB (2,000 GiB of the box's 2,560) created
+//! by 4 clients at once,
 //! `GPUSHARE_BENCH_UNIT` (default `GiB`; `MiB` for one device per MiB). Reported: pods per
 //! second from the first create to the last pod Running; per pod, bind (the scheduler's watch
 //! sees `spec.nodeName`) to admission (the kubelet stand-in records the `Allocate` answer),
@@ -56,7 +57,7 @@ fn main() {
 }
 
 async fn run() {
-    let nodes = usize::try_from(env("GPUSHARE_BENCH_NODES", 10)).unwrap();
+    let nodes = usize::try_from(env("GPUSHARE_BENCH_NODES", 20)).unwrap();
     let pods = env("GPUSHARE_BENCH_PODS", 1000);
     let unit = std::env::var("GPUSHARE_BENCH_UNIT").unwrap_or_else(|_| "GiB".into());
     let per_gib = if unit == "MiB" { 1024 } else { 1 };
@@ -70,10 +71,16 @@ async fn run() {
             })
             .collect(),
     };
-    let options = Options { dbus: false, log_filter: "warn".into(), ..Options::default() };
+    let options = Options {
+        dir: std::env::var_os("GPUSHARE_BOX_DIR").map(std::path::PathBuf::from),
+        dbus: false,
+        log_filter: "warn".into(),
+        ..Options::default()
+    };
     let started = Instant::now();
     let box_ = Cluster::up(&spec, &options).await.unwrap();
     eprintln!("box up: {nodes} nodes of 4 x 32 GiB ({unit}) in {:.1} s", started.elapsed().as_secs_f64());
+    // The clock starts with the first create.
 
     // When each pod is first seen bound, from a watch like the scheduler's.
     let bound_at: Arc<Mutex<HashMap<String, u64>>> = Arc::default();
@@ -98,7 +105,7 @@ async fn run() {
                 let api: Api<Pod> = Api::namespaced(client, "bench");
                 let mut i = c;
                 while i < pods {
-                    let gib = 1 + (i * 7) % 8;
+                    let gib = 1 + (i * 7) % 3;
                     let pod: Pod = serde_json::from_value(json!({
                         "metadata": {"name": format!("b{i:05}"), "namespace": "bench"},
                         "spec": {"containers": [{"name": "main", "image": "x", "resources": {"limits": {
@@ -116,6 +123,7 @@ async fn run() {
     }
     let created = t0.elapsed();
     let deadline = Instant::now() + Duration::from_secs(300);
+    let mut last = (0, Instant::now());
     let running = loop {
         let list = box_.pods().await.unwrap();
         let running =
@@ -125,9 +133,15 @@ async fn run() {
         if running + failed >= usize::try_from(pods).unwrap() || Instant::now() > deadline {
             break running;
         }
+        if running + failed != last.0 {
+            last = (running + failed, Instant::now());
+        } else if last.1.elapsed() > Duration::from_secs(10) {
+            eprintln!("no progress for 10 s: {running} running, {failed} failed of {pods}");
+            break running;
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    let elapsed = t0.elapsed();
+    let elapsed = last.1.duration_since(t0);
     watch.abort();
 
     let bound_at = bound_at.lock().unwrap().clone();

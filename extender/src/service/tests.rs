@@ -234,3 +234,22 @@ fn preemption_frees_one_gpu_with_the_fewest_lowest_priority_victims() {
     assert_eq!(n1.num_pdb_violations, 1);
     assert!(!r.node_name_to_meta_victims.contains_key("n2"));
 }
+
+#[tokio::test]
+async fn filter_steers_a_look_alike_away_from_a_node_still_admitting_one() {
+    let ext = extender(
+        &[node("n1", 2, 1000, 1, vec![]), node("n2", 2, 1000, 1, vec![])],
+        &[pod("a", 600, None, "Pending"), pod("b", 600, None, "Pending")],
+    );
+    assert_eq!(ext.bind(&bind_args("a", "n1")).await.error, "");
+    // On n1, b would land on GPU1 while a, on GPU0, is not admitted yet: n1 is no choice now.
+    let b = pod("b", 600, None, "Pending");
+    let a = args(&b, &["n1", "n2"]);
+    let r = ext.filter(&a);
+    assert_eq!(r.node_names.as_deref(), Some(&[Name::from("n2")][..]));
+    assert!(r.failed_nodes["n1"].contains("still admitting pod default/a"), "{r:?}");
+    // n1's daemon reports a allocated: n1 takes b again.
+    ext.with_view(|v| v.apply_node(&node("n1", 2, 1000, 2, vec![holding("a", "main", 0, 600)])));
+    let r = ext.filter(&a);
+    assert_eq!(r.node_names.as_deref().map(<[Name<'_>]>::len), Some(2), "{r:?}");
+}
