@@ -217,6 +217,9 @@ impl<C: Cluster> Extender<C> {
                         if view.admits_lookalike(n, &request, uid)
                             && let Ok(a) = view.place(placer, n, &request, self.policies.gpu, &gone)
                             && let Some(other) = view.lookalike_in_admission(n, uid, &a)
+                            && view
+                                .place_beside_lookalikes(placer, n, &request, uid, self.policies.gpu, &gone)
+                                .is_none_or(|a| view.lookalike_in_admission(n, uid, &a).is_some())
                         {
                             result
                                 .failed_nodes
@@ -358,11 +361,16 @@ impl<C: Cluster> Extender<C> {
             let mut annotations = BTreeMap::new();
             if !request.is_empty() {
                 let gone = view.evicted(&[uid.as_str()]);
-                let assignment = view
+                let mut assignment = view
                     .place(placer, &args.node, &request, self.policies.gpu, &gone)
                     .map_err(|r| (BindOutcome::NoFit, format!("pod {key} no longer fits node {}: {r}", args.node)))?;
                 if let Some(other) = view.lookalike_in_admission(&args.node, &uid, &assignment) {
-                    return Err((BindOutcome::Deferred, Self::lookalike_reason(&args.node, &other, &key)));
+                    // Beside the look-alikes, if there is room: then it does not matter which
+                    // of them the daemon serves first.
+                    assignment = view
+                        .place_beside_lookalikes(placer, &args.node, &request, &uid, self.policies.gpu, &gone)
+                        .filter(|a| view.lookalike_in_admission(&args.node, &uid, a).is_none())
+                        .ok_or_else(|| (BindOutcome::Deferred, Self::lookalike_reason(&args.node, &other, &key)))?;
                 }
                 let encoded = assignment.encode().map_err(|e| invalid(format!("pod {key}: {e}")))?;
                 annotations.insert(ASSIGNMENT_KEY.to_owned(), encoded);

@@ -800,6 +800,45 @@ impl ClusterView {
         }
     }
 
+    /// Places `pod` on `node` like [`Self::place`], but only on the GPUs of the look-alike
+    /// pods `node` is still admitting (every other GPU counted full), so that whichever of them
+    /// the daemon serves first gets what it was assigned. `None` when no look-alike is in
+    /// admission there or the pod does not fit on their GPUs.
+    pub fn place_beside_lookalikes(
+        &mut self,
+        placer: &mut Placer,
+        node: &str,
+        pod: &PodRequest,
+        uid: &str,
+        policy: GpuPolicy,
+        evicted: &Evicted<'_>,
+    ) -> Option<Assignment> {
+        let first = first_requested(pod)?;
+        let usage = self.usage(node).ok()?;
+        let beside: HashSet<String> = usage
+            .admitting
+            .iter()
+            .filter(|a| a.uid != uid && a.first == first)
+            .flat_map(|a| a.shape.iter().flat_map(|(_, gpus)| gpus.iter().map(|(u, _)| u.clone())))
+            .collect();
+        if beside.is_empty() {
+            return None;
+        }
+        self.with_node(node, evicted, |inventory, used| {
+            let used: Vec<Mib> = inventory
+                .gpus()
+                .iter()
+                .zip(used)
+                .map(|(g, u)| if beside.contains(g.uuid.as_str()) { *u } else { g.total })
+                .collect();
+            let view = NodeView::new(inventory, &used).ok()?;
+            let placement = placer.place(view, pod, policy).ok()?;
+            Some(Assignment::from_placement(node, inventory, pod, &placement))
+        })
+        .ok()
+        .flatten()
+    }
+
     /// Whether `node` certainly takes `pod`, decided without the placer: for the common shape
     /// (one container on one GPU, the pod's unit) it is enough that one schedulable GPU has the
     /// room. `None` when the shortcut does not apply or the answer is no (the caller then asks

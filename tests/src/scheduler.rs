@@ -1225,9 +1225,35 @@ struct Extender {
     /// The path part of `urlPrefix`, without its trailing slashes.
     path: String,
     timeout: Duration,
+    /// Connections kept alive between calls, as Go's `http.Client` keeps them.
+    idle: std::sync::Mutex<Vec<Conn>>,
+}
+
+/// A kept-alive HTTP/1.1 connection to the extender.
+#[derive(Debug)]
+struct Conn {
+    sender: hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+    _task: AbortOnDrop,
 }
 
 impl Extender {
+    /// An idle connection that is still open, else a new one.
+    async fn connection(&self) -> anyhow::Result<Conn> {
+        loop {
+            let idle = self.idle.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop();
+            let Some(mut conn) = idle else { break };
+            if !conn.sender.is_closed() && conn.sender.ready().await.is_ok() {
+                return Ok(conn);
+            }
+        }
+        let stream = tokio::net::TcpStream::connect((self.host.as_str(), self.port)).await?;
+        let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        let task = AbortOnDrop(tokio::spawn(async move {
+            let _ = connection.await;
+        }));
+        Ok(Conn { sender, _task: task })
+    }
+
     fn new(config: &SchedulerConfig) -> anyhow::Result<Extender> {
         let url = config.extender_url.trim_end_matches('/').to_owned();
         let uri: http::Uri = url.parse().with_context(|| format!("the extender URL {url:?} is malformed"))?;
@@ -1238,7 +1264,15 @@ impl Extender {
         let host = authority.host().trim_start_matches('[').trim_end_matches(']').to_owned();
         let port = authority.port_u16().unwrap_or(80);
         let path = uri.path().trim_end_matches('/').to_owned();
-        Ok(Extender { authority: authority.to_string(), host, port, path, url, timeout: config.http_timeout })
+        Ok(Extender {
+            authority: authority.to_string(),
+            host,
+            port,
+            path,
+            url,
+            timeout: config.http_timeout,
+            idle: std::sync::Mutex::new(Vec::new()),
+        })
     }
 
     /// `HTTPExtender.send`: POSTs `args` as JSON to `urlPrefix/verb`; anything but `200` fails.
@@ -1246,18 +1280,15 @@ impl Extender {
         let url = format!("{}/{verb}", self.url);
         let body = serde_json::to_vec(args).context("encoding the extender arguments")?;
         let exchange = async {
-            let stream = tokio::net::TcpStream::connect((self.host.as_str(), self.port)).await?;
-            let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-            let _connection = AbortOnDrop(tokio::spawn(async move {
-                let _ = connection.await;
-            }));
+            let mut conn = self.connection().await?;
             let request = http::Request::post(format!("{}/{verb}", self.path))
                 .header(http::header::HOST, &self.authority)
                 .header(http::header::CONTENT_TYPE, "application/json")
                 .body(Full::new(Bytes::from(body)))?;
-            let response = sender.send_request(request).await?;
+            let response = conn.sender.send_request(request).await?;
             let status = response.status();
             let body = response.into_body().collect().await?.to_bytes();
+            self.idle.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(conn);
             anyhow::Ok((status, body))
         };
         let (status, body) = match tokio::time::timeout(self.timeout, exchange).await {

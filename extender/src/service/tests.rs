@@ -253,3 +253,18 @@ async fn filter_steers_a_look_alike_away_from_a_node_still_admitting_one() {
     let r = ext.filter(&a);
     assert_eq!(r.node_names.as_deref().map(<[Name<'_>]>::len), Some(2), "{r:?}");
 }
+
+#[tokio::test]
+async fn a_look_alike_goes_beside_the_one_in_admission_when_there_is_room() {
+    let ext =
+        extender(&[node("n1", 2, 1000, 1, vec![])], &[pod("a", 200, None, "Pending"), pod("b", 200, None, "Pending")]);
+    assert_eq!(ext.bind(&bind_args("a", "n1")).await.error, "");
+    let gpu_of = |uid: &str| ext.with_view(|v| v.assumption(uid).map(|a| a.assignment.containers[0].gpus[0].index));
+    let a_gpu = gpu_of("uid-a").unwrap();
+    // Another pod fills the other GPU: binpack alone would now put b there, apart from a.
+    let other = 1 - a_gpu;
+    ext.with_view(|v| v.apply_node(&node("n1", 2, 1000, 2, vec![holding("y", "main", other, 700)])));
+    assert_eq!(ext.bind(&bind_args("b", "n1")).await.error, "");
+    assert_eq!(gpu_of("uid-b"), Some(a_gpu), "b goes beside a, so either may be served first");
+    assert_eq!(ext.metrics().binds(BindOutcome::Deferred), 0);
+}
