@@ -106,15 +106,6 @@ async fn every_request_shape_lands_on_a_gpu_with_room() {
     let large = find(&pods, "default/large");
     assert_eq!(large.spec.as_ref().unwrap().node_name.as_deref(), Some("a10"), "only an A10 holds 20 000 MiB");
 
-    // Several containers and an init container.
-    box_.apply(&[pod("ml", "chat", &[("model", 9_000, 1), ("tokenizer", 1_500, 1)], &[("fetch", 2_000)])])
-        .await
-        .unwrap();
-    let pods = settle_and_check(&box_, "multi-container with init", &[("ml", "chat")]).await;
-    let chat = find(&pods, "ml/chat");
-    assert_eq!(phase(chat), "Running");
-    assert_eq!(assignment(chat).containers.len(), 3);
-
     // One container over two GPUs.
     box_.apply(&[pod("ml", "train", &[("trainer", 8_000, 2)], &[])]).await.unwrap();
     let pods = settle_and_check(&box_, "2-GPU container", &[("ml", "train")]).await;
@@ -124,6 +115,15 @@ async fn every_request_shape_lands_on_a_gpu_with_room() {
     assert_eq!(a.containers[0].gpus.len(), 2);
     assert!(a.containers[0].gpus.iter().all(|g| g.mib.get() == 4_000));
     assert_ne!(a.containers[0].gpus[0].index, a.containers[0].gpus[1].index);
+
+    // Several containers and an init container.
+    box_.apply(&[pod("ml", "chat", &[("model", 9_000, 1), ("tokenizer", 1_500, 1)], &[("fetch", 2_000)])])
+        .await
+        .unwrap();
+    let pods = settle_and_check(&box_, "multi-container with init", &[("ml", "chat")]).await;
+    let chat = find(&pods, "ml/chat");
+    assert_eq!(phase(chat), "Running");
+    assert_eq!(assignment(chat).containers.len(), 3);
 
     // A pod with no GPU is bound by the scheduler itself and runs.
     box_.apply(&[json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web", "namespace": "default"},
