@@ -29,7 +29,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use futures::StreamExt as _;
-use gpushare_testkit::cluster::{Cluster, ClusterSpec, GpuSpec, NodeSpec, Options};
+use gpushare_core::MemoryUnit;
+use gpushare_testkit::cluster::{Cluster, Options, uniform_cluster};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
 use kube::runtime::{WatchStreamExt as _, watcher};
@@ -59,18 +60,15 @@ fn main() {
 async fn run() {
     let nodes = usize::try_from(env("GPUSHARE_BENCH_NODES", 20)).unwrap();
     let pods = env("GPUSHARE_BENCH_PODS", 1000);
-    let unit = std::env::var("GPUSHARE_BENCH_UNIT").unwrap_or_else(|_| "GiB".into());
-    let per_gib = if unit == "MiB" { 1024 } else { 1 };
-    let spec = ClusterSpec {
-        unit: unit.clone(),
-        nodes: (0..nodes)
-            .map(|i| NodeSpec {
-                name: format!("node-{i:02}"),
-                address: None,
-                gpus: vec![GpuSpec { model: "NVIDIA A100".into(), memory_mib: 32_768, count: 4, unhealthy: None }],
-            })
-            .collect(),
+    let unit = match std::env::var("GPUSHARE_BENCH_UNIT").as_deref() {
+        Ok("MiB") => MemoryUnit::Mib,
+        _ => MemoryUnit::Gib,
     };
+    let per_gib = if unit == MemoryUnit::Mib { 1024 } else { 1 };
+    let mut spec = uniform_cluster(nodes, 4, 32_768, unit);
+    for n in &mut spec.nodes {
+        n.gpus[0].model = "NVIDIA A100".into();
+    }
     let options = Options {
         dir: std::env::var_os("GPUSHARE_BOX_DIR").map(std::path::PathBuf::from),
         dbus: false,

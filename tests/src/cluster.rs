@@ -26,84 +26,41 @@ use crate::invariants::Report;
 use crate::node::{Record, live_admissions};
 use crate::nvml::{self, FakeGpu};
 
-/// A cluster file (`examples/cluster.yaml`, the format of `gpushare-extender simulate`, see
-/// docs/simulate.md).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ClusterSpec {
-    /// `MiB` (default) or `GiB`.
-    #[serde(default = "default_unit")]
-    pub unit: String,
-    /// The nodes.
-    pub nodes: Vec<NodeSpec>,
-}
+use gpushare_core::MemoryUnit;
+pub use gpushare_extender::simulate::{ClusterSpec, GpuSpec, NodeSpec};
 
-fn default_unit() -> String {
-    "MiB".into()
-}
-
-/// One node of a cluster file.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NodeSpec {
-    /// The Node's name.
-    pub name: String,
-    /// Its `InternalIP`.
-    #[serde(default)]
-    pub address: Option<String>,
-    /// Its GPUs, in index order.
-    pub gpus: Vec<GpuSpec>,
-}
-
-/// GPUs of one model in a cluster file.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct GpuSpec {
-    /// Product name.
-    pub model: String,
-    /// Total memory.
-    #[serde(rename = "memoryMiB")]
-    pub memory_mib: u64,
-    /// How many (default 1).
-    #[serde(default = "one")]
-    pub count: u32,
-    /// An Xid or fault that makes them unhealthy, e.g. `Xid 79`.
-    #[serde(default)]
-    pub unhealthy: Option<String>,
-}
-
-fn one() -> u32 {
-    1
-}
-
-impl ClusterSpec {
-    /// Reads a cluster file.
-    ///
-    /// # Errors
-    /// If it cannot be read or is not a cluster file.
-    pub fn read(path: &Path) -> anyhow::Result<ClusterSpec> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let spec: ClusterSpec =
-            serde_yaml_ng::from_str(&text).with_context(|| format!("{} is not a cluster file", path.display()))?;
-        if spec.nodes.is_empty() {
-            bail!("{} has no nodes", path.display());
-        }
-        Ok(spec)
+/// Reads a cluster file (`examples/cluster.yaml`: the simulator's format, docs/simulate.md).
+///
+/// # Errors
+/// If it cannot be read or is not a cluster file.
+pub fn read_cluster(path: &Path) -> anyhow::Result<ClusterSpec> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let spec = gpushare_extender::simulate::parse_cluster(&text).with_context(|| format!("{}", path.display()))?;
+    if spec.nodes.is_empty() {
+        bail!("{} has no nodes", path.display());
     }
+    Ok(spec)
+}
 
-    /// `n` nodes `node-00`…, each with `gpus` GPUs of `memory_mib`.
-    #[must_use]
-    pub fn uniform(n: usize, gpus: u32, memory_mib: u64, unit: &str) -> ClusterSpec {
-        ClusterSpec {
-            unit: unit.into(),
-            nodes: (0..n)
-                .map(|i| NodeSpec {
-                    name: format!("node-{i:02}"),
-                    address: None,
-                    gpus: vec![GpuSpec { model: "Tesla T4".into(), memory_mib, count: gpus, unhealthy: None }],
-                })
-                .collect(),
-        }
+/// `n` nodes `node-00`…, each with `gpus` GPUs of `memory_mib`.
+#[must_use]
+pub fn uniform_cluster(n: usize, gpus: u32, memory_mib: u64, unit: MemoryUnit) -> ClusterSpec {
+    ClusterSpec {
+        unit,
+        nodes: (0..n)
+            .map(|i| NodeSpec {
+                name: format!("node-{i:02}"),
+                address: String::new(),
+                unit: None,
+                gpus: vec![GpuSpec {
+                    model: "Tesla T4".into(),
+                    memory_mib,
+                    count: gpus,
+                    unhealthy: None,
+                    cordoned: false,
+                }],
+            })
+            .collect(),
     }
 }
 
@@ -484,7 +441,7 @@ impl Cluster {
             extender,
             extender_addr,
             scheduler,
-            unit: spec.unit.clone(),
+            unit: spec.unit.to_string(),
             client,
         };
         cluster.wait_ready(Duration::from_secs(60)).await?;
@@ -502,6 +459,14 @@ impl Cluster {
         }
         for (node, i) in faulty {
             cluster.wait_gpu_health(&node, i, false, Duration::from_secs(20)).await?;
+        }
+        // GPUs the cluster file marks cordoned are cordoned as an operator would.
+        for node in &spec.nodes {
+            for (i, gpu) in node.gpus.iter().flat_map(|g| (0..g.count).map(move |_| g)).enumerate() {
+                if gpu.cordoned {
+                    cluster.cordon(&node.name, i)?;
+                }
+            }
         }
         Ok(cluster)
     }
@@ -563,6 +528,25 @@ impl Cluster {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// Cordons GPU `index` of `node` with `gpusharectl` over the node's bus.
+    ///
+    /// # Errors
+    /// No bus (no `dbus-daemon` installed, or the box started without), or gpusharectl failed.
+    pub fn cordon(&self, node: &str, index: usize) -> anyhow::Result<()> {
+        let n = self.node(node).with_context(|| format!("no node {node}"))?;
+        let Some(address) = &n.bus_address else {
+            bail!("cordoning a GPU needs the node's D-Bus status API: install dbus-daemon (node {node} GPU {index})")
+        };
+        let out = Command::new(&self.bin.gpusharectl)
+            .args(["--address", address, "cordon", &index.to_string()])
+            .output()
+            .context("running gpusharectl")?;
+        if !out.status.success() {
+            bail!("gpusharectl cordon {index} on {node}: {}", String::from_utf8_lossy(&out.stderr).trim());
+        }
+        Ok(())
     }
 
     /// The node-state annotation `node`'s daemon published, decoded.
@@ -811,7 +795,8 @@ fn start_node(
         .collect();
     let nvml_config = ndir.join("nvml.conf");
     nvml::write_config(&nvml_config, &gpus, &nvml::events_directive(&events))?;
-    let address = node.address.clone().unwrap_or_else(|| format!("10.0.{}.{}", i / 250, i % 250 + 10));
+    let address =
+        if node.address.is_empty() { format!("10.0.{}.{}", i / 250, i % 250 + 10) } else { node.address.clone() };
     let env = vec![("RUST_LOG".to_owned(), options.log_filter.clone())];
     let kubelet = Proc::spawn(
         &format!("kubelet-{}", node.name),
@@ -880,7 +865,7 @@ fn start_node(
             ndir.join("state").join("ledger.db").display(),
             kubeconfig.display(),
             library.display(),
-            spec.unit,
+            node.unit.unwrap_or(spec.unit),
             options.daemon_extra
         ),
     )?;

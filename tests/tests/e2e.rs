@@ -31,14 +31,22 @@ fn pod(ns: &str, name: &str, containers: &[(&str, u64, u64)], init: &[(&str, u64
 }
 
 fn spec() -> ClusterSpec {
-    let gpu =
-        |model: &str, mib: u64, count: u32| GpuSpec { model: model.into(), memory_mib: mib, count, unhealthy: None };
+    let gpu = |model: &str, mib: u64, count: u32| GpuSpec {
+        model: model.into(),
+        memory_mib: mib,
+        count,
+        unhealthy: None,
+        cordoned: false,
+    };
+    let node = |name: &str, gpus: GpuSpec| NodeSpec {
+        name: name.into(),
+        address: String::new(),
+        unit: None,
+        gpus: vec![gpus],
+    };
     ClusterSpec {
-        unit: "MiB".into(),
-        nodes: vec![
-            NodeSpec { name: "t4".into(), address: None, gpus: vec![gpu("Tesla T4", 15_360, 2)] },
-            NodeSpec { name: "a10".into(), address: None, gpus: vec![gpu("NVIDIA A10", 23_028, 2)] },
-        ],
+        unit: gpushare_core::MemoryUnit::Mib,
+        nodes: vec![node("t4", gpu("Tesla T4", 15_360, 2)), node("a10", gpu("NVIDIA A10", 23_028, 2))],
     }
 }
 

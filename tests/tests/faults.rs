@@ -11,7 +11,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use gpushare_testkit::cluster::{Cluster, ClusterSpec, Options, is_settled, pod_key};
+use gpushare_testkit::cluster::{Cluster, Options, is_settled, pod_key, uniform_cluster};
 use serde_json::json;
 
 /// The longest this test waits for one API call (kube's client retries 503s during an outage).
@@ -57,7 +57,7 @@ async fn churn_under_faults_keeps_every_invariant() {
     eprintln!("fault suite: {total} pods over {n_nodes} nodes, seed GPUSHARE_FAULT_SEED={seed}");
 
     // GiB units keep 20 nodes' device lists small on a 2-core machine; recovery after 2 s.
-    let spec = ClusterSpec::uniform(n_nodes, 2, 16_384, "GiB");
+    let spec = uniform_cluster(n_nodes, 2, 16_384, gpushare_core::MemoryUnit::Gib);
     let options = Options {
         // GPUSHARE_BOX_DIR keeps the logs, ledgers and records of a run to study.
         dir: std::env::var_os("GPUSHARE_BOX_DIR").map(std::path::PathBuf::from),

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use gpushare_testkit::apiserver::{ApiServer, Options as ApiOptions};
-use gpushare_testkit::cluster::{self, Cluster, ClusterSpec, Options};
+use gpushare_testkit::cluster::{self, Cluster, Options};
 use gpushare_testkit::node::{NodeAgent, NodeConfig};
 use gpushare_testkit::scheduler::{Scheduler, SchedulerConfig};
 use tokio::signal::unix::{SignalKind, signal};
@@ -217,7 +217,7 @@ async fn demo(
     dir: Option<PathBuf>,
     exit: bool,
 ) -> anyhow::Result<()> {
-    let spec = ClusterSpec::read(cluster_file)
+    let spec = cluster::read_cluster(cluster_file)
         .with_context(|| "pass --cluster (the sample is examples/cluster.yaml in the repository)")?;
     let pods = cluster::read_workload(workload_file)
         .with_context(|| "pass --workload (the sample is examples/workload.yaml in the repository)")?;
