@@ -367,10 +367,17 @@ async fn reconcile_loop(
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     every.tick().await;
     let mut warned = false;
+    let mut changes = alloc.subscribe();
     loop {
         tokio::select! {
             _ = every.tick() => {}
             () = now.notified() => {}
+            // Soon after allocations: the kubelet's record says at once whether an answer went
+            // to the pod the daemon took it for, before the node state is published (100 ms).
+            Ok(()) = changes.changed() => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                changes.borrow_and_update();
+            }
         }
         if !pods.is_synced() {
             tracing::info!("reconciliation waits for the first complete list of this node's pods");

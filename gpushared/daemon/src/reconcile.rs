@@ -10,7 +10,8 @@
 //!   a sidecar's likewise (older kubelets do not list them);
 //! - rows younger than the grace period are kept (the kubelet records an allocation only after
 //!   `Allocate` returned, and lists a pod only once it is active);
-//! - the kubelet holds the device set for another pod: released ("wrong owner"), and the set
+//! - the kubelet holds the device set for another pod: released at once, grace period or not
+//!   ("wrong owner"), and the set
 //!   adopted for the pod the kubelet names;
 //! - the kubelet does not list the pod at all, but the API server still has it running on this
 //!   node: kept (a restarting kubelet lists no pod until it has synced its own; the pod watch
@@ -166,13 +167,16 @@ pub fn plan(
                 matched.insert(first.request_key.clone());
             }
             Some(h) if same_pod(h) && first.role == ContainerRole::Init => {}
-            _ if pod_listed && first.role != ContainerRole::App => {}
-            _ if now_ms.saturating_sub(first.allocated_at) < grace_ms => {}
-            None if !pod_listed && running(&first.pod.uid) => {}
+            // The kubelet's positive word that another pod holds the set: no grace period (the
+            // kubelet records an allocation before it admits the next container, so a young
+            // row it lists under another pod was an answer to that pod's call).
             Some(h) if !same_pod(h) => repairs.push(release(format!(
                 "reconcile: the kubelet holds these devices for {}/{} container {:?}",
                 h.namespace, h.name, h.container
             ))),
+            _ if pod_listed && first.role != ContainerRole::App => {}
+            _ if now_ms.saturating_sub(first.allocated_at) < grace_ms => {}
+            None if !pod_listed && running(&first.pod.uid) => {}
             Some(h) => repairs.push(release(format!(
                 "reconcile: the kubelet holds these devices for container {:?} of the same pod",
                 h.container
@@ -383,6 +387,19 @@ mod tests {
         assert!(matches!(&repairs[0], Repair::Adopt { pod, container, device_ids, .. }
             if pod.uid == "uid-a" && container == "main" && device_ids == &["x1"]));
         assert!(matches!(&repairs[1], Repair::Unknown { holding } if holding.name == "stranger"));
+    }
+
+    #[test]
+    fn a_young_row_the_kubelet_lists_under_another_pod_is_released_at_once() {
+        // The answer went to b's call, though the daemon took it for a: no grace period.
+        let live = [row(1, "a", "main", ContainerRole::App, &["x1"], NOW)];
+        let k = kubelet(&["b"], vec![holding("b", "main", &["x1"])]);
+        let repairs = plan(&live, &k, known, gone, NOW, GRACE);
+        assert!(
+            matches!(&repairs[0], Repair::Release { rows, reason, .. }
+            if rows == &[1] && reason.contains("for default/b container \"main\"")),
+            "{repairs:?}"
+        );
     }
 
     #[test]
