@@ -21,7 +21,7 @@ use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_core::placement::{GpuPolicy, NodeView, Placer, Rejection};
 use gpushare_core::schedule::Policies;
-use gpushare_core::{ContainerRole, MemoryUnit, Mib, NodeInventory, PodRequest, ResourceNames};
+use gpushare_core::{MemoryUnit, Mib, NodeInventory, PodRequest, ResourceNames};
 
 use crate::objects::{NodeObject, PodObject};
 
@@ -184,27 +184,16 @@ pub struct Usage {
     total: Vec<Mib>,
 }
 
-/// The placement of a pod's containers without their names: GPUs and budgets, by role.
-pub type Shape = Vec<(ContainerRole, Vec<(String, u64)>)>;
-
-/// A pod its node's daemon has not reported allocated yet, as the kubelet's first device
-/// request will show it (see [`ClusterView::lookalike_in_admission`]).
+/// A pod its node's daemon has not reported allocated yet (see
+/// [`ClusterView::lookalike_in_admission`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Admitting {
     /// UID.
     pub uid: String,
     /// `namespace/name`.
     pub pod: String,
-    /// The memory of its first container that asks for any, in admission order.
-    pub first: u64,
     /// Its placement.
-    pub shape: Shape,
-}
-
-impl Admitting {
-    fn of(uid: &str, pod: String, a: &Assignment) -> Option<Admitting> {
-        Some(Admitting { uid: uid.to_owned(), pod, first: first_request(a)?, shape: shape(a) })
-    }
+    pub assignment: Assignment,
 }
 
 /// One pod's memory on a node.
@@ -690,9 +679,9 @@ impl ClusterView {
             if daemon.is_none()
                 && own.is_some()
                 && let Holding::Assigned(a) = &pod.holding
-                && let Some(entry) = Admitting::of(uid, format!("{}/{}", pod.namespace, pod.name), a)
             {
-                usage.admitting.push(entry);
+                let pod = format!("{}/{}", pod.namespace, pod.name);
+                usage.admitting.push(Admitting { uid: uid.clone(), pod, assignment: (**a).clone() });
             }
             let mib = match (daemon, own) {
                 // The daemon wins; what it has not admitted yet (a container still to come) is added.
@@ -727,9 +716,8 @@ impl ClusterView {
             if a.node != node || counted.contains(uid.as_str()) {
                 continue;
             }
-            if let Some(entry) = Admitting::of(uid, format!("{}/{}", a.namespace, a.name), &a.assignment) {
-                usage.admitting.push(entry);
-            }
+            let pod = format!("{}/{}", a.namespace, a.name);
+            usage.admitting.push(Admitting { uid: uid.clone(), pod, assignment: a.assignment.clone() });
             if let Some(mib) = self.footprint(inventory, &Holding::Assigned(Box::new(a.assignment.clone()))) {
                 usage.pods.push(Holder {
                     uid: uid.clone(),
@@ -813,13 +801,13 @@ impl ClusterView {
         policy: GpuPolicy,
         evicted: &Evicted<'_>,
     ) -> Option<Assignment> {
-        let first = first_requested(pod)?;
+        let first = pod.first_request()?;
         let usage = self.usage(node).ok()?;
         let beside: HashSet<String> = usage
             .admitting
             .iter()
-            .filter(|a| a.uid != uid && a.first == first)
-            .flat_map(|a| a.shape.iter().flat_map(|(_, gpus)| gpus.iter().map(|(u, _)| u.clone())))
+            .filter(|a| a.uid != uid && a.assignment.first_request() == Some(first))
+            .flat_map(|a| a.assignment.containers.iter().flat_map(|c| c.gpus.iter().map(|g| g.uuid.to_string())))
             .collect();
         if beside.is_empty() {
             return None;
@@ -903,37 +891,13 @@ impl ClusterView {
     }
 }
 
-/// What the kubelet's first device request for a pod looks like to the daemon: the memory of
-/// the first container that asks for any, in admission order (init containers and sidecars
-/// first); `None` for a pod that asks for none.
-fn first_request(a: &Assignment) -> Option<u64> {
-    let init = a.containers.iter().filter(|c| c.role != ContainerRole::App);
-    let app = a.containers.iter().filter(|c| c.role == ContainerRole::App);
-    init.chain(app).map(|c| c.gpus.iter().map(|g| g.mib.get()).sum::<u64>()).find(|m| *m > 0)
-}
-
-/// [`first_request`] of a request not placed yet.
-fn first_requested(pod: &PodRequest) -> Option<u64> {
-    let init = pod.containers().iter().filter(|c| c.role != ContainerRole::App);
-    let app = pod.containers().iter().filter(|c| c.role == ContainerRole::App);
-    init.chain(app).map(|c| c.memory.get()).find(|m| *m > 0)
-}
-
-/// An assignment with the container names left out: two pods with the same shape get the
-/// same GPUs and budgets whichever of them the daemon serves first.
-fn shape(a: &Assignment) -> Shape {
-    a.containers
-        .iter()
-        .map(|c| (c.role, c.gpus.iter().map(|g| (g.uuid.as_str().to_owned(), g.mib.get())).collect()))
-        .collect()
-}
-
 impl ClusterView {
     /// Whether `node` is admitting a pod whose first device request is the size of `pod`'s:
     /// the cheap test before [`Self::lookalike_in_admission`].
     pub fn admits_lookalike(&mut self, node: &str, pod: &PodRequest, uid: &str) -> bool {
-        let Some(first) = first_requested(pod) else { return false };
-        self.usage(node).is_ok_and(|u| u.admitting.iter().any(|a| a.first == first && a.uid != uid))
+        let Some(first) = pod.first_request() else { return false };
+        self.usage(node)
+            .is_ok_and(|u| u.admitting.iter().any(|a| a.uid != uid && a.assignment.first_request() == Some(first)))
     }
 
     /// A pod bound (or being bound) to `node` that its daemon has not allocated yet and that
@@ -942,10 +906,8 @@ impl ClusterView {
     /// counts, so the daemon would serve whichever it takes to be first; binding a look-alike
     /// while the other is admitted could hand each the other's GPUs. Returns `namespace/name`.
     pub fn lookalike_in_admission(&mut self, node: &str, uid: &str, assignment: &Assignment) -> Option<String> {
-        let first = first_request(assignment)?;
-        let mine = shape(assignment);
         let usage = self.usage(node).ok()?;
-        usage.admitting.iter().find(|a| a.uid != uid && a.first == first && a.shape != mine).map(|a| a.pod.clone())
+        usage.admitting.iter().find(|a| a.uid != uid && a.assignment.is_lookalike_of(assignment)).map(|a| a.pod.clone())
     }
 }
 

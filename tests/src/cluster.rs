@@ -384,11 +384,7 @@ impl Cluster {
             &logs,
         )?;
         wait_for(&mut apiserver, Duration::from_secs(20), "the API server", || kubeconfig.is_file())?;
-        let api_url = std::fs::read_to_string(&kubeconfig)?
-            .lines()
-            .find_map(|l| l.trim().strip_prefix("server: ").map(str::to_owned))
-            .context("the API server's kubeconfig names no server")?;
-        let client = client_for(&api_url)?;
+        let (client, api_url) = client_from_kubeconfig(&kubeconfig)?;
 
         let dbus_daemon = if options.dbus { which("dbus-daemon") } else { None };
         let mut nodes = Vec::new();
@@ -913,6 +909,21 @@ pub fn pod_key(pod: &Pod) -> String {
         pod.metadata.namespace.as_deref().unwrap_or_default(),
         pod.metadata.name.as_deref().unwrap_or_default()
     )
+}
+
+/// A kube client for the API-server stand-in a kubeconfig written by `gpushare-box apiserver`
+/// names, and its URL.
+///
+/// # Errors
+/// If the file cannot be read or names no server.
+pub fn client_from_kubeconfig(path: &Path) -> anyhow::Result<(kube::Client, String)> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let url = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("server: "))
+        .with_context(|| format!("{} names no server", path.display()))?
+        .to_owned();
+    Ok((client_for(&url)?, url))
 }
 
 /// A kube client for `url` (plain HTTP, no credentials).

@@ -23,6 +23,7 @@ use gpushare_core::devices::device_set_ids;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde::Serialize;
 
+use crate::cluster::pod_key as key;
 use crate::node::Record;
 
 /// What a check found.
@@ -60,14 +61,6 @@ impl Report {
         }
         out
     }
-}
-
-fn key(pod: &Pod) -> String {
-    format!(
-        "{}/{}",
-        pod.metadata.namespace.as_deref().unwrap_or_default(),
-        pod.metadata.name.as_deref().unwrap_or_default()
-    )
 }
 
 fn is_live(pod: &Pod) -> bool {

@@ -5,6 +5,7 @@
 //! - [`invariants`]: design.md's invariants checked across the box from the outside;
 //! - [`kubelet`]: the kubelet's side of the device plugin API and its PodResources API, restarts included;
 //! - [`node`]: the kubelet stand-in as a node: registers its Node, admits the pods bound to it, writes their status;
+//! - [`rng`]: a seeded xorshift for tie-breaks and fault choices;
 //! - [`nvml`]: the fake NVML library, built from C, and its configuration.
 
 pub mod apiserver;
@@ -13,4 +14,5 @@ pub mod invariants;
 pub mod kubelet;
 pub mod node;
 pub mod nvml;
+pub mod rng;
 pub mod scheduler;

@@ -28,7 +28,7 @@
 //! - **Refuses admission** while told to ([`NodeAgent::set_refusing`], `SIGUSR1` toggles it):
 //!   new pods fail with reason `AdmissionRefused`.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -40,7 +40,7 @@ use futures::StreamExt as _;
 use gpushare_core::devices::device_set_key;
 use gpushare_core::units::parse_quantity;
 use k8s_openapi::api::core::v1::{Container, Node, Pod};
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::WatchStreamExt as _;
 use kube::runtime::watcher;
 use serde::{Deserialize, Serialize};
@@ -183,12 +183,6 @@ impl NodeAgent {
             state: tokio::sync::Mutex::new(State::default()),
             record: Mutex::new(record),
         }))
-    }
-
-    /// The device-manager stand-in.
-    #[must_use]
-    pub fn kubelet(&self) -> &Kubelet {
-        &self.kubelet
     }
 
     /// Restarts the kubelet (see [`Kubelet::restart`]).
@@ -376,7 +370,8 @@ impl NodeAgent {
 
     /// Frees a pod's devices, if it was admitted under this UID.
     async fn release(&self, k: &Known) {
-        let mut state = state_waiting_remove(&self.state, k).await;
+        let mut state = self.state.lock().await;
+        state.waiting.retain(|_, p| uid_of(p) != k.uid);
         let key = (k.namespace.clone(), k.name.clone());
         if state.admitted.get(&key) == Some(&k.uid) {
             state.admitted.remove(&key);
@@ -543,21 +538,6 @@ impl NodeAgent {
             tracing::error!(record = %self.config.record.display(), error = %e, "writing the record");
         }
     }
-
-    /// Pods this node has admitted, as `namespace/name`.
-    pub async fn admitted(&self) -> BTreeSet<String> {
-        self.state.lock().await.admitted.keys().map(|(ns, n)| format!("{ns}/{n}")).collect()
-    }
-
-    /// Lists the Node's pods once (for a caller that wants to know the API server answers).
-    ///
-    /// # Errors
-    /// The API server's error.
-    pub async fn list_pods(&self) -> anyhow::Result<usize> {
-        let pods: Api<Pod> = Api::all(self.client.clone());
-        let params = ListParams::default().fields(&format!("spec.nodeName={}", self.config.node));
-        Ok(pods.list(&params).await?.items.len())
-    }
 }
 
 impl std::fmt::Debug for NodeAgent {
@@ -567,16 +547,6 @@ impl std::fmt::Debug for NodeAgent {
             .field("kubelet", &self.kubelet)
             .finish_non_exhaustive()
     }
-}
-
-/// Locks the state after dropping `k` from the waiting pods.
-async fn state_waiting_remove<'a>(
-    state: &'a tokio::sync::Mutex<State>,
-    k: &Known,
-) -> tokio::sync::MutexGuard<'a, State> {
-    let mut guard = state.lock().await;
-    guard.waiting.retain(|_, p| uid_of(p) != k.uid);
-    guard
 }
 
 fn uid_of(pod: &Pod) -> String {

@@ -29,11 +29,12 @@
 //! nodes with `pods` in their allocatable. A node whose `Ready` condition is not `True` is treated
 //! as carrying the taint the node lifecycle controller would put on it.
 
+use crate::rng::XorShift;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, anyhow, bail};
 use bytes::Bytes;
@@ -999,27 +1000,6 @@ fn fit_error_message(all_nodes: usize, reasons: &BTreeMap<String, Vec<String>>) 
     let mut parts: Vec<String> = histogram.into_iter().map(|(reason, n)| format!("{n} {reason}")).collect();
     parts.sort();
     format!("0/{all_nodes} nodes are available: {}.", parts.join(", "))
-}
-
-/// A small xorshift for breaking score ties.
-#[derive(Debug)]
-struct XorShift(u64);
-
-impl XorShift {
-    fn from_clock() -> XorShift {
-        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-        let seed = u64::try_from(nanos & u128::from(u64::MAX)).unwrap_or(0);
-        XorShift(seed | 1)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x % n.max(1)
-    }
 }
 
 /// The highest score; ties broken by reservoir sampling, as kube-scheduler's `selectHost` does.

@@ -12,24 +12,11 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use gpushare_testkit::cluster::{Cluster, Options, is_settled, pod_key, uniform_cluster};
+use gpushare_testkit::rng::XorShift;
 use serde_json::json;
 
 /// The longest this test waits for one API call (kube's client retries 503s during an outage).
 const CALL: Duration = Duration::from_secs(3);
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
 
 fn env(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -51,9 +38,9 @@ struct Counts {
 async fn churn_under_faults_keeps_every_invariant() {
     let total = env("GPUSHARE_FAULT_PODS", 2000);
     let n_nodes = usize::try_from(env("GPUSHARE_FAULT_NODES", 20)).unwrap();
-    let seed = env("GPUSHARE_FAULT_SEED", 0).max(1)
-        ^ if std::env::var("GPUSHARE_FAULT_SEED").is_ok() { 0 } else { u64::from(std::process::id()) << 20 | 0x9E37 };
-    let mut rng = Rng(seed);
+    // A new seed each run unless one is given; printed, so any run can be repeated.
+    let seed = env("GPUSHARE_FAULT_SEED", XorShift::from_clock().below(u64::MAX));
+    let mut rng = XorShift::new(seed);
     eprintln!("fault suite: {total} pods over {n_nodes} nodes, seed GPUSHARE_FAULT_SEED={seed}");
 
     // GiB units keep 20 nodes' device lists small on a 2-core machine; recovery after 2 s.

@@ -345,6 +345,15 @@ impl PodRequest {
         &self.containers
     }
 
+    /// [`Assignment::first_request`](crate::codec::assignment::Assignment::first_request) of
+    /// this pod before it is placed.
+    #[must_use]
+    pub fn first_request(&self) -> Option<Mib> {
+        let init = self.containers.iter().filter(|c| c.role != ContainerRole::App);
+        let app = self.containers.iter().filter(|c| c.role == ContainerRole::App);
+        init.chain(app).map(|c| c.memory).find(|m| *m > Mib::ZERO)
+    }
+
     /// True if no container asks for GPU memory.
     #[must_use]
     pub fn is_empty(&self) -> bool {

@@ -167,7 +167,12 @@ struct Held {
     container: String,
     role: ContainerRole,
     gpu: GpuUuid,
+    gpu_index: u32,
     mib: Mib,
+    /// One device of the set (the kubelet holds a set entirely or not at all), for
+    /// [`Allocator::release_offered`].
+    first_device: Option<String>,
+    allocated_at: i64,
 }
 
 impl From<&Row> for Held {
@@ -179,7 +184,10 @@ impl From<&Row> for Held {
             container: r.container.clone(),
             role: r.role,
             gpu: r.gpu_uuid.clone(),
+            gpu_index: r.gpu_index,
             mib: r.mib,
+            first_device: r.device_ids.first().cloned(),
+            allocated_at: r.allocated_at,
         }
     }
 }
@@ -473,38 +481,31 @@ impl Allocator {
         I: IntoIterator<Item = &'a str>,
     {
         const RECENT_MS: i64 = 120_000;
-        if state.held.is_empty() {
-            return Ok(());
-        }
-        let rows: Vec<Row> = state
-            .ledger
-            .all_since(crate::ledger::now_ms() - RECENT_MS)?
-            .into_iter()
-            .filter(|r| r.released_at.is_none())
-            .collect();
+        let since = crate::ledger::now_ms() - RECENT_MS;
         let mut first: HashMap<&str, Vec<i64>> = HashMap::new();
-        for r in &rows {
-            if let Some(id) = r.device_ids.first()
+        for h in state.held.iter().filter(|h| h.allocated_at >= since) {
+            if let Some(id) = &h.first_device
                 && !must_include.contains(id)
             {
-                first.entry(id.as_str()).or_default().push(r.id);
+                first.entry(id.as_str()).or_default().push(h.id);
             }
         }
         if first.is_empty() {
             return Ok(());
         }
-        let stale: Vec<i64> = available.into_iter().filter_map(|id| first.get(id)).flatten().copied().collect();
+        let stale: BTreeSet<i64> = available.into_iter().filter_map(|id| first.get(id)).flatten().copied().collect();
         if stale.is_empty() {
             return Ok(());
         }
         let reason = "the kubelet offers these devices as free, so it never gave them to this container";
-        state.ledger.release_rows(&stale, reason)?;
-        state.held.retain(|h| !stale.contains(&h.id));
-        let doubtful: Vec<String> = rows.iter().filter(|r| stale.contains(&r.id)).map(|r| r.pod.uid.clone()).collect();
-        state.doubtful.extend(doubtful);
-        for r in rows.iter().filter(|r| stale.contains(&r.id)) {
-            tracing::warn!(pod = %format!("{}/{}", r.pod.namespace, r.pod.name), container = %r.container,
-                gpu = r.gpu_index, mib = r.mib.get(), reason, "released");
+        state.ledger.release_rows(&stale.iter().copied().collect::<Vec<_>>(), reason)?;
+        let (gone, kept): (Vec<Arc<Held>>, Vec<Arc<Held>>) =
+            std::mem::take(&mut state.held).into_iter().partition(|h| stale.contains(&h.id));
+        state.held = kept;
+        for h in gone {
+            tracing::warn!(pod = %format!("{}/{}", h.pod.namespace, h.pod.name), container = %h.container,
+                gpu = h.gpu_index, mib = h.mib.get(), reason, "released");
+            state.doubtful.insert(h.pod.uid.clone());
         }
         self.changed();
         Ok(())
@@ -521,18 +522,12 @@ impl Allocator {
         if started(uid) {
             return None;
         }
-        let shape = |c: &Candidate| -> Vec<(ContainerRole, Vec<(String, u64)>)> {
-            c.assignment
-                .containers
-                .iter()
-                .map(|k| (k.role, k.gpus.iter().map(|g| (g.uuid.to_string(), g.mib.get())).collect()))
-                .collect()
-        };
-        let mine = shape(top);
         let name = |c: &Candidate| format!("{}/{}", c.view().pod.namespace, c.view().pod.name);
         fitting[1..]
             .iter()
-            .find(|c| c.view().pod.uid != uid && !started(&c.view().pod.uid) && shape(c) != mine)
+            .find(|c| {
+                c.view().pod.uid != uid && !started(&c.view().pod.uid) && !c.assignment.same_placement(&top.assignment)
+            })
             .map(|c| (name(top), name(c)))
     }
 

@@ -107,6 +107,24 @@ async fn admit_named(kubelet: &Kubelet, name: &str, containers: &[ContainerSpec]
     }
 }
 
+/// What PodResources reports for pod `default/<name>` whose container `main` holds `device_ids`.
+fn held_by(name: &str, device_ids: Vec<String>) -> gpushare_proto::podresources::PodResources {
+    gpushare_proto::podresources::PodResources {
+        name: name.into(),
+        namespace: "default".into(),
+        containers: vec![gpushare_proto::podresources::ContainerResources {
+            name: "main".into(),
+            devices: vec![gpushare_proto::podresources::ContainerDevices {
+                resource_name: "gpushare.io/gpu-mem".into(),
+                device_ids,
+                topology: None,
+            }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
 fn ledger(host: &Host) -> Ledger {
     Ledger::open(&host.ledger()).unwrap().ledger
 }
@@ -167,20 +185,7 @@ async fn tells_systemd_when_ready_what_it_does_and_that_it_lives() {
     // Serving once the kubelet accepted the registration.
     let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
     // It holds the first run's devices, as a kubelet restored from its checkpoint does.
-    kubelet.inject_pod_resources(gpushare_proto::podresources::PodResources {
-        name: "kept".into(),
-        namespace: "default".into(),
-        containers: vec![gpushare_proto::podresources::ContainerResources {
-            name: "main".into(),
-            devices: vec![gpushare_proto::podresources::ContainerDevices {
-                resource_name: "gpushare.io/gpu-mem".into(),
-                device_ids: kept,
-                topology: None,
-            }],
-            ..Default::default()
-        }],
-        ..Default::default()
-    });
+    kubelet.inject_pod_resources(held_by("kept", kept));
     kubelet.wait_registered(1, WAIT).await.unwrap();
     notes.wait_for("serving status", |m| m == "STATUS=serving 2 GPUs, 1 allocation");
     kubelet.wait_devices(WAIT, |d| !d.is_empty()).await.unwrap();
@@ -338,20 +343,7 @@ async fn reconciles_the_ledger_with_what_the_kubelet_holds() {
     )
     .unwrap();
     let ids: Vec<String> = gpushare_core::devices::DeviceMap::new(&inventory).ids(1).skip(500).take(100).collect();
-    kubelet.inject_pod_resources(gpushare_proto::podresources::PodResources {
-        name: "adopted".into(),
-        namespace: "default".into(),
-        containers: vec![gpushare_proto::podresources::ContainerResources {
-            name: "main".into(),
-            devices: vec![gpushare_proto::podresources::ContainerDevices {
-                resource_name: "gpushare.io/gpu-mem".into(),
-                device_ids: ids,
-                topology: None,
-            }],
-            ..Default::default()
-        }],
-        ..Default::default()
-    });
+    kubelet.inject_pod_resources(held_by("adopted", ids));
 
     let live = eventually("the repairs", || {
         let live = ledger(&host).live().unwrap();

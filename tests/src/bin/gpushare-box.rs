@@ -194,12 +194,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
 }
 
 fn client(kubeconfig: &std::path::Path) -> anyhow::Result<kube::Client> {
-    let text = std::fs::read_to_string(kubeconfig).with_context(|| format!("reading {}", kubeconfig.display()))?;
-    let server = text
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("server: "))
-        .with_context(|| format!("{} names no server", kubeconfig.display()))?;
-    cluster::client_for(server)
+    Ok(cluster::client_from_kubeconfig(kubeconfig)?.0)
 }
 
 async fn until_stopped() -> anyhow::Result<()> {

@@ -117,6 +117,34 @@ impl Assignment {
         footprint(self.containers.iter().map(|c| (c.role, c.gpus.iter().map(|g| (g.uuid.clone(), g.mib)))))
     }
 
+    /// The memory of the kubelet's first device request for this pod: its first container, in
+    /// admission order (init containers and sidecars first), that has any; `None` if none has.
+    /// Device-plugin calls carry only this count, which is all the daemon can tell pods apart by.
+    #[must_use]
+    pub fn first_request(&self) -> Option<Mib> {
+        let init = self.containers.iter().filter(|c| c.role != ContainerRole::App);
+        let app = self.containers.iter().filter(|c| c.role == ContainerRole::App);
+        init.chain(app).map(|c| c.gpus.iter().fold(Mib::ZERO, |m, g| m.saturating_add(g.mib))).find(|m| *m > Mib::ZERO)
+    }
+
+    /// Whether `other` places its containers exactly as this one does, names left out: the same
+    /// roles, GPUs and budgets in the same order. Two such pods get what they were assigned
+    /// whichever of them the daemon serves first.
+    #[must_use]
+    pub fn same_placement(&self, other: &Assignment) -> bool {
+        let gpus = |c: &ContainerAssignment| c.gpus.iter().map(|g| (g.uuid.clone(), g.mib)).collect::<Vec<_>>();
+        self.containers.len() == other.containers.len()
+            && self.containers.iter().zip(&other.containers).all(|(a, b)| a.role == b.role && gpus(a) == gpus(b))
+    }
+
+    /// Whether the kubelet cannot tell `other` from this pod (the same [`Self::first_request`])
+    /// while they are placed differently: serving one in the other's place would hand it the
+    /// other's GPUs.
+    #[must_use]
+    pub fn is_lookalike_of(&self, other: &Assignment) -> bool {
+        self.first_request().is_some() && self.first_request() == other.first_request() && !self.same_placement(other)
+    }
+
     /// Encodes the annotation value.
     ///
     /// # Errors
@@ -203,6 +231,34 @@ mod tests {
                 },
             ],
         }
+    }
+
+    #[test]
+    fn look_alikes_are_the_same_first_request_placed_differently() {
+        let a = sample();
+        // Init containers first: the kubelet asks for fetch's 5000 MiB before anything else.
+        assert_eq!(a.first_request(), Some(Mib::new(5000)));
+        let mut renamed = sample();
+        renamed.containers[2].name = "server".into();
+        assert!(a.same_placement(&renamed), "names do not matter");
+        assert!(!a.is_lookalike_of(&renamed), "same placement: either may be served first");
+        let mut elsewhere = sample();
+        elsewhere.containers[0].gpus = vec![share(1, 5000)];
+        assert!(!a.same_placement(&elsewhere));
+        assert!(a.is_lookalike_of(&elsewhere));
+        let mut other_size = elsewhere.clone();
+        other_size.containers[0].gpus = vec![share(1, 4000)];
+        assert!(!a.is_lookalike_of(&other_size), "the kubelet's count tells them apart");
+        let request = PodRequest::new(
+            MemoryUnit::Mib,
+            vec![
+                crate::request::ContainerRequest::new("main", ContainerRole::App, Mib::new(4000), 2, MemoryUnit::Mib)
+                    .unwrap(),
+                crate::request::ContainerRequest::new("fetch", ContainerRole::Init, Mib::new(5000), 1, MemoryUnit::Mib)
+                    .unwrap(),
+            ],
+        );
+        assert_eq!(request.first_request(), Some(Mib::new(5000)));
     }
 
     #[test]
