@@ -286,6 +286,9 @@ mod tests {
         assert_eq!(c.scheduling.policies(), Policies::default());
         assert_eq!(c.scheduling.assume_timeout_seconds, 300);
         assert!(c.server.tls().is_none());
+        // The one key set to other than its default: the packaged service needs credentials.
+        assert_eq!(c.kubernetes.kubeconfig.as_deref(), Some(Path::new("/etc/kubernetes/scheduler.conf")));
+        assert!(d.kubernetes.kubeconfig.is_none());
     }
 
     #[test]

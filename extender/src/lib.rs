@@ -7,8 +7,10 @@
 //! - [`service`]: the verbs, over the view and the [`service::Cluster`] seam;
 //! - [`wire`]: kube-scheduler's extender JSON;
 //! - [`server`]: the HTTP adapter; [`kube`]: the API server; [`config`]: the config file;
+//! - [`cli`]: the command lines of `gpushare-extender` and `kubectl-inspect-gpushare`;
 //! - [`metrics`], [`inspect`], [`simulate`], [`memory`].
 
+pub mod cli;
 pub mod config;
 pub mod inspect;
 pub mod kube;

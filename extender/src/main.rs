@@ -7,64 +7,17 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use clap::{Parser, Subcommand};
+use clap::Parser as _;
 use gpushare_core::ResourceNames;
 use gpushare_core::placement::{GpuPolicy, NodePolicy};
 use gpushare_core::schedule::Policies;
+use gpushare_extender::cli::{ExtenderCli, ExtenderCommand, print_stdout};
 use gpushare_extender::config::{Compatibility, Config, DEFAULT_PATH};
 use gpushare_extender::kube::{KubeCluster, client, watch};
 use gpushare_extender::server::{ServerOptions, router, serve, tls_acceptor};
 use gpushare_extender::service::Extender;
 use gpushare_extender::simulate::{Simulation, parse_cluster, parse_workload, run};
 use gpushare_extender::view::{ClusterView, ViewConfig};
-
-/// gpushare's kube-scheduler extender: filter, prioritize, bind and preempt for pods that ask
-/// for GPU memory. Without a subcommand it serves kube-scheduler.
-#[derive(Parser, Debug)]
-#[command(version, about)]
-struct Cli {
-    /// The configuration file (docs/extender.md).
-    #[arg(long, value_name = "FILE", default_value = DEFAULT_PATH, global = true)]
-    config: PathBuf,
-    /// Validate FILE and exit: 0 if it is usable, 1 with the line and the fix if not.
-    #[arg(long, value_name = "FILE")]
-    check_config: Option<PathBuf>,
-    #[command(subcommand)]
-    command: Option<Command>,
-}
-
-#[derive(Subcommand, Debug)]
-enum Command {
-    /// Place Pod manifests on a simulated cluster, as the extender would, and print the result.
-    Simulate {
-        /// The cluster description (YAML; see docs/simulate.md).
-        #[arg(long, value_name = "FILE")]
-        cluster: PathBuf,
-        /// Pod manifests (multi-document YAML), placed in order.
-        #[arg(long, value_name = "FILE")]
-        workload: PathBuf,
-        /// How GPUs are chosen within a node.
-        #[arg(long, value_name = "POLICY", default_value = "binpack", value_parser = parse_gpu_policy)]
-        gpu_policy: GpuPolicy,
-        /// How nodes are ranked.
-        #[arg(long, value_name = "POLICY", default_value = "binpack", value_parser = parse_node_policy)]
-        node_policy: NodePolicy,
-        /// Read Alibaba's resource names (aliyun.com/gpu-mem, aliyun.com/gpu-count).
-        #[arg(long)]
-        alibaba: bool,
-        /// Also print the assignment annotation each placed pod would carry.
-        #[arg(long)]
-        show_annotations: bool,
-    },
-}
-
-fn parse_gpu_policy(s: &str) -> Result<GpuPolicy, String> {
-    s.parse().map_err(|e| format!("{e}"))
-}
-
-fn parse_node_policy(s: &str) -> Result<NodePolicy, String> {
-    s.parse().map_err(|e| format!("{e}"))
-}
 
 fn main() -> ExitCode {
     match real_main() {
@@ -77,7 +30,7 @@ fn main() -> ExitCode {
 }
 
 fn real_main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let cli = ExtenderCli::parse();
     if let Some(path) = cli.check_config {
         Config::load(&path, true)?;
         println!("{}: ok", path.display());
@@ -98,7 +51,7 @@ fn real_main() -> anyhow::Result<()> {
             .block_on(serve_scheduler(config));
     };
     match command {
-        Command::Simulate { cluster, workload, gpu_policy, node_policy, alibaba, show_annotations } => {
+        ExtenderCommand::Simulate { cluster, workload, gpu_policy, node_policy, alibaba, show_annotations } => {
             let read =
                 |path: &PathBuf| std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()));
             let spec = parse_cluster(&read(&cluster)?).with_context(|| format!("{}", cluster.display()))?;
@@ -106,8 +59,8 @@ fn real_main() -> anyhow::Result<()> {
             let names = if alibaba { ResourceNames::alibaba() } else { ResourceNames::gpushare() };
             let policies = Policies { gpu: gpu_policy, node: node_policy };
             let mut sim = Simulation::new(&spec, names, policies).with_context(|| format!("{}", cluster.display()))?;
-            println!(
-                "Placing {} pods from {} on {} nodes (unit {}, GPU policy {}, node policy {})\n",
+            let header = format!(
+                "Placing {} pods from {} on {} nodes (unit {}, GPU policy {}, node policy {})\n\n",
                 pods.len(),
                 workload.display(),
                 spec.nodes.len(),
@@ -115,8 +68,8 @@ fn real_main() -> anyhow::Result<()> {
                 policy_name(gpu_policy == GpuPolicy::Binpack),
                 policy_name(node_policy == NodePolicy::Binpack),
             );
-            print!("{}", run(&mut sim, &pods, show_annotations));
-            Ok(())
+            // `simulate ... | head` stops reading early: not an error (print! would panic).
+            print_stdout(&format!("{header}{}", run(&mut sim, &pods, show_annotations))).context("writing to stdout")
         }
     }
 }

@@ -102,15 +102,14 @@ struct RawMeta {
 pub enum SimError {
     /// The cluster file is not valid YAML of the documented shape.
     #[error("cluster description: {0}")]
-    Cluster(#[source] serde_yaml_ng::Error),
+    Cluster(Box<serde_saphyr::Error>),
     /// A workload document is not valid YAML or not a Pod.
-    #[error("workload document {doc}: {source}")]
+    #[error("workload{}: {error}", document(*.doc))]
     Workload {
-        /// 1-based document number.
-        doc: usize,
-        /// What the YAML parser said.
-        #[source]
-        source: serde_yaml_ng::Error,
+        /// 1-based document number (counting empty documents), when the parser said where.
+        doc: Option<usize>,
+        /// What the YAML parser said, with the line and column.
+        error: Box<serde_saphyr::Error>,
     },
     /// A workload document of another kind.
     #[error("workload document {doc} is a {kind}; the simulator places Pods (write kind: Pod)")]
@@ -125,12 +124,64 @@ pub enum SimError {
     Invalid(String),
 }
 
+/// `" document 3"`, or nothing when the document is not known.
+fn document(doc: Option<usize>) -> String {
+    doc.map(|n| format!(" document {n}")).unwrap_or_default()
+}
+
+/// How gpushare reads YAML (the simulator's files, and the workloads and configurations the tests
+/// read): plain scalars resolve by the YAML 1.2 core schema (as with `serde_yaml` before), so
+/// `yes`, `on`, `0755` and `1_000` stay strings and only `true`/`false` are booleans; errors are
+/// one line, ending with the line and column.
+#[must_use]
+pub fn yaml_options() -> serde_saphyr::Options {
+    serde_saphyr::options! {
+        strict_booleans: true,
+        leading_zero_numbers_as_strings: true,
+        underscored_numbers_as_strings: true,
+        with_snippet: false,
+    }
+}
+
 /// Reads a cluster description.
 ///
 /// # Errors
 /// [`SimError`] naming the line and what is wrong.
 pub fn parse_cluster(yaml: &str) -> Result<ClusterSpec, SimError> {
-    serde_yaml_ng::from_str(yaml).map_err(SimError::Cluster)
+    serde_saphyr::from_str_with_options(yaml, yaml_options()).map_err(|e| SimError::Cluster(Box::new(e)))
+}
+
+/// Reads a multi-document YAML stream: each document that is not empty (or `null`), with its
+/// 1-based number in the stream (empty documents count, as an editor would count them).
+///
+/// # Errors
+/// [`SimError::Workload`] with the document, line and what is wrong.
+pub fn parse_documents<'de, T: Deserialize<'de>>(yaml: &'de str) -> Result<Vec<(usize, T)>, SimError> {
+    let starts = document_starts(yaml);
+    let number = |at: serde_saphyr::Location| {
+        let at = (at.line(), at.column().saturating_sub(1));
+        (at.0 > 0).then(|| starts.partition_point(|start| *start <= at)).filter(|n| *n > 0)
+    };
+    let docs: Vec<serde_saphyr::Spanned<T>> = serde_saphyr::from_multiple_with_options(yaml, yaml_options())
+        .map_err(|error| SimError::Workload { doc: error.location().and_then(number), error: Box::new(error) })?;
+    // Every document read has a location; `0` would only show if the parser lost it.
+    Ok(docs.into_iter().map(|d| (number(d.referenced).unwrap_or(0), d.value)).collect())
+}
+
+/// Where each document of a YAML stream starts (line from 1, column from 0), in order, up to the
+/// first syntax error.
+fn document_starts(yaml: &str) -> Vec<(u64, u64)> {
+    use serde_saphyr::granit_parser::{Event, Parser};
+    let mut starts = Vec::new();
+    for event in Parser::new_from_str(yaml) {
+        let Ok((event, span)) = event else { break };
+        if let Event::DocumentStart(..) = event {
+            let (line, col) = (u64::try_from(span.start.line()), u64::try_from(span.start.col()));
+            let (Ok(line), Ok(col)) = (line, col) else { break };
+            starts.push((line, col));
+        }
+    }
+    starts
 }
 
 /// Reads a multi-document YAML stream of Pod manifests; empty documents are skipped.
@@ -139,19 +190,11 @@ pub fn parse_cluster(yaml: &str) -> Result<ClusterSpec, SimError> {
 /// [`SimError`] naming the document and what is wrong.
 pub fn parse_workload(yaml: &str) -> Result<Vec<PodManifest>, SimError> {
     let mut pods = Vec::new();
-    for (i, doc) in serde_yaml_ng::Deserializer::from_str(yaml).enumerate() {
-        let doc_no = i + 1;
-        let value =
-            serde_yaml_ng::Value::deserialize(doc).map_err(|source| SimError::Workload { doc: doc_no, source })?;
-        if value.is_null() {
-            continue;
-        }
-        let raw: RawPod =
-            serde_yaml_ng::from_value(value).map_err(|source| SimError::Workload { doc: doc_no, source })?;
+    for (doc, raw) in parse_documents::<RawPod>(yaml)? {
         if let Some(kind) = raw.kind
             && kind != "Pod"
         {
-            return Err(SimError::NotAPod { doc: doc_no, kind });
+            return Err(SimError::NotAPod { doc, kind });
         }
         pods.push(PodManifest {
             namespace: raw.metadata.namespace.unwrap_or_else(|| "default".to_owned()),
@@ -451,5 +494,44 @@ nodes:
         let zero = parse_cluster("nodes: [{name: a, gpus: [{model: T4, memoryMiB: 0}]}]").unwrap();
         assert!(Simulation::new(&zero, ResourceNames::gpushare(), Policies::default()).is_err());
         assert!(parse_workload("---\n---\n").unwrap().is_empty());
+    }
+
+    #[test]
+    fn workload_errors_name_the_document_counting_empty_ones() {
+        // Document 2 is empty; document 3 lacks its name.
+        let err =
+            parse_workload("kind: Pod\nmetadata: {name: a}\n---\n---\nkind: Pod\nmetadata: {nam: b}\n").unwrap_err();
+        assert_eq!(err.to_string(), "workload document 3: missing field `name` at line 6, column 12");
+        // A syntax error in document 2.
+        let err = parse_workload("kind: Pod\nmetadata: {name: a}\n---\nkind: Pod\nmetadata: {name: a\n").unwrap_err();
+        assert_eq!(err.to_string(), "workload document 2: unclosed bracket '{' at line 5, column 11");
+        // A leading `---` (and comments) opens document 1, as in most manifests.
+        let err = parse_workload("# deployments\n---\nkind: Deployment\nmetadata: {name: d}\n").unwrap_err();
+        assert!(err.to_string().starts_with("workload document 1 is a Deployment"), "{err}");
+        let docs = parse_documents::<serde_json::Value>("a: 1\n--- {b: 2}\n...\n---\n# nothing\n---\nc: 3\n").unwrap();
+        let numbers: Vec<usize> = docs.iter().map(|(n, _)| *n).collect();
+        assert_eq!(numbers, [1, 2, 4]);
+    }
+
+    #[test]
+    fn scalars_resolve_by_the_yaml_1_2_core_schema() {
+        let docs = parse_documents::<serde_json::Value>(
+            "a: yes\nb: on\nc: 0755\nd: 1_000\ne: \"1024\"\nf: 1024\ng: true\nh: 4Gi\ni: ~\nj: 0o17\n",
+        )
+        .unwrap();
+        assert_eq!(
+            docs[0].1,
+            serde_json::json!({"a": "yes", "b": "on", "c": "0755", "d": "1_000", "e": "1024", "f": 1024,
+                               "g": true, "h": "4Gi", "i": null, "j": 15})
+        );
+        let err = parse_cluster("nodes: [{name: a, gpus: [{model: T4, memoryMiB: 1, cordoned: yes}]}]").unwrap_err();
+        assert!(
+            err.to_string().contains("invalid boolean (strict mode expects true/false) at line 1, column 62"),
+            "{err}"
+        );
+        // Quoted or plain, a quantity reads as its text.
+        let p = pod("q", "{gpushare.io/gpu-mem: \"1024\", cpu: 0.5}");
+        let limits = &p.spec.containers[0].resources.limits;
+        assert_eq!((limits["gpushare.io/gpu-mem"].0.as_str(), limits["cpu"].0.as_str()), ("1024", "0.5"));
     }
 }

@@ -65,7 +65,8 @@ fn repo_file(relative: &str) -> PathBuf {
 fn load(relative: &str) -> Value {
     let path = repo_file(relative);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_yaml_ng::from_str::<Value>(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    serde_saphyr::from_str_with_options::<Value>(&text, gpushare_extender::simulate::yaml_options())
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 fn known_keys(object: &Map<String, Value>, known: &[&str], at: &str) -> Result<(), String> {

@@ -87,3 +87,20 @@ fn bad_input_gets_one_clear_line_and_a_failure_status() {
     assert!(text(&out.stderr).contains("write \"binpack\" or \"spread\""), "{}", text(&out.stderr));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_reader_that_stops_early_is_not_an_error() {
+    // `simulate ... | head -1`: the pipe closes before the output is written.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gpushare-extender"))
+        .args(["simulate", "--cluster", "examples/cluster.yaml", "--workload", "examples/workload.yaml"])
+        .current_dir(repo())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{:?}: {err}", out.status);
+    assert!(!err.contains("panicked"), "{err}");
+}

@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
-use serde::Deserialize;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
@@ -70,14 +69,12 @@ pub fn uniform_cluster(n: usize, gpus: u32, memory_mib: u64, unit: MemoryUnit) -
 /// If it cannot be read or a document is not a Pod.
 pub fn read_workload(path: &Path) -> anyhow::Result<Vec<Value>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let docs =
+        gpushare_extender::simulate::parse_documents::<Value>(&text).with_context(|| format!("{}", path.display()))?;
     let mut pods = Vec::new();
-    for (i, doc) in serde_yaml_ng::Deserializer::from_str(&text).enumerate() {
-        let value = Value::deserialize(doc).with_context(|| format!("{} document {}", path.display(), i + 1))?;
-        if value.is_null() {
-            continue;
-        }
+    for (doc, value) in docs {
         if value.get("kind").and_then(Value::as_str) != Some("Pod") {
-            bail!("{} document {}: only Pods are applied", path.display(), i + 1);
+            bail!("{} document {doc}: only Pods are applied", path.display());
         }
         pods.push(value);
     }

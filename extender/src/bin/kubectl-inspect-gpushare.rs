@@ -6,9 +6,10 @@
 use std::process::ExitCode;
 
 use anyhow::Context as _;
-use clap::{Parser, ValueEnum};
+use clap::Parser as _;
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_core::{MemoryUnit, ResourceNames};
+use gpushare_extender::cli::{InspectCli, Output};
 use gpushare_extender::inspect::ClusterReport;
 use gpushare_extender::kube::client;
 use gpushare_extender::objects::{NodeObject, PodObject};
@@ -16,43 +17,21 @@ use gpushare_extender::view::{ClusterView, ViewConfig};
 use kube::Api;
 use kube::api::ListParams;
 
-/// Shows the GPU memory allocated and free on each gpushare node.
-#[derive(Parser, Debug)]
-#[command(name = "kubectl-inspect-gpushare", version, about)]
-struct Cli {
-    /// Per pod, what it holds on each GPU.
-    #[arg(short = 'd', long)]
-    details: bool,
-    /// Output format.
-    #[arg(short = 'o', long, value_enum, default_value_t = Output::Table)]
-    output: Output,
-    /// Read Alibaba's resource names and count pods Alibaba's extender placed.
-    #[arg(long)]
-    alibaba: bool,
-    /// Only this node.
-    node: Option<String>,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Output {
-    /// The tables.
-    Table,
-    /// The report as JSON.
-    Json,
-}
-
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = InspectCli::parse();
     let result = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")
         .and_then(|rt| rt.block_on(inspect(&cli)));
     match result {
-        Ok(text) => {
-            print!("{text}");
-            ExitCode::SUCCESS
-        }
+        Ok(text) => match gpushare_extender::cli::print_stdout(&text) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kubectl-inspect-gpushare: writing to stdout: {e}");
+                ExitCode::FAILURE
+            }
+        },
         Err(e) => {
             // One line: what failed and why, no backtrace.
             eprintln!("kubectl-inspect-gpushare: {}", format!("{e:#}").replace('\n', " "));
@@ -61,7 +40,7 @@ fn main() -> ExitCode {
     }
 }
 
-async fn inspect(cli: &Cli) -> anyhow::Result<String> {
+async fn inspect(cli: &InspectCli) -> anyhow::Result<String> {
     let client = client(None).await.context("no usable kubeconfig (set KUBECONFIG)")?;
     let timeout = std::time::Duration::from_secs(15);
     let nodes = tokio::time::timeout(timeout, Api::<NodeObject>::all(client.clone()).list(&ListParams::default()))

@@ -527,6 +527,14 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_file_is_the_defaults() {
+        // etc/gpushared.toml is installed as the package's conffile: every key it sets must be
+        // the documented default, so installing it changes nothing.
+        let shipped = parse(include_str!("../../../etc/gpushared.toml")).unwrap();
+        assert_eq!(format!("{shipped:?}"), format!("{:?}", parse("").unwrap()));
+    }
+
+    #[test]
     fn an_empty_file_means_the_documented_defaults() {
         let c = parse("").unwrap();
         assert_eq!(c.socket_path(), Path::new("/var/lib/kubelet/device-plugins/gpushared.sock"));

@@ -14,22 +14,22 @@ use thiserror::Error;
 pub enum DiscoveryError {
     /// NVML could not be loaded or initialised.
     #[error(
-        "cannot use NVML from {library}: {source}; install the NVIDIA driver, point [nvml] library at its \
+        "cannot use NVML from {library}: {error}; install the NVIDIA driver, point [nvml] library at its \
          libnvidia-ml.so.1, or list the GPUs under [[gpus]] in the configuration"
     )]
     Init {
         /// The library asked for.
         library: PathBuf,
         /// What nvml-wrapper said.
-        source: NvmlError,
+        error: NvmlError,
     },
     /// NVML answered a query with an error.
-    #[error("NVML: {what}: {source}")]
+    #[error("NVML: {what}: {error}")]
     Query {
         /// The query, with the GPU.
         what: String,
         /// What nvml-wrapper said.
-        source: NvmlError,
+        error: NvmlError,
     },
     /// NVML returned a value gpushare cannot use.
     #[error("NVML: {0}")]
@@ -69,7 +69,7 @@ impl NvmlDiscovery {
         let nvml = Nvml::builder()
             .lib_path(library.as_os_str())
             .init()
-            .map_err(|source| DiscoveryError::Init { library: library.to_owned(), source })?;
+            .map_err(|error| DiscoveryError::Init { library: library.to_owned(), error })?;
         Ok(NvmlDiscovery { nvml, library: library.to_owned() })
     }
 
@@ -78,13 +78,13 @@ impl NvmlDiscovery {
     /// # Errors
     /// [`DiscoveryError::Query`].
     pub fn driver_version(&self) -> Result<String, DiscoveryError> {
-        self.nvml.sys_driver_version().map_err(|source| DiscoveryError::Query { what: "driver version".into(), source })
+        self.nvml.sys_driver_version().map_err(|error| DiscoveryError::Query { what: "driver version".into(), error })
     }
 }
 
 impl Discovery for NvmlDiscovery {
     fn discover(&self) -> Result<Vec<Gpu>, DiscoveryError> {
-        let q = |what: String| move |source| DiscoveryError::Query { what, source };
+        let q = |what: String| move |error| DiscoveryError::Query { what, error };
         let count = self.nvml.device_count().map_err(q("device count".into()))?;
         let mut gpus = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
         for i in 0..count {
@@ -129,5 +129,21 @@ impl Discovery for StaticDiscovery {
 
     fn describe(&self) -> String {
         "the static [[gpus]] list of the configuration (NVML not used)".to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_nvml_error_is_told_once() {
+        // main prints the error with its chain ("{e:#}"): the NVML text is in the message, so
+        // it must not be the error's source as well (it was printed three times).
+        let e = DiscoveryError::Init { library: PathBuf::from("libnvidia-ml.so.1"), error: NvmlError::DriverNotLoaded };
+        assert!(std::error::Error::source(&e).is_none());
+        let text = e.to_string();
+        assert_eq!(text.matches(&NvmlError::DriverNotLoaded.to_string()).count(), 1, "{text}");
+        assert!(text.contains("install the NVIDIA driver"), "{text}");
     }
 }

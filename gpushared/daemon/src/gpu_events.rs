@@ -62,34 +62,34 @@ impl GpuSignal {
 #[derive(Debug, Error)]
 pub enum GpuEventsError {
     /// NVML could not be loaded or initialised.
-    #[error("cannot use NVML from {library} for GPU events: {source}")]
+    #[error("cannot use NVML from {library} for GPU events: {error}")]
     Init {
         /// The library asked for.
         library: PathBuf,
         /// What nvml-wrapper said.
-        source: NvmlError,
+        error: NvmlError,
     },
     /// Setting up the event set failed (not one GPU's lack of event support, which is skipped).
-    #[error("NVML: {what}: {source}")]
+    #[error("NVML: {what}: {error}")]
     Setup {
         /// The step, with the GPU if one.
         what: String,
         /// What nvml-wrapper said.
-        source: NvmlError,
+        error: NvmlError,
     },
     /// Waiting for events failed; the watcher tries again after a pause.
-    #[error("NVML: waiting for GPU events: {source}")]
+    #[error("NVML: waiting for GPU events: {error}")]
     Wait {
         /// What nvml-wrapper said.
-        source: NvmlError,
+        error: NvmlError,
     },
     /// An event arrived from a GPU that did not answer when asked its index.
-    #[error("NVML: a {event} event came from a GPU that does not tell its index: {source}")]
+    #[error("NVML: a {event} event came from a GPU that does not tell its index: {error}")]
     UnknownGpu {
         /// The event, e.g. `Xid 79`.
         event: String,
         /// What nvml-wrapper said when asked the index.
-        source: NvmlError,
+        error: NvmlError,
     },
     /// The watcher thread could not be started.
     #[error("cannot start the GPU event watcher thread: {0}")]
@@ -164,7 +164,7 @@ impl NvmlEvents {
         let nvml = Nvml::builder()
             .lib_path(library.as_os_str())
             .init()
-            .map_err(|source| GpuEventsError::Init { library: library.to_owned(), source })?;
+            .map_err(|error| GpuEventsError::Init { library: library.to_owned(), error })?;
         let nvml = Arc::new(nvml);
         let (tx, signals) = mpsc::sync_channel(QUEUE);
         let (ready_tx, ready) = mpsc::sync_channel(1);
@@ -253,9 +253,9 @@ fn watch(nvml: &Nvml, tx: &SyncSender<Item>, ready: &SyncSender<Result<Vec<u32>,
                 Err(e) => Err(e),
             },
             Err(NvmlError::Timeout) => continue,
-            Err(source) => {
-                tracing::debug!(error = %source, "NVML event wait failed; pausing");
-                if tx.send(Err(GpuEventsError::Wait { source })).is_err() {
+            Err(error) => {
+                tracing::debug!(error = %error, "NVML event wait failed; pausing");
+                if tx.send(Err(GpuEventsError::Wait { error })).is_err() {
                     return;
                 }
                 pause(stop, ERROR_PAUSE);
@@ -283,7 +283,7 @@ fn pause(stop: &AtomicBool, pause: Duration) {
 /// An event set with the health events registered on every GPU that supports some, and the
 /// GPUs registered.
 fn register(nvml: &Nvml) -> Result<(EventSet<'_>, Vec<u32>), GpuEventsError> {
-    let setup = |what: String| move |source| GpuEventsError::Setup { what, source };
+    let setup = |what: String| move |error| GpuEventsError::Setup { what, error };
     let count = nvml.device_count().map_err(setup("device count".into()))?;
     let mut set = nvml.create_event_set().map_err(setup("creating the event set".into()))?;
     let mut registered: Vec<(u32, EventTypes)> = Vec::new();
@@ -324,7 +324,7 @@ fn register(nvml: &Nvml) -> Result<(EventSet<'_>, Vec<u32>), GpuEventsError> {
                     let device = nvml.device_by_index(gpu).map_err(setup(format!("GPU{gpu}")))?;
                     set = device.register_events(types, set).map_err(|e| GpuEventsError::Setup {
                         what: format!("GPU{gpu} events again"),
-                        source: e.error,
+                        error: e.error,
                     })?;
                 }
             }
@@ -336,7 +336,7 @@ fn register(nvml: &Nvml) -> Result<(EventSet<'_>, Vec<u32>), GpuEventsError> {
 /// The signal an NVML event carries; None for event types the health policy does not use.
 fn signal(event: &EventData<'_>) -> Result<Option<GpuSignal>, GpuEventsError> {
     let types = event.event_type;
-    let gpu = |name: String| event.device.index().map_err(|source| GpuEventsError::UnknownGpu { event: name, source });
+    let gpu = |name: String| event.device.index().map_err(|error| GpuEventsError::UnknownGpu { event: name, error });
     let signal = if types.contains(EventTypes::CRITICAL_XID_ERROR) {
         let code = match event.event_data {
             Some(XidError::Value(code)) => code,

@@ -3,6 +3,7 @@
 //! allocation in a durable ledger before answering.
 //!
 //! - [`allocator`]: which container each kubelet call serves, checked and recorded;
+//! - [`cli`]: the `gpushared` command line (its flags, for the binary and the man page);
 //! - [`config`]: the configuration file;
 //! - [`ctl`]: `gpusharectl`, the operator's command line over the status API;
 //! - [`dbus`]: the local status API on the D-Bus system bus;
@@ -21,6 +22,7 @@
 //! - [`systemd`]: readiness, status and the watchdog for `Type=notify`.
 
 pub mod allocator;
+pub mod cli;
 pub mod config;
 pub mod ctl;
 pub mod dbus;

@@ -1,6 +1,5 @@
 //! The `gpushared` command line: parse flags, load the configuration, run the daemon.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -9,6 +8,7 @@ use clap::Parser;
 use gpushare_core::NodeInventory;
 use gpushare_core::devices::{KUBELET_MAX_MESSAGE_BYTES, list_and_watch_size};
 use gpushared::allocator::Allocator;
+use gpushared::cli::Cli;
 use gpushared::config::{Config, DEFAULT_PATH};
 use gpushared::discovery::{Discovery, NvmlDiscovery, StaticDiscovery};
 use gpushared::gpu_events::NvmlEvents;
@@ -21,18 +21,6 @@ use gpushared::publish::{self, KubeNode};
 use gpushared::systemd::Notifier;
 use std::time::Duration;
 use tokio::sync::watch;
-
-/// gpushare's node daemon: serves the kubelet's device plugin API for GPU memory.
-#[derive(Parser, Debug)]
-#[command(version, about)]
-struct Cli {
-    /// The configuration file (a missing file at the default path means all defaults).
-    #[arg(long, value_name = "FILE", default_value = DEFAULT_PATH)]
-    config: PathBuf,
-    /// Check FILE and exit: 0 if gpushared would accept it, 1 with the reason if not.
-    #[arg(long, value_name = "FILE")]
-    check_config: Option<PathBuf>,
-}
 
 fn main() -> ExitCode {
     // Before any thread starts: two allocator arenas keep the resident set small (memory.rs).
