@@ -18,6 +18,7 @@ use gpushare_extender::server::{ServerOptions, router, serve, tls_acceptor};
 use gpushare_extender::service::Extender;
 use gpushare_extender::simulate::{Simulation, parse_cluster, parse_workload, run};
 use gpushare_extender::view::{ClusterView, ViewConfig};
+use gpushare_sdnotify::{Notifier, watchdog, watchdog_interval};
 
 fn main() -> ExitCode {
     match real_main() {
@@ -111,13 +112,57 @@ async fn serve_scheduler(config: Config) -> anyhow::Result<()> {
         timeout: config.server.request_timeout(),
     };
     let app = router(extender.clone(), &options);
-    let watcher = tokio::spawn(watch(client, extender));
-    tracing::info!(listen = %listener.local_addr()?, prefix = %options.prefix, tls = tls.is_some(),
+    let watcher = tokio::spawn(watch(client, extender.clone()));
+    let addr = listener.local_addr()?;
+    tracing::info!(listen = %addr, prefix = %options.prefix, tls = tls.is_some(),
         unit = %config.resources.unit, "serving kube-scheduler");
-    serve(listener, app, tls, terminated()).await.context("serving")?;
+    // Type=notify: ready once kube-scheduler can connect (healthz answers); the status line
+    // follows the view's sync, and the watchdog is earned by the view's lock answering.
+    let notifier = Notifier::from_env();
+    notifier.ready(&status_line(addr, false));
+    let status = tokio::spawn(follow_readiness(notifier.clone(), extender.clone(), addr));
+    let watchdog = watchdog_interval().map(|interval| {
+        let ext = extender.clone();
+        tokio::spawn(watchdog(notifier.clone(), interval, move || ext.with_view_batched(|_| true)))
+    });
+    let shutdown = {
+        let notifier = notifier.clone();
+        async move {
+            terminated().await;
+            notifier.stopping("stopping: finishing the requests in flight");
+        }
+    };
+    serve(listener, app, tls, shutdown).await.context("serving")?;
     watcher.abort();
+    status.abort();
+    if let Some(w) = watchdog {
+        w.abort();
+    }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The `STATUS=` line systemd shows.
+fn status_line(addr: std::net::SocketAddr, synced: bool) -> String {
+    if synced {
+        format!("serving kube-scheduler on {addr}; the view of nodes and pods is synced")
+    } else {
+        format!("serving kube-scheduler on {addr}; waiting for the first list of nodes and pods")
+    }
+}
+
+/// Keeps the status line in step with the view's readiness (it turns back while a watch
+/// relists after an API-server outage).
+async fn follow_readiness(notifier: Notifier, extender: Arc<Extender<KubeCluster>>, addr: std::net::SocketAddr) {
+    let mut shown = false;
+    loop {
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+        let ready = extender.is_ready();
+        if ready != shown {
+            notifier.status(&status_line(addr, ready));
+            shown = ready;
+        }
+    }
 }
 
 fn policy_name(binpack: bool) -> &'static str {

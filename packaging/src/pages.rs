@@ -269,7 +269,8 @@ and wiring it into kube\-scheduler in \fIscheduler\-setup.md\fR there.
 .PP
 The \fBsimulate\fR command places Pod manifests on a described cluster offline, with the same decisions, and prints the result.
 .PP
-The extender is run by systemd as \fBgpushare\-extender.service\fR.
+The extender is run by systemd as \fBgpushare\-extender.service\fR (\fBType=notify\fR:
+ready once it listens; the status line says whether its view has synced; a watchdog).
 SIGTERM or SIGINT stops it cleanly. Logs go to standard error (the journal, under systemd).
 "#;
     let tail = r#".SH "EXIT STATUS"

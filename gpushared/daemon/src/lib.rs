@@ -38,4 +38,4 @@ pub mod plugin;
 pub mod pods;
 pub mod publish;
 pub mod reconcile;
-pub mod systemd;
+pub use gpushare_sdnotify as systemd;

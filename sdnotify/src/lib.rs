@@ -1,12 +1,13 @@
-//! systemd integration (`Type=notify`): `READY=1`, `STATUS=`, `STOPPING=1` and the watchdog,
-//! sent as `sd_notify` datagrams to `$NOTIFY_SOCKET` (a path, or `@name` in the abstract
-//! namespace). Without `$NOTIFY_SOCKET` every call does nothing, as libsystemd's does.
+//! systemd integration for gpushare's services (`Type=notify`): `READY=1`, `STATUS=`,
+//! `STOPPING=1` and the watchdog, sent as `sd_notify` datagrams to `$NOTIFY_SOCKET` (a path, or
+//! `@name` in the abstract namespace). Without `$NOTIFY_SOCKET` every call does nothing, as
+//! libsystemd's does. Used by gpushared and gpushare-extender.
 //!
 //! The watchdog ping is earned, not timed: every half of `$WATCHDOG_USEC`, [`watchdog`] runs a
-//! liveness probe (in the daemon: take the allocator's lock and ask the ledger a question) on
-//! the async runtime's blocking pool, and pings only if the probe answers within that half.
-//! A stuck runtime, a deadlocked allocator or a hung ledger stops the pings, and systemd
-//! restarts the daemon.
+//! liveness probe (in gpushared: take the allocator's lock and ask the ledger a question; in the
+//! extender: take the cluster view's lock) on the async runtime's blocking pool, and pings only
+//! if the probe answers within that half. A stuck runtime, a deadlock or a hung ledger stops the
+//! pings, and systemd restarts the service.
 
 use std::os::unix::net::{SocketAddr, UnixDatagram};
 use std::sync::Arc;
@@ -52,7 +53,7 @@ impl Notifier {
                 Notifier { target: Some(Arc::new(Target { socket, addr: addr_, name: addr.to_owned() })) }
             }
             Err(e) => {
-                tracing::warn!(notify_socket = %addr, error = %e, "NOTIFY_SOCKET is unusable; systemd will not hear from gpushared");
+                tracing::warn!(notify_socket = %addr, error = %e, "NOTIFY_SOCKET is unusable; systemd will not hear from this service");
                 Notifier { target: None }
             }
         }
@@ -65,7 +66,7 @@ impl Notifier {
     }
 
     /// Sends `lines` (`KEY=VALUE`, one per line) as one datagram. Failures are logged, never
-    /// fatal: systemd not listening must not stop the daemon.
+    /// fatal: systemd not listening must not stop the service.
     pub fn send(&self, lines: &[&str]) {
         let Some(t) = &self.target else { return };
         let payload = lines.join("\n");
@@ -128,7 +129,7 @@ pub fn watchdog_interval() -> Option<Duration> {
 
 /// Pings `notifier` every half of `interval` while `alive` answers `true` within that half;
 /// runs until the task is dropped. A probe that fails or hangs withholds the ping (logged once
-/// per episode), so systemd's watchdog fires if the daemon stays stuck.
+/// per episode), so systemd's watchdog fires if the service stays stuck.
 pub async fn watchdog<F>(notifier: Notifier, interval: Duration, alive: F)
 where
     F: Fn() -> bool + Send + Sync + 'static,
@@ -145,7 +146,7 @@ where
         match answered {
             Ok(Ok(true)) => {
                 if stuck {
-                    tracing::info!("the daemon answers again; watchdog pings resume");
+                    tracing::info!("the service answers again; watchdog pings resume");
                     stuck = false;
                 }
                 notifier.watchdog_ping();

@@ -1,0 +1,118 @@
+//! The extender binary under systemd's protocol (`Type=notify`), driven as the packaged unit
+//! runs it: `READY=1` once it listens (healthz answers at once), a `STATUS=` line that follows
+//! the view's sync, `WATCHDOG=1` every half of `$WATCHDOG_USEC`, and `STOPPING=1` with a clean
+//! exit on SIGTERM. The test binds the `NOTIFY_SOCKET` datagram socket itself.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::os::unix::net::UnixDatagram;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{http, node_object};
+use gpushare_testkit::apiserver::ApiServer;
+
+/// Every datagram received, with when.
+#[derive(Clone, Default)]
+struct Notes(Arc<Mutex<Vec<(Instant, String)>>>);
+
+impl Notes {
+    fn listen(path: &std::path::Path) -> Notes {
+        let sock = UnixDatagram::bind(path).unwrap();
+        let notes = Notes::default();
+        let out = notes.clone();
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 4096];
+            while let Ok(n) = sock.recv(&mut buf) {
+                out.0.lock().unwrap().push((Instant::now(), String::from_utf8_lossy(&buf[..n]).into_owned()));
+            }
+        });
+        notes
+    }
+
+    fn wait_for(&self, what: &str, f: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some((_, m)) = self.0.lock().unwrap().iter().find(|(_, m)| f(m)) {
+                return m.clone();
+            }
+            assert!(Instant::now() < deadline, "no {what} in {:?}", self.all());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn all(&self) -> Vec<String> {
+        self.0.lock().unwrap().iter().map(|(_, m)| m.clone()).collect()
+    }
+
+    fn pings_between(&self, from: Instant, to: Instant) -> usize {
+        self.0.lock().unwrap().iter().filter(|(t, m)| *t >= from && *t <= to && m == "WATCHDOG=1").count()
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_once_listening_status_follows_the_view_watchdog_and_stopping() {
+    let api = ApiServer::start().await.unwrap();
+    api.create_node(node_object("gpu-1", 2, 16_384)).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig).unwrap();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let config = dir.path().join("extender.toml");
+    std::fs::write(
+        &config,
+        format!("[server]\nlisten = \"{addr}\"\n[kubernetes]\nkubeconfig = \"{}\"\n", kubeconfig.display()),
+    )
+    .unwrap();
+    let notify = dir.path().join("notify.sock");
+    let notes = Notes::listen(&notify);
+    let log = std::fs::File::create(dir.path().join("extender.log")).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gpushare-extender"))
+        .arg("--config")
+        .arg(&config)
+        .env("NOTIFY_SOCKET", &notify)
+        .env("WATCHDOG_USEC", "400000")
+        .env_remove("WATCHDOG_PID")
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let log = || std::fs::read_to_string(dir.path().join("extender.log")).unwrap_or_default();
+
+    // READY=1 comes once the listener is bound: healthz answers right after it, no retry.
+    let ready = tokio::task::block_in_place(|| notes.wait_for("READY", |m| m.starts_with("READY=1")));
+    assert!(ready.contains(&format!("STATUS=serving kube-scheduler on {addr}")), "{ready}");
+    assert_eq!(http(addr, "GET", "/healthz", "").await.0, 200, "{}", log());
+
+    // The status line says so once the view has synced (readyz agrees).
+    tokio::task::block_in_place(|| {
+        notes.wait_for("the synced status", |m| m.starts_with("STATUS=") && m.ends_with("is synced"))
+    });
+    assert_eq!(http(addr, "GET", "/readyz", "").await.0, 200);
+
+    // The watchdog: a ping every half of WATCHDOG_USEC (200 ms) while the view answers.
+    let from = Instant::now();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let pings = notes.pings_between(from, Instant::now());
+    assert!((4..=7).contains(&pings), "{pings} pings in 1.1 s at a 200 ms period");
+
+    // SIGTERM: STOPPING=1 and a clean exit.
+    let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let code = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s.code();
+        }
+        assert!(Instant::now() < deadline, "still running after SIGTERM: {}", log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(code, Some(0), "{}", log());
+    tokio::task::block_in_place(|| notes.wait_for("STOPPING", |m| m.starts_with("STOPPING=1\nSTATUS=stopping")));
+}
