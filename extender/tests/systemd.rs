@@ -6,51 +6,14 @@
 
 mod common;
 
-use std::os::unix::net::UnixDatagram;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{http, node_object};
 use gpushare_testkit::apiserver::ApiServer;
+use gpushare_testkit::notify::Notes;
 
-/// Every datagram received, with when.
-#[derive(Clone, Default)]
-struct Notes(Arc<Mutex<Vec<(Instant, String)>>>);
-
-impl Notes {
-    fn listen(path: &std::path::Path) -> Notes {
-        let sock = UnixDatagram::bind(path).unwrap();
-        let notes = Notes::default();
-        let out = notes.clone();
-        std::thread::spawn(move || {
-            let mut buf = vec![0u8; 4096];
-            while let Ok(n) = sock.recv(&mut buf) {
-                out.0.lock().unwrap().push((Instant::now(), String::from_utf8_lossy(&buf[..n]).into_owned()));
-            }
-        });
-        notes
-    }
-
-    fn wait_for(&self, what: &str, f: impl Fn(&str) -> bool) -> String {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some((_, m)) = self.0.lock().unwrap().iter().find(|(_, m)| f(m)) {
-                return m.clone();
-            }
-            assert!(Instant::now() < deadline, "no {what} in {:?}", self.all());
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    fn all(&self) -> Vec<String> {
-        self.0.lock().unwrap().iter().map(|(_, m)| m.clone()).collect()
-    }
-
-    fn pings_between(&self, from: Instant, to: Instant) -> usize {
-        self.0.lock().unwrap().iter().filter(|(t, m)| *t >= from && *t <= to && m == "WATCHDOG=1").count()
-    }
-}
+const WAIT: Duration = Duration::from_secs(10);
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
@@ -86,13 +49,13 @@ async fn ready_once_listening_status_follows_the_view_watchdog_and_stopping() {
     let log = || std::fs::read_to_string(dir.path().join("extender.log")).unwrap_or_default();
 
     // READY=1 comes once the listener is bound: healthz answers right after it, no retry.
-    let ready = tokio::task::block_in_place(|| notes.wait_for("READY", |m| m.starts_with("READY=1")));
+    let ready = tokio::task::block_in_place(|| notes.wait_for("READY", WAIT, |m| m.starts_with("READY=1")));
     assert!(ready.contains(&format!("STATUS=serving kube-scheduler on {addr}")), "{ready}");
     assert_eq!(http(addr, "GET", "/healthz", "").await.0, 200, "{}", log());
 
     // The status line says so once the view has synced (readyz agrees).
     tokio::task::block_in_place(|| {
-        notes.wait_for("the synced status", |m| m.starts_with("STATUS=") && m.ends_with("is synced"))
+        notes.wait_for("the synced status", WAIT, |m| m.starts_with("STATUS=") && m.ends_with("is synced"))
     });
     assert_eq!(http(addr, "GET", "/readyz", "").await.0, 200);
 
@@ -114,5 +77,5 @@ async fn ready_once_listening_status_follows_the_view_watchdog_and_stopping() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert_eq!(code, Some(0), "{}", log());
-    tokio::task::block_in_place(|| notes.wait_for("STOPPING", |m| m.starts_with("STOPPING=1\nSTATUS=stopping")));
+    tokio::task::block_in_place(|| notes.wait_for("STOPPING", WAIT, |m| m.starts_with("STOPPING=1\nSTATUS=stopping")));
 }

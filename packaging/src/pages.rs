@@ -123,26 +123,12 @@ fn commands_section(cmd: &clap::Command) -> io::Result<Vec<u8>> {
         page.render_synopsis_section(&mut synopsis)?;
         out.extend(without_heading(&synopsis, "SYNOPSIS"));
         out.extend_from_slice(b".PP\n");
-        out.extend_from_slice(roff_text(&about).as_bytes());
+        out.extend_from_slice(ctl::roff_text(&about).as_bytes());
         let mut options = Vec::new();
         page.render_options_section(&mut options)?;
         out.extend(without_heading(&options, "OPTIONS"));
     }
     Ok(out)
-}
-
-/// `s` as roff text lines: backslashes and hyphens escaped, no line read as a request.
-fn roff_text(s: &str) -> String {
-    let mut out = String::new();
-    for line in s.lines() {
-        let line = line.replace('\\', "\\e").replace('-', "\\-");
-        if line.starts_with(['.', '\'']) {
-            out.push_str("\\&");
-        }
-        out.push_str(&line);
-        out.push('\n');
-    }
-    out
 }
 
 /// The man page `gpushared(8)`.
@@ -388,7 +374,7 @@ mod tests {
 
     #[test]
     fn roff_text_escapes() {
-        assert_eq!(roff_text(".start\n'quote\na-b \\ c"), "\\&.start\n\\&'quote\na\\-b \\e c\n");
+        assert_eq!(ctl::roff_text(".start\n'quote\na-b \\ c"), "\\&.start\n\\&'quote\na\\-b \\e c\n");
     }
 
     #[test]

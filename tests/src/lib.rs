@@ -4,6 +4,7 @@
 //! - [`cluster`]: the whole box as processes (API server, kubelets, daemons, extender, scheduler);
 //! - [`invariants`]: design.md's invariants checked across the box from the outside;
 //! - [`kubelet`]: the kubelet's side of the device plugin API and its PodResources API, restarts included;
+//! - [`notify`]: systemd's end of `sd_notify`, recording what a service notifies;
 //! - [`node`]: the kubelet stand-in as a node: registers its Node, admits the pods bound to it, writes their status;
 //! - [`rng`]: a seeded xorshift for tie-breaks and fault choices;
 //! - [`nvml`]: the fake NVML library, built from C, and its configuration.
@@ -13,6 +14,7 @@ pub mod cluster;
 pub mod invariants;
 pub mod kubelet;
 pub mod node;
+pub mod notify;
 pub mod nvml;
 pub mod rng;
 pub mod scheduler;

@@ -197,8 +197,10 @@ fn documented_command() -> clap::Command {
     Cli::command().disable_help_subcommand(true)
 }
 
-/// `s` as roff text lines: backslashes and hyphens escaped, no line read as a request.
-fn roff_text(s: &str) -> String {
+/// `s` as roff text lines: backslashes and hyphens escaped, no line read as a request (the
+/// packaging's man pages use it too).
+#[must_use]
+pub fn roff_text(s: &str) -> String {
     let mut out = String::new();
     for line in s.lines() {
         let line = line.replace('\\', "\\e").replace('-', "\\-");

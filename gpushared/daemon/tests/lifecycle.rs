@@ -7,8 +7,6 @@
 
 mod common;
 
-use std::os::unix::net::UnixDatagram;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{Daemon, Host, WAIT, bound_pod, static_gpus};
@@ -16,47 +14,9 @@ use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_core::{ContainerRole, Mib};
 use gpushare_testkit::apiserver::ApiServer;
 use gpushare_testkit::kubelet::{ContainerSpec, Kubelet};
+use gpushare_testkit::notify::Notes;
 use gpushared::ledger::Ledger;
 use serde_json::json;
-
-/// What the daemon told "systemd", in order, with when.
-#[derive(Clone, Default)]
-struct Notes(Arc<Mutex<Vec<(Instant, String)>>>);
-
-impl Notes {
-    /// Binds `path` and records every datagram.
-    fn listen(path: &std::path::Path) -> Notes {
-        let sock = UnixDatagram::bind(path).unwrap();
-        let notes = Notes::default();
-        let out = notes.clone();
-        std::thread::spawn(move || {
-            let mut buf = vec![0u8; 4096];
-            while let Ok(n) = sock.recv(&mut buf) {
-                out.0.lock().unwrap().push((Instant::now(), String::from_utf8_lossy(&buf[..n]).into_owned()));
-            }
-        });
-        notes
-    }
-
-    fn all(&self) -> Vec<String> {
-        self.0.lock().unwrap().iter().map(|(_, m)| m.clone()).collect()
-    }
-
-    fn wait_for(&self, what: &str, pred: impl Fn(&str) -> bool) -> String {
-        let deadline = Instant::now() + WAIT;
-        while Instant::now() < deadline {
-            if let Some(m) = self.all().into_iter().find(|m| pred(m)) {
-                return m;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!("no {what} notification; got {:#?}", self.all());
-    }
-
-    fn pings_between(&self, from: Instant, to: Instant) -> usize {
-        self.0.lock().unwrap().iter().filter(|(at, m)| *at >= from && *at < to && m == "WATCHDOG=1").count()
-    }
-}
 
 /// A host whose daemon reaches the API-server stand-in, with two 1000 MiB GPUs.
 async fn host_with_api() -> (Host, ApiServer, std::path::PathBuf) {
@@ -169,7 +129,7 @@ async fn tells_systemd_when_ready_what_it_does_and_that_it_lives() {
         &[("NOTIFY_SOCKET", notify.to_str().unwrap()), ("WATCHDOG_USEC", "400000")],
     );
     // READY=1 comes once the ledger is restored and the socket serves; no kubelet is up yet.
-    let ready = notes.wait_for("READY", |m| m.starts_with("READY=1"));
+    let ready = notes.wait_for("READY", WAIT, |m| m.starts_with("READY=1"));
     assert!(socket.exists(), "READY before the plugin socket exists");
     let before_ready: Vec<String> = notes.all().into_iter().take_while(|m| !m.starts_with("READY=1")).collect();
     assert!(before_ready.iter().any(|m| m == "STATUS=starting: restoring the ledger"), "{before_ready:?}");
@@ -187,15 +147,15 @@ async fn tells_systemd_when_ready_what_it_does_and_that_it_lives() {
     // It holds the first run's devices, as a kubelet restored from its checkpoint does.
     kubelet.inject_pod_resources(held_by("kept", kept));
     kubelet.wait_registered(1, WAIT).await.unwrap();
-    notes.wait_for("serving status", |m| m == "STATUS=serving 2 GPUs, 1 allocation");
+    notes.wait_for("serving status", WAIT, |m| m == "STATUS=serving 2 GPUs, 1 allocation");
     kubelet.wait_devices(WAIT, |d| !d.is_empty()).await.unwrap();
     place(&api, &kubelet, "more", 1, 200).await;
-    notes.wait_for("status after an allocation", |m| m == "STATUS=serving 2 GPUs, 2 allocations");
+    notes.wait_for("status after an allocation", WAIT, |m| m == "STATUS=serving 2 GPUs, 2 allocations");
 
     // SIGTERM: STOPPING=1, the socket removed, exit 0.
     daemon.signal("TERM");
     assert_eq!(daemon.wait_exit(WAIT), Some(0), "{}", daemon.log());
-    notes.wait_for("STOPPING", |m| m.starts_with("STOPPING=1\nSTATUS=stopping"));
+    notes.wait_for("STOPPING", WAIT, |m| m.starts_with("STOPPING=1\nSTATUS=stopping"));
     assert!(!socket.exists());
     let all = notes.all();
     assert_eq!(all.iter().filter(|m| m.starts_with("READY=1")).count(), 1, "{all:#?}");
