@@ -93,6 +93,8 @@ pub struct Admitted {
     pub devices: Vec<String>,
     /// The environment the plugin returned.
     pub envs: BTreeMap<String, String>,
+    /// The mounts the plugin returned, as `host_path:container_path[:ro]`.
+    pub mounts: Vec<String>,
 }
 
 /// A container of an admitted pod, as the device manager records it.
@@ -754,8 +756,9 @@ impl Kubelet {
         let mut out = Vec::with_capacity(containers.len());
         for &units in containers {
             let devices = self.preferred(units).await?;
-            let envs = self.allocate(&devices).await?;
-            out.push(Admitted { devices, envs });
+            let (envs, mounts) = self.allocate_rpc(&devices).await?;
+            self.shared().loose.extend(devices.iter().cloned());
+            out.push(Admitted { devices, envs, mounts });
         }
         Ok(out)
     }
@@ -833,7 +836,7 @@ impl Kubelet {
         shared.pods.push(pod);
         Ok(answers
             .into_iter()
-            .map(|a| a.unwrap_or_else(|| Admitted { devices: Vec::new(), envs: BTreeMap::new() }))
+            .map(|a| a.unwrap_or_else(|| Admitted { devices: Vec::new(), envs: BTreeMap::new(), mounts: Vec::new() }))
             .collect())
     }
 
@@ -854,7 +857,7 @@ impl Kubelet {
         let mut held =
             HeldBy { name: spec.name.clone(), init: spec.init, resource: resource.clone(), devices: Vec::new() };
         if spec.units == 0 {
-            return Ok((Admitted { devices: Vec::new(), envs: BTreeMap::new() }, held));
+            return Ok((Admitted { devices: Vec::new(), envs: BTreeMap::new(), mounts: Vec::new() }, held));
         }
         if resource.is_empty() {
             bail!("cannot allocate unregistered device");
@@ -887,7 +890,7 @@ impl Kubelet {
                 allocated.extend(available.into_iter().take(needed));
             }
         }
-        let envs = self.allocate_rpc(&allocated).await?;
+        let (envs, mounts) = self.allocate_rpc(&allocated).await?;
         let by_id: HashMap<&str, &Device> = all.iter().map(|d| (d.id.as_str(), d)).collect();
         held.devices = allocated
             .iter()
@@ -895,7 +898,7 @@ impl Kubelet {
                 by_id.get(id.as_str()).map_or_else(|| Device { id: id.clone(), ..Device::default() }, |d| (*d).clone())
             })
             .collect();
-        Ok((Admitted { devices: allocated, envs }, held))
+        Ok((Admitted { devices: allocated, envs, mounts }, held))
     }
 
     /// Forgets the pod `namespace/name`, admitted or injected: its devices are free again and
@@ -987,12 +990,13 @@ impl Kubelet {
     /// # Errors
     /// The plugin's refusal.
     pub async fn allocate(&self, devices: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
-        let envs = self.allocate_rpc(devices).await?;
+        let (envs, _) = self.allocate_rpc(devices).await?;
         self.shared().loose.extend(devices.iter().cloned());
         Ok(envs)
     }
 
-    async fn allocate_rpc(&self, devices: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
+    /// `Allocate` for one container: the environment and the mounts it answered.
+    async fn allocate_rpc(&self, devices: &[String]) -> anyhow::Result<(BTreeMap<String, String>, Vec<String>)> {
         let response = self
             .client()?
             .allocate(AllocateRequest {
@@ -1001,8 +1005,13 @@ impl Kubelet {
             .await
             .map_err(|s| anyhow::anyhow!("Allocate: {}: {}", code(&s), s.message()))?
             .into_inner();
-        let envs = response.container_responses.into_iter().next().context("empty Allocate response")?.envs;
-        Ok(envs.into_iter().collect())
+        let answer = response.container_responses.into_iter().next().context("empty Allocate response")?;
+        let mounts = answer
+            .mounts
+            .iter()
+            .map(|m| format!("{}:{}{}", m.host_path, m.container_path, if m.read_only { ":ro" } else { "" }))
+            .collect();
+        Ok((answer.envs.into_iter().collect(), mounts))
     }
 
     /// Stops serving, cuts the connections and removes `kubelet.sock` and the PodResources

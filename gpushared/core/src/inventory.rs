@@ -77,6 +77,47 @@ impl Health {
     }
 }
 
+/// How a GPU's memory is shared among the containers placed on it (the daemon's `[sharing]`
+/// configuration, published in the node annotation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum SharingMode {
+    /// Containers share the GPU by memory budget; the budget reaches each container as
+    /// environment variables (gpushare's, and HAMi-core's, which images carrying that library
+    /// enforce).
+    #[default]
+    Shared,
+    /// Containers are clients of the GPU's CUDA MPS control daemon, which pins each client's
+    /// device memory to its budget and limits its share of the GPU's threads.
+    Mps,
+}
+
+impl SharingMode {
+    /// The name in configuration files and annotations: `shared` or `mps`.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SharingMode::Shared => "shared",
+            SharingMode::Mps => "mps",
+        }
+    }
+
+    /// Parses [`Self::as_str`]'s names.
+    #[must_use]
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "shared" => Some(SharingMode::Shared),
+            "mps" => Some(SharingMode::Mps),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for SharingMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// One GPU of a node.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Gpu {
@@ -98,6 +139,8 @@ pub struct Gpu {
     pub numa_node: Option<u32>,
     /// PCI bus id (`00000000:3B:00.0`), when known.
     pub pci_bus_id: Option<String>,
+    /// How its memory is shared.
+    pub mode: SharingMode,
 }
 
 impl Gpu {
@@ -114,6 +157,7 @@ impl Gpu {
             cordoned: false,
             numa_node: None,
             pci_bus_id: None,
+            mode: SharingMode::Shared,
         }
     }
 

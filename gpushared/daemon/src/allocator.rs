@@ -23,7 +23,7 @@ use gpushare_core::{ContainerRole, GpuUuid, Health, Mib, NodeInventory, PodReque
 use thiserror::Error;
 use tokio::sync::watch;
 
-use crate::config::Compatibility;
+use crate::config::{Compatibility, MpsConfig};
 use crate::ledger::{Ledger, LedgerError, NewRow, Row, request_key};
 use crate::pods::{PodStore, PodView, StoredPod};
 use crate::reconcile::{KnownPod, KubeletView, Repair};
@@ -136,15 +136,24 @@ pub enum AllocError {
     },
 }
 
-/// A container's answer: the environment the kubelet puts into it.
+/// A container's answer: the environment the kubelet puts into it, and what it mounts.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Answer {
     /// Environment variables.
     pub envs: BTreeMap<String, String>,
+    /// Host directories mounted into the container (the MPS pipe directory on MPS GPUs).
+    pub mounts: Vec<Mount>,
     /// Which pod and container it was for.
     pub pod: PodRef,
     /// The container.
     pub container: String,
+}
+
+/// A host directory mounted into a container, read-write, at the same path.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mount {
+    /// The path, on the host and in the container.
+    pub path: std::path::PathBuf,
 }
 
 /// Which container a proposal was made for.
@@ -245,6 +254,7 @@ pub struct Allocator {
     node: String,
     names: ResourceNames,
     compat: Compatibility,
+    mps: MpsConfig,
     inventory: NodeInventory,
     devices: DeviceMap,
     pods: PodStore,
@@ -280,6 +290,7 @@ impl Allocator {
             node,
             names,
             compat,
+            mps: MpsConfig::default(),
             inventory,
             devices,
             pods,
@@ -293,6 +304,13 @@ impl Allocator {
             }),
             changes: watch::Sender::new(0),
         })
+    }
+
+    /// The same service with `mps` for the containers placed on MPS GPUs.
+    #[must_use]
+    pub fn with_mps(mut self, mps: MpsConfig) -> Self {
+        self.mps = mps;
+        self
     }
 
     /// This node's name.
@@ -728,6 +746,7 @@ impl Allocator {
         );
         Ok(Answer {
             envs: self.envs(&cand.view().pod, &cand.assignment, cand.container()),
+            mounts: self.mounts(cand.container()),
             pod: cand.view().pod.clone(),
             container: cand.container().name.clone(),
         })
@@ -803,9 +822,24 @@ impl Allocator {
         };
         Answer {
             envs: self.envs(&last.pod, &assignment, &container),
+            mounts: self.mounts(&container),
             pod: last.pod.clone(),
             container: last.container.clone(),
         }
+    }
+
+    /// Whether every GPU of the container is in MPS mode (a container spanning shared and MPS
+    /// GPUs is served as shared: one MPS client cannot leave some of its devices out).
+    fn on_mps(&self, c: &ContainerAssignment) -> bool {
+        !c.gpus.is_empty()
+            && c.gpus.iter().all(|g| {
+                self.inventory.gpus().iter().any(|x| x.uuid == g.uuid && x.mode == gpushare_core::SharingMode::Mps)
+            })
+    }
+
+    /// What a container mounts: the MPS pipe directory when it is an MPS client.
+    fn mounts(&self, c: &ContainerAssignment) -> Vec<Mount> {
+        if self.on_mps(c) { vec![Mount { path: self.mps.pipe_directory.path().to_path_buf() }] } else { Vec::new() }
     }
 
     /// The environment of a container (documented in docs/gpushared.md).
@@ -829,6 +863,26 @@ impl Allocator {
         env.insert("GPUSHARE_UNIT".to_owned(), self.inventory.unit().to_string());
         env.insert("GPUSHARE_POD".to_owned(), format!("{}/{}", pod.namespace, pod.name));
         env.insert("GPUSHARE_CONTAINER".to_owned(), c.name.clone());
+        // HAMi-core's budget per device, by the container's device ordinal (the order of
+        // NVIDIA_VISIBLE_DEVICES): an image that carries that library enforces it.
+        for (i, g) in gpus.iter().enumerate() {
+            env.insert(format!("CUDA_DEVICE_MEMORY_LIMIT_{i}"), format!("{}m", g.mib.get()));
+        }
+        if self.on_mps(c) {
+            // A client of the GPUs' MPS control daemon: its memory pinned to the budget, its
+            // threads to the configured share.
+            env.insert("CUDA_MPS_PIPE_DIRECTORY".to_owned(), self.mps.pipe_directory.path().display().to_string());
+            env.insert(
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".to_owned(),
+                gpus.iter().enumerate().map(|(i, g)| format!("{i}={}M", g.mib.get())).collect::<Vec<_>>().join(","),
+            );
+            let share = gpus
+                .iter()
+                .map(|g| self.mps.active_thread_percentage.percentage(g.mib, total_of(&g.uuid)))
+                .max()
+                .unwrap_or(100);
+            env.insert("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".to_owned(), share.to_string());
+        }
         if self.compat == Compatibility::Alibaba {
             let unit = self.inventory.unit();
             let first = gpus.first().and_then(|g| self.inventory.gpus().iter().find(|x| x.uuid == g.uuid));

@@ -124,6 +124,147 @@ pub struct Config {
     /// The local status API.
     #[serde(default)]
     pub dbus: DbusConfig,
+    /// How each GPU is shared.
+    #[serde(default)]
+    pub sharing: SharingConfig,
+    /// CUDA MPS, for the GPUs `[sharing] mps` names.
+    #[serde(default)]
+    pub mps: MpsConfig,
+}
+
+/// A GPU named in the configuration: its index or its UUID.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum GpuRef {
+    /// The NVML index.
+    Index(u32),
+    /// The UUID (`GPU-...`).
+    Uuid(String),
+}
+
+impl GpuRef {
+    /// Whether `gpu` is the one named.
+    #[must_use]
+    pub fn names(&self, gpu: &Gpu) -> bool {
+        match self {
+            GpuRef::Index(i) => gpu.index == *i,
+            GpuRef::Uuid(u) => gpu.uuid.as_str() == u,
+        }
+    }
+}
+
+impl std::fmt::Display for GpuRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GpuRef::Index(i) => write!(f, "GPU {i}"),
+            GpuRef::Uuid(u) => write!(f, "GPU {u}"),
+        }
+    }
+}
+
+/// `[sharing]`: how each GPU's memory is shared. Every GPU is `shared` unless listed here.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SharingConfig {
+    /// GPUs (index or UUID) whose containers are clients of CUDA MPS.
+    #[serde(default)]
+    pub mps: Vec<GpuRef>,
+}
+
+impl SharingConfig {
+    /// Sets each GPU's mode from this section.
+    ///
+    /// # Errors
+    /// A GPU named here that this host does not have, with the GPUs it has.
+    pub fn apply(&self, gpus: &mut [Gpu]) -> Result<(), String> {
+        if let Some(missing) = self.mps.iter().find(|r| !gpus.iter().any(|g| r.names(g))) {
+            let have: Vec<String> = gpus.iter().map(|g| format!("{} ({})", g.index, g.uuid)).collect();
+            return Err(format!(
+                "[sharing] mps names {missing}, which this host does not have; its GPUs are {}",
+                if have.is_empty() { "none".to_owned() } else { have.join(", ") }
+            ));
+        }
+        for g in gpus.iter_mut() {
+            g.mode = if self.mps.iter().any(|r| r.names(g)) {
+                gpushare_core::SharingMode::Mps
+            } else {
+                gpushare_core::SharingMode::Shared
+            };
+        }
+        Ok(())
+    }
+}
+
+/// `[mps]`: what containers on MPS GPUs are given.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MpsConfig {
+    /// The MPS control daemon's pipe directory on the host, mounted into MPS containers at the
+    /// same path (`CUDA_MPS_PIPE_DIRECTORY`).
+    #[serde(default = "default_mps_pipe_directory")]
+    pub pipe_directory: AbsPath,
+    /// Each MPS client's share of the GPU's threads (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`).
+    #[serde(default)]
+    pub active_thread_percentage: ThreadShare,
+}
+
+impl Default for MpsConfig {
+    fn default() -> Self {
+        MpsConfig { pipe_directory: default_mps_pipe_directory(), active_thread_percentage: ThreadShare::default() }
+    }
+}
+
+fn default_mps_pipe_directory() -> AbsPath {
+    abs("/tmp/nvidia-mps")
+}
+
+/// How an MPS client's thread percentage is set.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ThreadShare {
+    /// The container's share of the GPU's memory, rounded up (a 4 GiB budget on a 16 GiB GPU
+    /// gets 25).
+    #[default]
+    Proportional,
+    /// The same percentage for every client (1 to 100).
+    Fixed(u8),
+}
+
+impl ThreadShare {
+    /// The percentage for a client with `budget` on a GPU of `total` (1 to 100).
+    #[must_use]
+    pub fn percentage(self, budget: Mib, total: Mib) -> u8 {
+        match self {
+            ThreadShare::Fixed(p) => p,
+            ThreadShare::Proportional if total.get() == 0 => 100,
+            ThreadShare::Proportional => {
+                let p = (budget.get().saturating_mul(100)).div_ceil(total.get()).clamp(1, 100);
+                u8::try_from(p).unwrap_or(100)
+            }
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for ThreadShare {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(i64),
+            Word(String),
+        }
+        let bad = || {
+            serde::de::Error::custom(
+                "write \"proportional\" (the container's share of the GPU's memory) or a percentage from 1 to 100",
+            )
+        };
+        match Raw::deserialize(d)? {
+            Raw::Word(w) if w == "proportional" => Ok(ThreadShare::Proportional),
+            Raw::Number(n) => {
+                u8::try_from(n).ok().filter(|p| (1..=100).contains(p)).map(ThreadShare::Fixed).ok_or_else(bad)
+            }
+            Raw::Word(_) => Err(bad()),
+        }
+    }
 }
 
 /// `[dbus]`: the local status API.
@@ -524,6 +665,43 @@ mod tests {
 
     fn parse(text: &str) -> Result<Config, String> {
         Config::parse(text, Path::new("/etc/gpushare/gpushared.toml")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn sharing_and_mps_read_gpus_by_index_or_uuid_and_check_the_thread_share() {
+        let c = parse("[sharing]\nmps = [1, \"GPU-b\"]\n[mps]\nactive_thread_percentage = 50\n").unwrap();
+        assert_eq!(c.sharing.mps, [GpuRef::Index(1), GpuRef::Uuid("GPU-b".into())]);
+        assert_eq!(c.mps.active_thread_percentage, ThreadShare::Fixed(50));
+        assert_eq!(c.mps.pipe_directory.path(), Path::new("/tmp/nvidia-mps"));
+        let d = parse("").unwrap();
+        assert!(d.sharing.mps.is_empty());
+        assert_eq!(d.mps.active_thread_percentage, ThreadShare::Proportional);
+        for bad in ["0", "101", "\"half\"", "-5"] {
+            let err = parse(&format!("[mps]\nactive_thread_percentage = {bad}\n")).unwrap_err();
+            assert!(err.contains("a percentage from 1 to 100"), "{bad}: {err}");
+        }
+        assert!(parse("[sharing]\nexclusive = [0]\n").unwrap_err().contains("exclusive"));
+        // Proportional: the budget's share of the GPU, rounded up, 1 to 100.
+        let p = ThreadShare::Proportional;
+        assert_eq!(p.percentage(Mib::new(4096), Mib::new(16384)), 25);
+        assert_eq!(p.percentage(Mib::new(1), Mib::new(16384)), 1);
+        assert_eq!(p.percentage(Mib::new(16384), Mib::new(16384)), 100);
+        assert_eq!(ThreadShare::Fixed(40).percentage(Mib::new(1), Mib::new(2)), 40);
+    }
+
+    #[test]
+    fn sharing_sets_each_gpus_mode_and_refuses_a_gpu_the_host_lacks() {
+        let mut gpus: Vec<Gpu> =
+            (0..3).map(|i| Gpu::new(i, GpuUuid::new(format!("GPU-{i}")).unwrap(), "T4", Mib::new(1000))).collect();
+        let sharing = SharingConfig { mps: vec![GpuRef::Index(2), GpuRef::Uuid("GPU-0".into())] };
+        sharing.apply(&mut gpus).unwrap();
+        let modes: Vec<&str> = gpus.iter().map(|g| g.mode.as_str()).collect();
+        assert_eq!(modes, ["mps", "shared", "mps"]);
+        let err = SharingConfig { mps: vec![GpuRef::Index(7)] }.apply(&mut gpus).unwrap_err();
+        assert!(
+            err.contains("names GPU 7, which this host does not have; its GPUs are 0 (GPU-0), 1 (GPU-1), 2 (GPU-2)"),
+            "{err}"
+        );
     }
 
     #[test]

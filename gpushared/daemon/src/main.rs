@@ -85,12 +85,14 @@ async fn run(config: Config) -> anyhow::Result<()> {
     } else {
         Box::new(StaticDiscovery::new(config.gpus.iter().map(gpushared::config::StaticGpu::to_gpu).collect()))
     };
-    let gpus = discovery.discover()?;
+    let mut gpus = discovery.discover()?;
+    config.sharing.apply(&mut gpus).map_err(anyhow::Error::msg)?;
     let inventory = NodeInventory::new(config.resources.unit, gpus)
         .with_context(|| format!("GPUs from {}", discovery.describe()))?;
     tracing::info!(source = %discovery.describe(), gpus = inventory.gpus().len(), node = %node, "GPUs discovered");
     for g in inventory.gpus() {
-        tracing::info!(index = g.index, uuid = %g.uuid, model = %g.model, total_mib = g.total.get(), numa = ?g.numa_node, "GPU");
+        tracing::info!(index = g.index, uuid = %g.uuid, model = %g.model, total_mib = g.total.get(), numa = ?g.numa_node,
+            mode = %g.mode, "GPU");
     }
     if inventory.gpus().is_empty() {
         tracing::warn!("no GPUs found: the kubelet gets an empty device list");
@@ -121,14 +123,17 @@ async fn run(config: Config) -> anyhow::Result<()> {
         })
         .context("starting the ledger checkpoint thread")?;
     let pods = PodStore::new();
-    let alloc = Arc::new(Allocator::new(
-        node.clone(),
-        config.resources.names(),
-        config.resources.compatibility,
-        inventory.clone(),
-        pods.clone(),
-        opened.ledger,
-    )?);
+    let alloc = Arc::new(
+        Allocator::new(
+            node.clone(),
+            config.resources.names(),
+            config.resources.compatibility,
+            inventory.clone(),
+            pods.clone(),
+            opened.ledger,
+        )?
+        .with_mps(config.mps.clone()),
+    );
     tracing::info!(live = alloc.summary().allocations, ledger = %config.ledger.path.path().display(), "ledger restored");
 
     // GPU health: NVML events and probes, on a thread of its own.

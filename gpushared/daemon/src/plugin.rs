@@ -18,7 +18,7 @@ use gpushare_proto::deviceplugin::device_plugin_server::{DevicePlugin, DevicePlu
 use gpushare_proto::deviceplugin::registration_client::RegistrationClient;
 use gpushare_proto::deviceplugin::{
     AllocateRequest, AllocateResponse, ContainerAllocateResponse, ContainerPreferredAllocationResponse,
-    DevicePluginOptions, Empty, ListAndWatchResponse, PreStartContainerRequest, PreStartContainerResponse,
+    DevicePluginOptions, Empty, ListAndWatchResponse, Mount, PreStartContainerRequest, PreStartContainerResponse,
     PreferredAllocationRequest, PreferredAllocationResponse, RegisterRequest,
 };
 use tokio::sync::watch;
@@ -211,6 +211,15 @@ impl DevicePlugin for Plugin {
                     .map(|r| {
                         alloc.allocate_with(&r.devices_ids, patient).map(|a| ContainerAllocateResponse {
                             envs: a.envs.into_iter().collect(),
+                            mounts: a
+                                .mounts
+                                .iter()
+                                .map(|m| Mount {
+                                    container_path: m.path.display().to_string(),
+                                    host_path: m.path.display().to_string(),
+                                    read_only: false,
+                                })
+                                .collect(),
                             ..Default::default()
                         })
                     })

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::{Daemon, Host, WAIT, bound_pod, static_gpus};
 use gpushare_core::ContainerRole;
+use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_testkit::apiserver::ApiServer;
 use gpushare_testkit::kubelet::Kubelet;
 use gpushared::ledger::{Ledger, request_key};
@@ -28,13 +29,18 @@ struct Cluster {
 
 /// A node with `gpus` (MiB each) served by a daemon, with the stand-ins around it.
 async fn cluster(gpus: &[u64]) -> (Cluster, Daemon) {
+    cluster_with(gpus, "").await
+}
+
+/// The same with `extra` configuration after the GPU list.
+async fn cluster_with(gpus: &[u64], extra: &str) -> (Cluster, Daemon) {
     let host = Host::new();
     let api = ApiServer::start().await.unwrap();
     api.create_node(json!({"metadata": {"name": "node-a"}})).unwrap();
     let kubeconfig = host.path("kubeconfig");
     api.write_kubeconfig(&kubeconfig).unwrap();
     let gpus: Vec<(u64, Option<u32>)> = gpus.iter().map(|m| (*m, None)).collect();
-    let config = host.config(&kubeconfig, "", &static_gpus(&gpus));
+    let config = host.config(&kubeconfig, "", &format!("{}{extra}", static_gpus(&gpus)));
     let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
     let daemon = Daemon::start(&config, host.path("daemon-1.log"));
     kubelet.wait_registered(1, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
@@ -112,6 +118,81 @@ async fn every_request_shape_lands_on_its_assigned_gpu() {
     let live = ledger_of(&c).live().unwrap();
     assert_eq!(live.len(), 1 + 2 + 3 + 2, "{live:?}");
     drop(daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mps_gpus_give_their_clients_pinned_memory_threads_and_the_pipe_directory() {
+    let pipes = tempfile::tempdir().unwrap();
+    let extra =
+        format!("[sharing]\nmps = [\"GPU-static-1\", 2]\n[mps]\npipe_directory = \"{}\"\n", pipes.path().display());
+    let (c, daemon) = cluster_with(&[1000, 1000, 1000], &extra).await;
+
+    // A shared GPU: the budget as environment (gpushare's and HAMi-core's), no MPS, no mount.
+    bound_pod(&c.api, "shared", &[("main", ContainerRole::App, &[(0, 300)])]);
+    let s = admit(&c, &[300]).await;
+    assert_eq!(s[0].envs["NVIDIA_VISIBLE_DEVICES"], "GPU-static-0");
+    assert_eq!(s[0].envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "300m");
+    assert!(!s[0].envs.keys().any(|k| k.starts_with("CUDA_MPS_")), "{:?}", s[0].envs);
+    assert!(s[0].mounts.is_empty(), "{:?}", s[0].mounts);
+
+    // An MPS GPU (named by UUID): pinned memory, a proportional thread share (300 of 1000 MiB),
+    // the pipe directory mounted at the same path.
+    bound_pod(&c.api, "mps", &[("main", ContainerRole::App, &[(1, 300)])]);
+    let m = admit(&c, &[300]).await;
+    let dir = pipes.path().display().to_string();
+    assert_eq!(m[0].envs["NVIDIA_VISIBLE_DEVICES"], "GPU-static-1");
+    assert_eq!(m[0].envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "300m");
+    assert_eq!(m[0].envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=300M");
+    assert_eq!(m[0].envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "30");
+    assert_eq!(m[0].envs["CUDA_MPS_PIPE_DIRECTORY"], dir);
+    assert_eq!(m[0].mounts, [format!("{dir}:{dir}")]);
+
+    // Two MPS GPUs (the second named by index): one limit per device ordinal.
+    bound_pod(&c.api, "mps-two", &[("main", ContainerRole::App, &[(1, 100), (2, 100)])]);
+    let t = admit(&c, &[200]).await;
+    assert_eq!(t[0].envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=100M,1=100M");
+    assert_eq!(t[0].envs["CUDA_DEVICE_MEMORY_LIMIT_1"], "100m");
+    assert_eq!(t[0].mounts.len(), 1);
+
+    // Spanning a shared and an MPS GPU: served as shared (no MPS client for part of a container).
+    bound_pod(&c.api, "mixed", &[("main", ContainerRole::App, &[(0, 100), (1, 100)])]);
+    let x = admit(&c, &[200]).await;
+    assert!(!x[0].envs.contains_key("CUDA_MPS_PIPE_DIRECTORY"), "{:?}", x[0].envs);
+    assert!(x[0].mounts.is_empty());
+
+    // The node annotation says which GPUs are MPS.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let node = c.api.get(gpushare_testkit::apiserver::Kind::Node, "", "node-a").unwrap();
+        let state = node["metadata"]["annotations"][NODE_STATE_KEY].as_str().map(NodeState::decode);
+        if let Some(Ok(state)) = state {
+            let modes: Vec<&str> = state.inventory.gpus().iter().map(|g| g.mode.as_str()).collect();
+            assert_eq!(modes, ["shared", "mps", "mps"]);
+            break;
+        }
+        assert!(Instant::now() < deadline, "no node state published");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_mps_gpu_the_host_lacks_stops_the_daemon_with_the_gpus_it_has() {
+    let host = Host::new();
+    let config = host.config(
+        &host.path("kubeconfig"),
+        "",
+        &format!("{}[sharing]\nmps = [\"GPU-nope\"]\n", static_gpus(&[(1000, None)])),
+    );
+    let mut daemon = Daemon::start(&config, host.path("daemon.log"));
+    assert_eq!(daemon.wait_exit(WAIT), Some(1), "{}", daemon.log());
+    assert!(
+        daemon
+            .log()
+            .contains("[sharing] mps names GPU GPU-nope, which this host does not have; its GPUs are 0 (GPU-static-0)"),
+        "{}",
+        daemon.log()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -15,7 +15,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::{CodecError, decode_versioned, encode_checked};
-use crate::inventory::{Gpu, GpuUuid, Health, NodeInventory};
+use crate::inventory::{Gpu, GpuUuid, Health, NodeInventory, SharingMode};
 use crate::units::{MemoryUnit, Mib};
 
 /// The Node annotation key.
@@ -90,6 +90,9 @@ struct WireGpu {
     health_reason: Option<String>,
     #[serde(default)]
     cordoned: bool,
+    /// Absent means shared (and is what daemons before MPS support wrote).
+    #[serde(default, skip_serializing_if = "WireMode::is_shared")]
+    mode: WireMode,
     #[serde(rename = "usedMiB", default)]
     used_mib: Mib,
     #[serde(default)]
@@ -100,6 +103,21 @@ struct WireGpu {
 enum WireHealth {
     Healthy,
     Unhealthy,
+}
+
+#[derive(Serialize, Deserialize, PartialEq, Eq, Clone, Copy, Default)]
+#[serde(rename_all = "lowercase")]
+enum WireMode {
+    #[default]
+    Shared,
+    Mps,
+}
+
+impl WireMode {
+    #[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference
+    fn is_shared(&self) -> bool {
+        *self == WireMode::Shared
+    }
 }
 
 #[derive(Serialize, Deserialize)]
@@ -151,6 +169,10 @@ impl NodeState {
                         Health::Unhealthy { reason } => Some(reason.clone()),
                     },
                     cordoned: g.cordoned,
+                    mode: match g.mode {
+                        SharingMode::Shared => WireMode::Shared,
+                        SharingMode::Mps => WireMode::Mps,
+                    },
                     used_mib: *used,
                     pods: self
                         .allocations
@@ -211,6 +233,10 @@ impl NodeState {
                 cordoned: g.cordoned,
                 numa_node: g.numa,
                 pci_bus_id: g.pci,
+                mode: match g.mode {
+                    WireMode::Shared => SharingMode::Shared,
+                    WireMode::Mps => SharingMode::Mps,
+                },
             });
             used.push((g.index, g.used_mib));
         }
