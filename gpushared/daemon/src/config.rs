@@ -206,12 +206,32 @@ pub struct MpsConfig {
     /// Each MPS client's share of the GPU's threads (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`).
     #[serde(default)]
     pub active_thread_percentage: ThreadShare,
+    /// Where the MPS control daemon writes its logs (`CUDA_MPS_LOG_DIRECTORY`).
+    #[serde(default = "default_mps_log_directory")]
+    pub log_directory: AbsPath,
+    /// The environment file `gpushared-mps.service` reads: the MPS GPUs and the two
+    /// directories, written at start (removed when no GPU is in MPS mode).
+    #[serde(default = "default_mps_environment_file")]
+    pub environment_file: AbsPath,
 }
 
 impl Default for MpsConfig {
     fn default() -> Self {
-        MpsConfig { pipe_directory: default_mps_pipe_directory(), active_thread_percentage: ThreadShare::default() }
+        MpsConfig {
+            pipe_directory: default_mps_pipe_directory(),
+            active_thread_percentage: ThreadShare::default(),
+            log_directory: default_mps_log_directory(),
+            environment_file: default_mps_environment_file(),
+        }
     }
+}
+
+fn default_mps_log_directory() -> AbsPath {
+    abs("/var/log/nvidia-mps")
+}
+
+fn default_mps_environment_file() -> AbsPath {
+    abs("/run/gpushare/mps.env")
 }
 
 fn default_mps_pipe_directory() -> AbsPath {

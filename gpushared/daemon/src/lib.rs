@@ -14,6 +14,7 @@
 //! - [`kubelet_watch`]: kubelet restarts, seen in the device-plugin directory;
 //! - [`ledger`]: the SQLite allocation ledger;
 //! - [`memory`]: keeping resident memory small after the kubelet's large device lists;
+//! - [`mps`]: the environment file the MPS control daemon's unit reads (the GPUs in MPS mode);
 //! - [`objects`]: the parts of Pods and Nodes the daemon reads;
 //! - [`plugin`]: the kubelet device plugin API and registration;
 //! - [`pods`]: the pods bound to this node, as last seen;
@@ -33,6 +34,7 @@ pub mod kube;
 pub mod kubelet_watch;
 pub mod ledger;
 pub mod memory;
+pub mod mps;
 pub mod objects;
 pub mod plugin;
 pub mod pods;

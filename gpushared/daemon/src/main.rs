@@ -99,6 +99,16 @@ async fn run(config: Config) -> anyhow::Result<()> {
     }
     let numa = config.resources.numa_topology;
     check_list_size(&inventory, numa)?;
+    // Before READY: gpushared-mps.service, ordered after this unit, reads it when it starts.
+    let mps_file = config.mps.environment_file.path();
+    let done = gpushared::mps::write_environment(
+        mps_file,
+        gpushared::mps::environment(inventory.gpus(), &config.mps).as_deref(),
+    )
+    .map_err(anyhow::Error::msg)?;
+    if done != "absent" {
+        tracing::info!(file = %mps_file.display(), action = done, "MPS environment file");
+    }
 
     notifier.status("starting: restoring the ledger");
     let opened = Ledger::open(config.ledger.path.path())?;

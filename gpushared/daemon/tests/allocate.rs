@@ -123,9 +123,17 @@ async fn every_request_shape_lands_on_its_assigned_gpu() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mps_gpus_give_their_clients_pinned_memory_threads_and_the_pipe_directory() {
     let pipes = tempfile::tempdir().unwrap();
-    let extra =
-        format!("[sharing]\nmps = [\"GPU-static-1\", 2]\n[mps]\npipe_directory = \"{}\"\n", pipes.path().display());
+    let env_file = pipes.path().join("run/mps.env");
+    let extra = format!(
+        "[sharing]\nmps = [\"GPU-static-1\", 2]\n[mps]\npipe_directory = \"{}\"\nenvironment_file = \"{}\"\n",
+        pipes.path().display(),
+        env_file.display()
+    );
     let (c, daemon) = cluster_with(&[1000, 1000, 1000], &extra).await;
+    // Written before READY, for gpushared-mps.service: the MPS GPUs and the pipe directory.
+    let env = std::fs::read_to_string(&env_file).unwrap();
+    assert!(env.contains("\nCUDA_VISIBLE_DEVICES=GPU-static-1,GPU-static-2\n"), "{env}");
+    assert!(env.contains(&format!("\nCUDA_MPS_PIPE_DIRECTORY={}\n", pipes.path().display())), "{env}");
 
     // A shared GPU: the budget as environment (gpushare's and HAMi-core's), no MPS, no mount.
     bound_pod(&c.api, "shared", &[("main", ContainerRole::App, &[(0, 300)])]);
