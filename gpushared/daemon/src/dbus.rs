@@ -222,12 +222,17 @@ async fn connect(bus: &Bus, alloc: &Arc<Allocator>) -> zbus::Result<zbus::Connec
 
 /// Serves the API on `bus` forever: connects (retrying with backoff while the bus is not
 /// there), emits `PropertiesChanged` for `Gpus` and `AllocationCount` after every change (a
-/// burst within 100 ms is one signal), and reconnects when the bus goes away.
-pub async fn serve(bus: Bus, alloc: Arc<Allocator>) {
+/// burst within 100 ms is one signal), and reconnects when the bus goes away. `first`, when
+/// given, hears whether the first attempt succeeded (the daemon waits for it before READY).
+pub async fn serve(bus: Bus, alloc: Arc<Allocator>, mut first: Option<tokio::sync::oneshot::Sender<bool>>) {
     let mut delay = Duration::from_secs(1);
     let mut warned = false;
     loop {
-        match connect(&bus, &alloc).await {
+        let attempt = connect(&bus, &alloc).await;
+        if let Some(tell) = first.take() {
+            let _ = tell.send(attempt.is_ok());
+        }
+        match attempt {
             Ok(conn) => {
                 tracing::info!(bus = ?bus, name = BUS_NAME, "serving the status API on D-Bus");
                 warned = false;

@@ -197,17 +197,24 @@ async fn run(config: Config) -> anyhow::Result<()> {
         kubelet: config.kubelet_socket(),
         wake: Arc::new(tokio::sync::Notify::new()),
     };
+    // The status API's first connection is made before READY, so `systemctl start gpushared`
+    // returns with gpusharectl able to answer; a bus that is down or slow delays it 2 s at most
+    // (the status API is never on the allocation path; it keeps retrying in the background).
+    if config.dbus.enabled {
+        let (first_tx, first_rx) = tokio::sync::oneshot::channel();
+        tasks.spawn(gpushared::dbus::serve(config.dbus.bus(), Arc::clone(&alloc), Some(first_tx)));
+        if tokio::time::timeout(Duration::from_secs(2), first_rx).await.is_err() {
+            tracing::warn!("the D-Bus status API is not up after 2 s; ready without it (it keeps trying)");
+        }
+    } else {
+        tracing::info!("the D-Bus status API is turned off ([dbus] enabled = false)");
+    }
     notifier.ready(&status.line());
     tasks.spawn(report_status(notifier.clone(), status.clone()));
     if let Some(interval) = gpushared::systemd::watchdog_interval() {
         let probe = Arc::clone(&alloc);
         tracing::info!(interval = ?interval, "systemd watchdog on; pinging at half the interval while the allocator answers");
         tasks.spawn(gpushared::systemd::watchdog(notifier.clone(), interval, move || probe.probe().is_ok()));
-    }
-    if config.dbus.enabled {
-        tasks.spawn(gpushared::dbus::serve(config.dbus.bus(), Arc::clone(&alloc)));
-    } else {
-        tracing::info!("the D-Bus status API is turned off ([dbus] enabled = false)");
     }
     let reconcile_now = Arc::new(tokio::sync::Notify::new());
     tasks.spawn(reconcile_loop(
