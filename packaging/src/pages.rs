@@ -208,6 +208,10 @@ The credentials for the API server by default (\fB[kubernetes] kubeconfig\fR): t
 \fBgpushared.service\fR
 The systemd unit that runs the daemon:
 \fBsystemctl status gpushared\fR shows its status line, \fBjournalctl \-u gpushared\fR its log.
+.TP
+\fI/run/gpushare/mps.env\fR, \fBgpushared\-mps.service\fR
+For the GPUs in MPS mode (\fB[sharing] mps\fR): the environment file the daemon writes at start,
+and the unit that runs NVIDIA's MPS control daemon from it.
 "#;
     let see_also = format!(
         r#".BR gpusharectl (1),
