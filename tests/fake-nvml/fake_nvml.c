@@ -42,6 +42,10 @@
  *                             or UUID, index, UUID, name, minor, memory, PCI, NUMA, event types,
  *                             event registration) returns NVML_ERROR_GPU_IS_LOST (15)
  *   recover <index>           the GPU answers again
+ *   util <index> <percent>    the GPU's utilisation from now on (nvmlDeviceGetUtilizationRates,
+ *                             0-100; the memory rate reported is the same); default 0
+ *   used <index> <mib>        memory in use on the GPU from now on (nvmlDeviceGetMemoryInfo's
+ *                             used, at most the total); default 0
  *
  * An event goes to every event set on which that type was registered for that GPU (lost or
  * not), queued there until nvmlEventSetWait takes it (at most 256 per set: more are dropped
@@ -149,6 +153,8 @@ static char driver[80] = "550.54.15";
 static int init_refs;
 static struct nvmlEventSet_st *sets[MAX_SETS];
 static int lost[MAX_GPUS];
+static unsigned int utilization[MAX_GPUS];
+static unsigned long long used_mib[MAX_GPUS];
 static char events_path[4096];
 static long long events_offset;
 static int events_line;
@@ -211,10 +217,27 @@ static void apply_event(char *text) {
     if (n == 0 || tokens[0][0] == '#') return;
     unsigned long long index, code = 0;
     const char *kind = tokens[0];
+    if (strcmp(kind, "util") == 0 || strcmp(kind, "used") == 0) {
+        unsigned long long value;
+        if (n != 3 || !parse_number(tokens[1], &index) || !parse_number(tokens[2], &value)) {
+            bad_event("util and used need <gpu-index> <number>");
+        } else if (index >= gpu_count) {
+            bad_event("no GPU with that index");
+        } else if (kind[1] == 't' && value > 100) {
+            bad_event("a utilisation is a percentage, 0 to 100");
+        } else if (kind[1] == 's' && value > gpus[index].memory_mib) {
+            bad_event("more memory in use than the GPU has");
+        } else if (kind[1] == 't') {
+            utilization[index] = (unsigned int)value;
+        } else {
+            used_mib[index] = value;
+        }
+        return;
+    }
     int xid = strcmp(kind, "xid") == 0;
     if (!xid && strcmp(kind, "ecc_dbe") != 0 && strcmp(kind, "ecc_sbe") != 0 && strcmp(kind, "lost") != 0 &&
         strcmp(kind, "recover") != 0) {
-        bad_event("unknown event (xid, ecc_dbe, ecc_sbe, lost, recover)");
+        bad_event("unknown event (xid, ecc_dbe, ecc_sbe, lost, recover, util, used)");
         return;
     }
     if (n != (xid ? 3 : 2) || !parse_number(tokens[1], &index) || (xid && !parse_number(tokens[2], &code))) {
@@ -307,6 +330,8 @@ static nvmlReturn_t load(void) {
     for (unsigned int i = 0; i < MAX_GPUS; i++) {
         event_types[i] = DEFAULT_EVENT_TYPES;
         lost[i] = 0;
+        utilization[i] = 0;
+        used_mib[i] = 0;
     }
     const char *events = getenv("FAKE_NVML_EVENTS");
     snprintf(events_path, sizeof events_path, "%s", events != NULL ? events : "");
@@ -479,19 +504,37 @@ nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t d, unsigned int *minor) {
 nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t d, nvmlMemory_v2_t *memory) {
     nvmlReturn_t r = check(d, memory, "nvmlDeviceGetMemoryInfo_v2");
     if (r != NVML_SUCCESS) return r;
+    lock();
     memory->total = d->memory_mib * 1024ULL * 1024ULL;
     memory->reserved = 0;
-    memory->used = 0;
-    memory->free = memory->total;
+    memory->used = used_mib[d->index] * 1024ULL * 1024ULL;
+    memory->free = memory->total - memory->used;
+    unlock();
     return NVML_SUCCESS;
 }
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t d, nvmlMemory_t *memory) {
     nvmlReturn_t r = check(d, memory, "nvmlDeviceGetMemoryInfo");
     if (r != NVML_SUCCESS) return r;
+    lock();
     memory->total = d->memory_mib * 1024ULL * 1024ULL;
-    memory->used = 0;
-    memory->free = memory->total;
+    memory->used = used_mib[d->index] * 1024ULL * 1024ULL;
+    memory->free = memory->total - memory->used;
+    unlock();
+    return NVML_SUCCESS;
+}
+
+typedef struct {
+    unsigned int gpu, memory;
+} nvmlUtilization_t;
+
+nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilization_t *utilization_out) {
+    nvmlReturn_t r = check(d, utilization_out, "nvmlDeviceGetUtilizationRates");
+    if (r != NVML_SUCCESS) return r;
+    lock();
+    utilization_out->gpu = utilization[d->index];
+    utilization_out->memory = utilization[d->index];
+    unlock();
     return NVML_SUCCESS;
 }
 

@@ -8,7 +8,8 @@
 //!
 //! GPU events are injected while the library is in use: the configuration names an event file
 //! ([`events_directive`]) and the test appends lines to it with [`inject`]: `xid <gpu> <code>`,
-//! `ecc_dbe <gpu>`, `ecc_sbe <gpu>`, `lost <gpu>`, `recover <gpu>` (see the C file's header).
+//! `ecc_dbe <gpu>`, `ecc_sbe <gpu>`, `lost <gpu>`, `recover <gpu>`, and what the GPU is doing from
+//! then on: `util <gpu> <percent>`, `used <gpu> <mib>` (see the C file's header).
 
 use std::fmt::Write as _;
 use std::io::Write as _;

@@ -118,6 +118,36 @@ impl std::fmt::Display for SharingMode {
     }
 }
 
+/// What a GPU is doing, as NVML last said (the daemon samples it at every health probe).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Activity {
+    /// Percent of the last sample period the GPU was busy, when NVML reports it.
+    pub utilization: Option<u8>,
+    /// Memory in use on the GPU by every process, ours or not.
+    pub in_use: Mib,
+}
+
+impl Activity {
+    /// Utilisation points that make a new sample worth publishing.
+    pub const UTILIZATION_STEP: u8 = 10;
+    /// Memory in use that makes a new sample worth publishing: this much, or a twentieth of
+    /// the GPU's total if that is more.
+    pub const IN_USE_STEP: Mib = Mib::new(256);
+
+    /// Whether `self` differs from `before` enough to publish (on a GPU of `total`): a change
+    /// of utilisation by [`Self::UTILIZATION_STEP`] points or in knowing it, or of the memory
+    /// in use by [`Self::IN_USE_STEP`] or 5 % of `total`. Small jitter is not news.
+    #[must_use]
+    pub fn differs_from(&self, before: &Activity, total: Mib) -> bool {
+        let utilization = match (self.utilization, before.utilization) {
+            (Some(a), Some(b)) => a.abs_diff(b) >= Self::UTILIZATION_STEP,
+            (a, b) => a.is_some() != b.is_some(),
+        };
+        let step = Self::IN_USE_STEP.get().max(total.get() / 20);
+        utilization || self.in_use.get().abs_diff(before.in_use.get()) >= step
+    }
+}
+
 /// One GPU of a node.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Gpu {
@@ -141,6 +171,8 @@ pub struct Gpu {
     pub pci_bus_id: Option<String>,
     /// How its memory is shared.
     pub mode: SharingMode,
+    /// What it is doing, when sampled.
+    pub activity: Option<Activity>,
 }
 
 impl Gpu {
@@ -158,6 +190,7 @@ impl Gpu {
             numa_node: None,
             pci_bus_id: None,
             mode: SharingMode::Shared,
+            activity: None,
         }
     }
 
@@ -283,6 +316,23 @@ mod tests {
             assert!(GpuUuid::new(bad).is_err(), "{bad}");
         }
         assert!(serde_json::from_str::<GpuUuid>("\"a b\"").is_err());
+    }
+
+    #[test]
+    fn activity_is_news_only_past_its_steps() {
+        let at = |u: Option<u8>, mib: u64| Activity { utilization: u, in_use: Mib::new(mib) };
+        let total = Mib::new(16_384);
+        let before = at(Some(50), 4000);
+        assert!(!at(Some(59), 4000).differs_from(&before, total), "9 points");
+        assert!(at(Some(60), 4000).differs_from(&before, total), "10 points");
+        assert!(at(Some(40), 4000).differs_from(&before, total), "down 10 points");
+        assert!(at(None, 4000).differs_from(&before, total), "no longer reported");
+        // 5 % of 16 GiB is 819 MiB, more than the 256 MiB floor.
+        assert!(!at(Some(50), 4818).differs_from(&before, total));
+        assert!(at(Some(50), 4819).differs_from(&before, total));
+        // On a small GPU the 256 MiB floor applies.
+        assert!(!at(Some(50), 255).differs_from(&at(Some(50), 0), Mib::new(1000)));
+        assert!(at(Some(50), 256).differs_from(&at(Some(50), 0), Mib::new(1000)));
     }
 
     #[test]

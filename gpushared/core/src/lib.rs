@@ -25,7 +25,7 @@ pub const GPUSHARE_MEMORY_RESOURCE: &str = "gpushare.io/gpu-mem";
 /// gpushare's GPU-count resource (scheduler-only, never advertised by nodes).
 pub const GPUSHARE_COUNT_RESOURCE: &str = "gpushare.io/gpu-count";
 
-pub use inventory::{Gpu, GpuUuid, Health, NodeInventory, SharingMode};
+pub use inventory::{Activity, Gpu, GpuUuid, Health, NodeInventory, SharingMode};
 pub use placement::{GpuPolicy, NodePolicy, NodeView, Placement, Placer, Rejection};
 pub use request::{ContainerRequest, ContainerRole, PodRequest, PodSpec, RequestError, ResourceNames};
 pub use units::{MemoryUnit, Mib};

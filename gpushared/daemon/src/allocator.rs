@@ -19,7 +19,7 @@ use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssi
 use gpushare_core::codec::node::{NodeAllocation, NodeState, PodRef};
 use gpushare_core::devices::DeviceMap;
 use gpushare_core::placement::footprint;
-use gpushare_core::{ContainerRole, GpuUuid, Health, Mib, NodeInventory, PodRequest, ResourceNames};
+use gpushare_core::{Activity, ContainerRole, GpuUuid, Health, Mib, NodeInventory, PodRequest, ResourceNames};
 use thiserror::Error;
 use tokio::sync::watch;
 
@@ -973,6 +973,21 @@ impl Allocator {
         self.changed();
         recorded?;
         Ok(true)
+    }
+
+    /// Records what GPU `index` is doing; publishes it (a node-state change) only when it
+    /// differs meaningfully from what was last published ([`Activity::differs_from`]). Returns
+    /// whether it did.
+    pub fn set_activity(&self, index: u32, activity: Activity) -> bool {
+        let mut state = self.lock();
+        let Some(gpu) = state.inventory.gpu_mut(index) else { return false };
+        if gpu.activity.is_some_and(|before| !activity.differs_from(&before, gpu.total)) {
+            return false;
+        }
+        gpu.activity = Some(activity);
+        drop(state);
+        self.changed();
+        true
     }
 
     /// Makes the ledger agree with the kubelet's PodResources answer (see [`crate::reconcile`]);

@@ -18,6 +18,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use gpushare_core::{Activity, Mib};
 use nvml_wrapper::Nvml;
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enums::event::XidError;
@@ -108,12 +109,12 @@ pub trait GpuEvents: Send {
     /// [`GpuEventsError::Stopped`] is passing and later calls may bring signals again.
     fn next(&mut self, timeout: Duration) -> Result<Option<GpuSignal>, GpuEventsError>;
 
-    /// Asks the GPU with this NVML index a cheap question (memory info and UUID); Err(reason)
-    /// when it does not answer.
+    /// Asks the GPU with this NVML index a cheap question (memory info, utilisation and UUID)
+    /// and returns what it is doing; Err(reason) when it does not answer.
     ///
     /// # Errors
     /// The reason, for logs and the node's state, when the GPU does not answer.
-    fn probe(&mut self, gpu: u32) -> Result<(), String>;
+    fn probe(&mut self, gpu: u32) -> Result<Activity, String>;
 }
 
 /// The event types watched, where a GPU supports them.
@@ -206,11 +207,13 @@ impl GpuEvents for NvmlEvents {
         }
     }
 
-    fn probe(&mut self, gpu: u32) -> Result<(), String> {
+    fn probe(&mut self, gpu: u32) -> Result<Activity, String> {
         let device = self.nvml.device_by_index(gpu).map_err(|e| format!("NVML GPU{gpu}: {e}"))?;
-        device.memory_info().map_err(|e| format!("NVML GPU{gpu} memory info: {e}"))?;
+        let memory = device.memory_info().map_err(|e| format!("NVML GPU{gpu} memory info: {e}"))?;
         device.uuid().map_err(|e| format!("NVML GPU{gpu} UUID: {e}"))?;
-        Ok(())
+        // Not every GPU reports utilisation; that is no fault.
+        let utilization = device.utilization_rates().ok().map(|u| u8::try_from(u.gpu.min(100)).unwrap_or(100));
+        Ok(Activity { utilization, in_use: Mib::new(memory.used / (1024 * 1024)) })
     }
 }
 
@@ -429,10 +432,13 @@ impl GpuEvents for FakeGpuEvents {
         script.queue.pop_front().transpose()
     }
 
-    fn probe(&mut self, gpu: u32) -> Result<(), String> {
+    fn probe(&mut self, gpu: u32) -> Result<Activity, String> {
         let mut script = self.script();
         script.probes.push(gpu);
-        script.lost.get(&gpu).map_or(Ok(()), |reason| Err(reason.clone()))
+        script
+            .lost
+            .get(&gpu)
+            .map_or(Ok(Activity { utilization: None, in_use: Mib::ZERO }), |reason| Err(reason.clone()))
     }
 }
 
@@ -443,6 +449,9 @@ mod tests {
     use gpushare_testkit::nvml::{FakeGpu, build, config_beside, events_directive, inject, write_config};
 
     use super::*;
+
+    /// A fake GPU's answer before any `util` or `used` line.
+    const IDLE: Activity = Activity { utilization: Some(0), in_use: Mib::ZERO };
 
     /// Long enough for an injected event to arrive on a slow machine.
     const ARRIVES: Duration = Duration::from_secs(5);
@@ -502,7 +511,7 @@ mod tests {
         host.inject("xid 1 48");
         assert_eq!(events.next(ARRIVES).unwrap(), Some(GpuSignal::Xid { gpu: 1, code: 48 }));
         assert_eq!(events.next(Duration::from_millis(100)).unwrap(), None);
-        assert_eq!(events.probe(0), Ok(()), "not watched, still probed");
+        assert_eq!(events.probe(0), Ok(IDLE), "not watched, still probed");
     }
 
     #[test]
@@ -542,14 +551,18 @@ mod tests {
     fn nvml_probe_fails_while_the_gpu_is_lost_and_answers_after_recover() {
         let host = Host::new("");
         let mut events = NvmlEvents::open(&host.library).unwrap();
-        assert_eq!(events.probe(1), Ok(()));
+        assert_eq!(events.probe(1), Ok(IDLE));
         host.inject("lost 1");
         let reason = events.probe(1).unwrap_err();
         assert!(reason.contains("GPU1"), "{reason}");
         assert!(reason.contains("fell off the bus"), "{reason}");
-        assert_eq!(events.probe(0), Ok(()));
+        assert_eq!(events.probe(0), Ok(IDLE));
         host.inject("recover 1");
-        assert_eq!(events.probe(1), Ok(()));
+        assert_eq!(events.probe(1), Ok(IDLE));
+        // What the GPU is doing comes with the answer.
+        host.inject("util 1 55");
+        host.inject("used 1 150");
+        assert_eq!(events.probe(1), Ok(Activity { utilization: Some(55), in_use: Mib::new(150) }));
         let reason = events.probe(7).unwrap_err();
         assert!(reason.contains("GPU7"), "{reason}");
     }
@@ -641,11 +654,11 @@ mod tests {
     fn fake_probe_answers_as_scripted_and_records_the_probes() {
         let script = FakeGpuEvents::new();
         let mut events = script.clone();
-        assert_eq!(events.probe(0), Ok(()));
+        assert_eq!(events.probe(0), Ok(Activity { utilization: None, in_use: Mib::ZERO }));
         script.lose(1, "GPU is lost");
         assert_eq!(events.probe(1), Err("GPU is lost".to_owned()));
         script.recover(1);
-        assert_eq!(events.probe(1), Ok(()));
+        assert_eq!(events.probe(1), Ok(Activity { utilization: None, in_use: Mib::ZERO }));
         assert_eq!(script.probes(), [0, 1, 1]);
     }
 

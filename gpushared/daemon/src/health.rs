@@ -146,7 +146,12 @@ pub fn run(mut events: impl GpuEvents, mut tracker: Tracker, alloc: &Allocator, 
             let gpus: Vec<u32> = tracker.gpus().collect();
             for gpu in gpus {
                 let answer = events.probe(gpu);
-                apply(tracker.probe(gpu, answer, Instant::now()));
+                if let Ok(activity) = &answer
+                    && alloc.set_activity(gpu, *activity)
+                {
+                    tracing::debug!(gpu, utilization = ?activity.utilization, in_use_mib = activity.in_use.get(), "GPU activity");
+                }
+                apply(tracker.probe(gpu, answer.map(|_| ()), Instant::now()));
             }
             next_probe = now + every;
         }

@@ -376,6 +376,20 @@ mod health {
         };
         let gpu_health = |api: &ApiServer, i: usize| node_state(api).map(|s| s.inventory.gpus()[i].health.clone());
 
+        // What a GPU is doing is sampled at each probe (1 s here) and published when it changes
+        // meaningfully: 10 utilisation points, or 256 MiB (or 5 %) of memory in use.
+        inject(&events, "util 0 55").unwrap();
+        inject(&events, "used 0 300").unwrap();
+        let activity = |api: &ApiServer| node_state(api).and_then(|s| s.inventory.gpus()[0].activity);
+        let seen =
+            eventually("GPU0's activity in the annotation", || activity(&api).filter(|a| a.in_use.get() == 300)).await;
+        assert_eq!(seen.utilization, Some(55));
+        inject(&events, "util 0 60").unwrap();
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        assert_eq!(activity(&api).and_then(|a| a.utilization), Some(55), "5 points is not news");
+        inject(&events, "util 0 90").unwrap();
+        eventually("the new utilisation", || (activity(&api)?.utilization == Some(90)).then_some(())).await;
+
         // An application Xid changes nothing.
         inject(&events, "xid 0 13").unwrap();
         tokio::time::sleep(Duration::from_millis(1500)).await;

@@ -15,7 +15,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::{CodecError, decode_versioned, encode_checked};
-use crate::inventory::{Gpu, GpuUuid, Health, NodeInventory, SharingMode};
+use crate::inventory::{Activity, Gpu, GpuUuid, Health, NodeInventory, SharingMode};
 use crate::units::{MemoryUnit, Mib};
 
 /// The Node annotation key.
@@ -93,6 +93,12 @@ struct WireGpu {
     /// Absent means shared (and is what daemons before MPS support wrote).
     #[serde(default, skip_serializing_if = "WireMode::is_shared")]
     mode: WireMode,
+    /// NVML's utilisation, percent, at the last sample (absent: not sampled or not reported).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    util_percent: Option<u8>,
+    /// NVML's memory in use by every process, at the last sample.
+    #[serde(rename = "inUseMiB", default, skip_serializing_if = "Option::is_none")]
+    in_use_mib: Option<Mib>,
     #[serde(rename = "usedMiB", default)]
     used_mib: Mib,
     #[serde(default)]
@@ -173,6 +179,8 @@ impl NodeState {
                         SharingMode::Shared => WireMode::Shared,
                         SharingMode::Mps => WireMode::Mps,
                     },
+                    util_percent: g.activity.and_then(|a| a.utilization),
+                    in_use_mib: g.activity.map(|a| a.in_use),
                     used_mib: *used,
                     pods: self
                         .allocations
@@ -223,6 +231,9 @@ impl NodeState {
                     mib: h.mib,
                 });
             }
+            if let Some(p) = g.util_percent.filter(|p| *p > 100) {
+                return Err(invalid(format!("GPU{} is {p}% utilized; a utilization is 0 to 100", g.index)));
+            }
             gpus.push(Gpu {
                 index: g.index,
                 uuid: g.uuid,
@@ -237,6 +248,7 @@ impl NodeState {
                     WireMode::Shared => SharingMode::Shared,
                     WireMode::Mps => SharingMode::Mps,
                 },
+                activity: g.in_use_mib.map(|in_use| Activity { utilization: g.util_percent, in_use }),
             });
             used.push((g.index, g.used_mib));
         }
@@ -269,6 +281,8 @@ mod tests {
         g0.minor = Some(0);
         g0.pci_bus_id = Some("00000000:3B:00.0".into());
         g0.cordoned = true;
+        g0.mode = SharingMode::Mps;
+        g0.activity = Some(Activity { utilization: Some(37), in_use: Mib::new(4100) });
         NodeState {
             generation: 7,
             daemon_version: "0.1.0".into(),
@@ -293,6 +307,10 @@ mod tests {
         );
         assert!(text.contains(r#""health":"Unhealthy","healthReason":"Xid 79""#), "{text}");
         assert!(text.contains(r#""usedMiB":3500,"pods":[{"namespace":"default","name":"infer-1""#), "{text}");
+        assert!(text.contains(r#""mode":"mps","utilPercent":37,"inUseMiB":4100,"#), "{text}");
+        // Shared and unsampled GPUs carry neither key (what daemons before them wrote).
+        let sick = &text[text.find(r#""index":1"#).unwrap()..];
+        assert!(!sick.contains(r#""mode":"#) && !sick.contains("utilPercent") && !sick.contains("inUseMiB"), "{sick}");
         assert_eq!(NodeState::decode(&text).unwrap(), state);
     }
 
@@ -328,6 +346,14 @@ mod tests {
             ),
             (
                 r#"{"v":1,"generation":1,"daemon":"x","unit":"MiB","gpus":[{"index":0,"uuid":"a","model":"m","totalMiB":1,"health":"Sick"}]}"#,
+                "malformed",
+            ),
+            (
+                r#"{"v":1,"generation":1,"daemon":"x","unit":"MiB","gpus":[{"index":0,"uuid":"a","model":"m","totalMiB":1,"health":"Healthy","utilPercent":101,"inUseMiB":0}]}"#,
+                "a utilization is 0 to 100",
+            ),
+            (
+                r#"{"v":1,"generation":1,"daemon":"x","unit":"MiB","gpus":[{"index":0,"uuid":"a","model":"m","totalMiB":1,"health":"Healthy","mode":"exclusive"}]}"#,
                 "malformed",
             ),
             (
