@@ -169,6 +169,10 @@ pub struct SchedulingConfig {
     /// How long an unseen bind is counted.
     #[serde(default = "default_assume")]
     pub assume_timeout_seconds: u64,
+    /// Percent (0–100) of a node's score taken from how idle the GPUs the pod would land on
+    /// are, by the utilisation the daemons publish; 0 leaves it out.
+    #[serde(default)]
+    pub busy_weight: u8,
 }
 
 fn default_assume() -> u64 {
@@ -181,6 +185,7 @@ impl Default for SchedulingConfig {
             node_policy: NodePolicy::default(),
             gpu_policy: GpuPolicy::default(),
             assume_timeout_seconds: default_assume(),
+            busy_weight: 0,
         }
     }
 }
@@ -238,6 +243,12 @@ impl Config {
                 k.display().to_string()
             )));
         }
+        if config.scheduling.busy_weight > 100 {
+            return Err(invalid(format!(
+                "scheduling.busy_weight is {}; write a percentage from 0 (off, the default) to 100",
+                config.scheduling.busy_weight
+            )));
+        }
         if config.scheduling.assume_timeout_seconds == 0 {
             return Err(invalid("scheduling.assume_timeout_seconds must be above 0; the default is 300".to_owned()));
         }
@@ -285,6 +296,7 @@ mod tests {
         assert_eq!(c.resources.names(), ResourceNames::gpushare());
         assert_eq!(c.scheduling.policies(), Policies::default());
         assert_eq!(c.scheduling.assume_timeout_seconds, 300);
+        assert_eq!(c.scheduling.busy_weight, 0);
         assert!(c.server.tls().is_none());
         // The one key set to other than its default: the packaged service needs credentials.
         assert_eq!(c.kubernetes.kubeconfig.as_deref(), Some(Path::new("/etc/kubernetes/scheduler.conf")));
@@ -297,9 +309,11 @@ mod tests {
             "[server]\nlisten = \"0.0.0.0:12345\"\nprefix = \"/x\"\nmax_body_bytes = 4096\nrequest_timeout_seconds = 9\n\
              tls_cert = \"/c.pem\"\ntls_key = \"/k.pem\"\n[kubernetes]\nkubeconfig = \"/etc/kubernetes/scheduler.conf\"\n\
              [resources]\nunit = \"GiB\"\ncompatibility = \"alibaba\"\n[scheduling]\nnode_policy = \"spread\"\n\
-             gpu_policy = \"spread\"\nassume_timeout_seconds = 60\n",
+             gpu_policy = \"spread\"\nassume_timeout_seconds = 60\nbusy_weight = 30\n",
         )
         .unwrap();
+        assert_eq!(c.scheduling.busy_weight, 30);
+        assert!(parse("[scheduling]\nbusy_weight = 101\n").unwrap_err().contains("from 0 (off, the default) to 100"));
         assert_eq!(c.server.listen.port(), 12345);
         assert!(c.server.tls().is_some());
         assert_eq!(c.resources.names(), ResourceNames::alibaba());

@@ -101,7 +101,10 @@ async fn serve_scheduler(config: Config) -> anyhow::Result<()> {
         alibaba: config.resources.compatibility == Compatibility::Alibaba,
         assume_ttl: std::time::Duration::from_secs(config.scheduling.assume_timeout_seconds),
     });
-    let extender = Arc::new(Extender::new(view, KubeCluster::new(client.clone()), config.scheduling.policies()));
+    let extender = Arc::new(
+        Extender::new(view, KubeCluster::new(client.clone()), config.scheduling.policies())
+            .with_busy_weight(config.scheduling.busy_weight),
+    );
     let listen = config.server.listen;
     let listener = tokio::net::TcpListener::bind(listen)
         .await

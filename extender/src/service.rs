@@ -80,6 +80,8 @@ pub struct Extender<C> {
     state: Mutex<State>,
     cluster: C,
     policies: Policies,
+    /// Percent of a node's score taken from how idle its chosen GPUs are (0: not weighed).
+    busy_weight: u8,
     metrics: Metrics,
     ready: AtomicBool,
     node_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -102,10 +104,20 @@ impl<C: Cluster> Extender<C> {
             state: Mutex::new(State { view, placer: Placer::new() }),
             cluster,
             policies,
+            busy_weight: 0,
             metrics: Metrics::default(),
             ready: AtomicBool::new(false),
             node_locks: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The same extender weighing GPU activity in `prioritize`: `busy_weight` percent (0–100)
+    /// of each node's score is how idle the GPUs the pod would land on are, from the
+    /// utilisation the daemons publish.
+    #[must_use]
+    pub fn with_busy_weight(mut self, busy_weight: u8) -> Self {
+        self.busy_weight = busy_weight.min(100);
+        self
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -198,7 +210,7 @@ impl<C: Cluster> Extender<C> {
                         // Most nodes of a healthy cluster fit the common shape outright; only
                         // the others go through the placer, which also says why not.
                         let fits = view.surely_fits(n, &request, &gone) == Some(true)
-                            || match view.score(placer, n, &request, self.policies, &gone) {
+                            || match view.score(placer, n, &request, self.policies, self.busy_weight, &gone) {
                                 Ok(_) => true,
                                 Err(r) if r.is_resolvable() => {
                                     result.failed_nodes.insert((*n).to_owned(), r.to_string());
@@ -270,7 +282,7 @@ impl<C: Cluster> Extender<C> {
         request: &PodRequest,
         gone: &Evicted<'_>,
     ) -> Vec<Result<u8, NodeRefusal>> {
-        names.iter().map(|n| view.score(placer, n, request, self.policies, gone)).collect()
+        names.iter().map(|n| view.score(placer, n, request, self.policies, self.busy_weight, gone)).collect()
     }
 
     fn node_lock(&self, node: &str) -> Arc<tokio::sync::Mutex<()>> {

@@ -863,11 +863,14 @@ impl ClusterView {
         node: &str,
         pod: &PodRequest,
         policies: Policies,
+        busy_weight: u8,
         evicted: &Evicted<'_>,
     ) -> Result<u8, NodeRefusal> {
         self.with_node(node, evicted, |inventory, used| {
             let view = NodeView::new(inventory, used).map_err(|e| NodeRefusal::Invalid(e.to_string()))?;
-            placer.score(view, pod, policies.gpu, policies.node).map_err(NodeRefusal::Rejected)
+            placer
+                .score_weighing_activity(view, pod, policies.gpu, policies.node, busy_weight)
+                .map_err(NodeRefusal::Rejected)
         })?
     }
 

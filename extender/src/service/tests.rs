@@ -268,3 +268,44 @@ async fn a_look_alike_goes_beside_the_one_in_admission_when_there_is_room() {
     assert_eq!(gpu_of("uid-b"), Some(a_gpu), "b goes beside a, so either may be served first");
     assert_eq!(ext.metrics().binds(BindOutcome::Deferred), 0);
 }
+
+#[test]
+fn prioritize_weighs_gpu_activity_only_when_configured() {
+    // Two empty one-GPU nodes; the daemon of "hot" reports its GPU 90 % busy.
+    let busy = |name: &str, util: Option<u8>| {
+        let mut g =
+            gpushare_core::Gpu::new(0, crate::view::tests::uuid(name, 0), "Tesla T4", gpushare_core::Mib::new(1000));
+        g.activity =
+            util.map(|u| gpushare_core::Activity { utilization: Some(u), in_use: gpushare_core::Mib::new(100) });
+        let inventory = gpushare_core::NodeInventory::new(gpushare_core::MemoryUnit::Mib, vec![g]).unwrap();
+        let state = gpushare_core::codec::node::NodeState {
+            generation: 1,
+            daemon_version: "0.1.0".into(),
+            inventory,
+            used: vec![gpushare_core::Mib::ZERO],
+            allocations: vec![],
+        };
+        serde_json::from_value::<crate::objects::NodeObject>(json!({
+            "metadata": {"name": name, "annotations": {gpushare_core::codec::node::NODE_STATE_KEY: state.encode().unwrap()}}
+        }))
+        .unwrap()
+    };
+    let nodes = [busy("hot", Some(90)), busy("cool", Some(5)), busy("unsampled", None)];
+    let want = pod("q", 400, None, "Pending");
+    let a = args(&want, &["hot", "cool", "unsampled"]);
+    let score =
+        |ext: &Extender<FakeCluster>, h: &str| ext.prioritize(&a).iter().find(|s| s.host.as_str() == h).unwrap().score;
+
+    // Off by default: activity changes nothing.
+    let plain = extender(&nodes, &[]);
+    assert_eq!(score(&plain, "hot"), score(&plain, "cool"));
+
+    // Half the score from idleness: base 4 (400 of 1000 MiB after placement, binpack).
+    let ext = Arc::new(Arc::try_unwrap(extender(&nodes, &[])).unwrap().with_busy_weight(50));
+    assert_eq!(score(&ext, "hot"), 3, "(4 + 1) / 2, rounded up");
+    assert_eq!(score(&ext, "cool"), 7, "(4 + 9.5) / 2, rounded");
+    assert_eq!(score(&ext, "unsampled"), 7, "no sample counts as idle");
+    // All of it: only idleness counts.
+    let all = Arc::new(Arc::try_unwrap(extender(&nodes, &[])).unwrap().with_busy_weight(100));
+    assert_eq!((score(&all, "hot"), score(&all, "cool")), (1, 10));
+}

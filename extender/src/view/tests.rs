@@ -157,9 +157,9 @@ fn in_flight_binds_count_until_the_watch_shows_them_and_roll_back_on_failure() {
     let mut placer = Placer::new();
     let req = v.request_of(&pod("b", 600, None, "Pending")).unwrap();
     let none = Evicted::default();
-    assert!(v.score(&mut placer, "n1", &req, Policies::default(), &none).unwrap_err().is_resolvable());
+    assert!(v.score(&mut placer, "n1", &req, Policies::default(), 0, &none).unwrap_err().is_resolvable());
     // The pod's own bind does not count against itself.
-    assert!(v.score(&mut placer, "n1", &req, Policies::default(), &v.evicted(&["uid-a"])).is_ok());
+    assert!(v.score(&mut placer, "n1", &req, Policies::default(), 0, &v.evicted(&["uid-a"])).is_ok());
     v.forget("uid-a");
     assert_eq!(used(&mut v, "n1"), [0]);
     // Bound: the watch's update replaces the assumption, counted once.
@@ -226,7 +226,7 @@ fn bound_pods_without_a_placement_are_pending_and_refusals_say_why() {
     let mut placer = Placer::new();
     let none = Evicted::default();
     let why = |v: &mut ClusterView, placer: &mut Placer, n: &str| {
-        v.score(placer, n, &req, Policies::default(), &none).unwrap_err()
+        v.score(placer, n, &req, Policies::default(), 0, &none).unwrap_err()
     };
     assert_eq!(why(&mut v, &mut placer, "cpu"), NodeRefusal::NotSharing);
     assert!(why(&mut v, &mut placer, "cpu").to_string().contains("gpushared is not running"));
@@ -274,7 +274,7 @@ fn the_filter_shortcut_agrees_with_the_placer() {
     for mib in (50..=1000).step_by(50) {
         let req = v.request_of(&pod("x", mib, None, "Pending")).unwrap();
         for n in &names {
-            let full = v.score(&mut placer, n, &req, Policies::default(), &none).is_ok();
+            let full = v.score(&mut placer, n, &req, Policies::default(), 0, &none).is_ok();
             let quick = v.surely_fits(n, &req, &none);
             assert_eq!(quick, full.then_some(true), "{n}, {mib} MiB");
             shortcuts += usize::from(quick.is_some());

@@ -365,6 +365,40 @@ impl Placer {
         Ok(score_from(after, capacity, node_policy))
     }
 
+    /// [`Self::score`] blended with how idle the GPUs the pod would land on are: `busy_weight`
+    /// percent (0–100) of the result is `MAX_SCORE` × (100 − the busiest chosen GPU's last
+    /// published utilisation) / 100; a GPU without a sample counts as idle. 0 is [`Self::score`].
+    ///
+    /// # Errors
+    /// A [`Rejection`] if the pod does not fit.
+    pub fn score_weighing_activity(
+        &mut self,
+        node: NodeView<'_>,
+        pod: &PodRequest,
+        gpu_policy: GpuPolicy,
+        node_policy: NodePolicy,
+        busy_weight: u8,
+    ) -> Result<u8, Rejection> {
+        let base = self.score(node, pod, gpu_policy, node_policy)?;
+        let weight = u32::from(busy_weight.min(100));
+        if weight == 0 {
+            return Ok(base);
+        }
+        let busiest = node
+            .inventory
+            .gpus()
+            .iter()
+            .zip(&self.foot)
+            .filter(|(_, added)| **added > Mib::ZERO)
+            .filter_map(|(g, _)| g.activity.and_then(|a| a.utilization))
+            .map(|u| u32::from(u.min(100)))
+            .max()
+            .unwrap_or(0);
+        let idle = u32::from(MAX_SCORE) * (100 - busiest);
+        let blended = (u32::from(base) * 100 * (100 - weight) + idle * weight + 5_000) / 10_000;
+        Ok(u8::try_from(blended.min(u32::from(MAX_SCORE))).unwrap_or(MAX_SCORE))
+    }
+
     fn run(&mut self, node: NodeView<'_>, pod: &PodRequest, policy: GpuPolicy) -> Result<(), Rejection> {
         if node.inventory.gpus().is_empty() {
             return Err(Rejection::NoGpus);
