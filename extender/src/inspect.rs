@@ -163,6 +163,15 @@ pub struct GpuReport {
     pub health_reason: Option<String>,
     /// Cordoned by an operator.
     pub cordoned: bool,
+    /// How it is shared: `shared` or `mps`.
+    #[serde(default)]
+    pub mode: String,
+    /// Its utilisation at the daemon's last published sample, percent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub util_percent: Option<u8>,
+    /// Memory in use on it by every process at that sample (NVML), not `usedMiB`.
+    #[serde(rename = "inUseMiB", default, skip_serializing_if = "Option::is_none")]
+    pub in_use_mib: Option<u64>,
     /// Who holds it.
     pub pods: Vec<PodShare>,
 }
@@ -219,6 +228,9 @@ impl ClusterReport {
                         Health::Unhealthy { reason } => Some(reason.clone()),
                     },
                     cordoned: g.cordoned,
+                    mode: g.mode.as_str().to_owned(),
+                    util_percent: g.activity.and_then(|a| a.utilization),
+                    in_use_mib: g.activity.map(|a| a.in_use.get()),
                     pods: usage
                         .pods
                         .iter()

@@ -299,6 +299,14 @@ fn prioritize_weighs_gpu_activity_only_when_configured() {
     // Off by default: activity changes nothing.
     let plain = extender(&nodes, &[]);
     assert_eq!(score(&plain, "hot"), score(&plain, "cool"));
+    // The inspect report shows what the daemons published.
+    let report = plain.report();
+    let gpu = |n: &str| report.nodes.iter().find(|x| x.name == n).unwrap().gpus[0].clone();
+    assert_eq!(
+        (gpu("hot").mode.as_str(), gpu("hot").util_percent, gpu("hot").in_use_mib),
+        ("shared", Some(90), Some(100))
+    );
+    assert_eq!((gpu("unsampled").util_percent, gpu("unsampled").in_use_mib), (None, None));
 
     // Half the score from idleness: base 4 (400 of 1000 MiB after placement, binpack).
     let ext = Arc::new(Arc::try_unwrap(extender(&nodes, &[])).unwrap().with_busy_weight(50));
