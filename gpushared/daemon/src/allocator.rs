@@ -262,6 +262,9 @@ pub struct Allocator {
     /// Bumped after every change of the ledger's live rows or of a GPU's health, so the
     /// node annotation and the systemd status follow.
     changes: watch::Sender<u64>,
+    /// Bumped when a GPU's sampled activity changes meaningfully: only the node annotation
+    /// follows it (not reconciliation, the kubelet's device list or the D-Bus signals).
+    activity: watch::Sender<u64>,
 }
 
 impl Allocator {
@@ -303,6 +306,7 @@ impl Allocator {
                 admitting: None,
             }),
             changes: watch::Sender::new(0),
+            activity: watch::Sender::new(0),
         })
     }
 
@@ -926,6 +930,13 @@ impl Allocator {
         self.changes.subscribe()
     }
 
+    /// A receiver that sees a new value after every meaningful change of a GPU's sampled
+    /// activity ([`Self::set_activity`]).
+    #[must_use]
+    pub fn subscribe_activity(&self) -> watch::Receiver<u64> {
+        self.activity.subscribe()
+    }
+
     /// The GPUs with their current health and cordon.
     #[must_use]
     pub fn current_inventory(&self) -> NodeInventory {
@@ -986,7 +997,7 @@ impl Allocator {
         }
         gpu.activity = Some(activity);
         drop(state);
-        self.changed();
+        self.activity.send_modify(|n| *n = n.wrapping_add(1));
         true
     }
 

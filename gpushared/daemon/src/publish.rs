@@ -147,9 +147,11 @@ impl Default for Timing {
 /// Publishes `alloc`'s state to `node` now and after every change, forever.
 pub async fn run<N: NodeApi>(node: N, alloc: std::sync::Arc<Allocator>, timing: Timing) {
     let mut changes: watch::Receiver<u64> = alloc.subscribe();
+    let mut activity: watch::Receiver<u64> = alloc.subscribe_activity();
     let mut last: Option<u64> = None;
     loop {
         changes.borrow_and_update();
+        activity.borrow_and_update();
         let mut delay = timing.backoff;
         loop {
             match publish_once(&node, &alloc, &mut last).await {
@@ -169,6 +171,9 @@ pub async fn run<N: NodeApi>(node: N, alloc: std::sync::Arc<Allocator>, timing: 
                     return;
                 }
                 tokio::time::sleep(timing.debounce).await;
+                tokio::time::sleep_until(published + timing.min_interval).await;
+            }
+            Ok(()) = activity.changed() => {
                 tokio::time::sleep_until(published + timing.min_interval).await;
             }
             () = resync => {}

@@ -389,3 +389,21 @@ fn rows_whose_devices_the_kubelet_offers_as_free_are_released_and_their_pod_held
     f.alloc.preferred(all_devices(&f).iter().map(String::as_str), &[], 300).unwrap();
     assert_eq!(f.alloc.live().unwrap().len(), 1);
 }
+
+#[test]
+fn activity_reaches_the_node_state_alone_and_only_when_it_is_news() {
+    let f = fixture(Compatibility::Gpushare);
+    let (mut changes, mut activity) = (f.alloc.subscribe(), f.alloc.subscribe_activity());
+    changes.borrow_and_update();
+    activity.borrow_and_update();
+    let at = |u: u8, mib: u64| gpushare_core::Activity { utilization: Some(u), in_use: Mib::new(mib) };
+    assert!(f.alloc.set_activity(0, at(40, 100)), "the first sample is news");
+    assert!(activity.has_changed().unwrap());
+    // Not an allocation or health change: reconciliation, the kubelet's list and D-Bus stay put.
+    assert!(!changes.has_changed().unwrap());
+    activity.borrow_and_update();
+    assert!(!f.alloc.set_activity(0, at(45, 120)), "5 points and 20 MiB are not");
+    assert!(!activity.has_changed().unwrap());
+    assert_eq!(f.alloc.node_state(1, "x").inventory.gpus()[0].activity, Some(at(40, 100)));
+    assert!(!f.alloc.set_activity(9, at(1, 1)), "no such GPU");
+}
