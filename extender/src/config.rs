@@ -173,10 +173,19 @@ pub struct SchedulingConfig {
     /// are, by the utilisation the daemons publish; 0 leaves it out.
     #[serde(default)]
     pub busy_weight: u8,
+    /// How long a bind waits, in milliseconds, for the node's daemon to report a look-alike pod
+    /// admitted before it refuses (the scheduler then retries after its backoff); 0 refuses at
+    /// once. Below `server.request_timeout_seconds`.
+    #[serde(default = "default_lookalike_wait")]
+    pub lookalike_wait_ms: u64,
 }
 
 fn default_assume() -> u64 {
     300
+}
+
+fn default_lookalike_wait() -> u64 {
+    2000
 }
 
 impl Default for SchedulingConfig {
@@ -186,6 +195,7 @@ impl Default for SchedulingConfig {
             gpu_policy: GpuPolicy::default(),
             assume_timeout_seconds: default_assume(),
             busy_weight: 0,
+            lookalike_wait_ms: default_lookalike_wait(),
         }
     }
 }
@@ -195,6 +205,12 @@ impl SchedulingConfig {
     #[must_use]
     pub fn policies(&self) -> Policies {
         Policies { gpu: self.gpu_policy, node: self.node_policy }
+    }
+
+    /// How long a bind waits for a look-alike's admission.
+    #[must_use]
+    pub fn lookalike_wait(&self) -> Duration {
+        Duration::from_millis(self.lookalike_wait_ms)
     }
 }
 
@@ -249,6 +265,13 @@ impl Config {
                 config.scheduling.busy_weight
             )));
         }
+        if config.scheduling.lookalike_wait_ms >= config.server.request_timeout_seconds.saturating_mul(1000) {
+            return Err(invalid(format!(
+                "scheduling.lookalike_wait_ms = {} must be below server.request_timeout_seconds ({} s): a bind waiting \
+                 longer would be answered 503; the default is 2000",
+                config.scheduling.lookalike_wait_ms, config.server.request_timeout_seconds
+            )));
+        }
         if config.scheduling.assume_timeout_seconds == 0 {
             return Err(invalid("scheduling.assume_timeout_seconds must be above 0; the default is 300".to_owned()));
         }
@@ -297,6 +320,7 @@ mod tests {
         assert_eq!(c.scheduling.policies(), Policies::default());
         assert_eq!(c.scheduling.assume_timeout_seconds, 300);
         assert_eq!(c.scheduling.busy_weight, 0);
+        assert_eq!(c.scheduling.lookalike_wait(), Duration::from_secs(2));
         assert!(c.server.tls().is_none());
         // The one key set to other than its default: the packaged service needs credentials.
         assert_eq!(c.kubernetes.kubeconfig.as_deref(), Some(Path::new("/etc/kubernetes/scheduler.conf")));
@@ -309,10 +333,13 @@ mod tests {
             "[server]\nlisten = \"0.0.0.0:12345\"\nprefix = \"/x\"\nmax_body_bytes = 4096\nrequest_timeout_seconds = 9\n\
              tls_cert = \"/c.pem\"\ntls_key = \"/k.pem\"\n[kubernetes]\nkubeconfig = \"/etc/kubernetes/scheduler.conf\"\n\
              [resources]\nunit = \"GiB\"\ncompatibility = \"alibaba\"\n[scheduling]\nnode_policy = \"spread\"\n\
-             gpu_policy = \"spread\"\nassume_timeout_seconds = 60\nbusy_weight = 30\n",
+             gpu_policy = \"spread\"\nassume_timeout_seconds = 60\nbusy_weight = 30\nlookalike_wait_ms = 8000\n",
         )
         .unwrap();
         assert_eq!(c.scheduling.busy_weight, 30);
+        assert_eq!(c.scheduling.lookalike_wait(), Duration::from_secs(8));
+        let e = parse("[scheduling]\nlookalike_wait_ms = 5000\n").unwrap_err();
+        assert!(e.contains("must be below server.request_timeout_seconds (5 s)"), "{e}");
         assert!(parse("[scheduling]\nbusy_weight = 101\n").unwrap_err().contains("from 0 (off, the default) to 100"));
         assert_eq!(c.server.listen.port(), 12345);
         assert!(c.server.tls().is_some());

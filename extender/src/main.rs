@@ -103,7 +103,8 @@ async fn serve_scheduler(config: Config) -> anyhow::Result<()> {
     });
     let extender = Arc::new(
         Extender::new(view, KubeCluster::new(client.clone()), config.scheduling.policies())
-            .with_busy_weight(config.scheduling.busy_weight),
+            .with_busy_weight(config.scheduling.busy_weight)
+            .with_lookalike_wait(config.scheduling.lookalike_wait()),
     );
     let listen = config.server.listen;
     let listener = tokio::net::TcpListener::bind(listen)

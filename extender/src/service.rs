@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use gpushare_core::PodRequest;
 use gpushare_core::codec::alibaba::AlibabaAnnotations;
@@ -75,6 +75,18 @@ struct State {
     placer: Placer,
 }
 
+/// What a bind can do under its node's lock.
+#[derive(Debug)]
+enum Attempt {
+    /// An earlier try of this very bind went through.
+    AlreadyBound,
+    /// Create this Binding (the assumption is recorded).
+    Bind(Binding),
+    /// Every placement on the node would sit on other GPUs than this look-alike's, which the
+    /// node is still admitting.
+    LookalikeInAdmission(String),
+}
+
 /// The extender.
 pub struct Extender<C> {
     state: Mutex<State>,
@@ -85,6 +97,10 @@ pub struct Extender<C> {
     metrics: Metrics,
     ready: AtomicBool,
     node_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Woken whenever the watchers change the view.
+    changed: tokio::sync::Notify,
+    /// How long a bind waits for a look-alike's admission to be reported before it refuses.
+    lookalike_wait: Duration,
 }
 
 impl<C> std::fmt::Debug for Extender<C> {
@@ -108,7 +124,17 @@ impl<C: Cluster> Extender<C> {
             metrics: Metrics::default(),
             ready: AtomicBool::new(false),
             node_locks: Mutex::new(HashMap::new()),
+            changed: tokio::sync::Notify::new(),
+            lookalike_wait: Duration::ZERO,
         }
+    }
+
+    /// The same extender letting a bind wait up to `wait` for the node to report a look-alike
+    /// pod admitted (see [`Extender::bind`]) before it refuses; zero refuses at once.
+    #[must_use]
+    pub fn with_lookalike_wait(mut self, wait: Duration) -> Self {
+        self.lookalike_wait = wait;
+        self
     }
 
     /// The same extender weighing GPU activity in `prioritize`: `busy_weight` percent (0–100)
@@ -131,6 +157,8 @@ impl<C: Cluster> Extender<C> {
         let mut s = self.state();
         let r = f(&mut s.view);
         s.view.refresh();
+        drop(s);
+        self.changed.notify_waiters();
         r
     }
 
@@ -356,51 +384,25 @@ impl<C: Cluster> Extender<C> {
         }
         let request = request.map_err(|why| invalid(format!("pod {key}: {why}")))?;
 
+        // A look-alike still in admission on the node: wait (unlocked) for the view to change,
+        // up to `lookalike_wait`, rather than refuse at once and leave the pod to the scheduler's
+        // backoff (1 s, then 2 s).
+        let deadline = tokio::time::Instant::now() + self.lookalike_wait;
         let lock = self.node_lock(&args.node);
-        let _serial = lock.lock().await;
-        let binding = {
-            let mut s = self.state();
-            let State { view, placer } = &mut *s;
-            Self::expire(view);
-            if let Some(a) = view.assumption(&uid) {
-                if a.bound && a.node == args.node {
-                    return Ok(()); // a retry of a bind that already went through
+        let (binding, _serial) = loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let serial = lock.lock().await;
+            match self.attempt(args, namespace, &key, &uid, &request)? {
+                Attempt::AlreadyBound => return Ok(()),
+                Attempt::Bind(binding) => break (binding, serial),
+                Attempt::LookalikeInAdmission(other) => {
+                    drop(serial);
+                    if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                        return Err((BindOutcome::Deferred, Self::lookalike_reason(&args.node, &other, &key)));
+                    }
                 }
-                if a.bound {
-                    return Err(invalid(format!("pod {key} was just bound to {}", a.node)));
-                }
-            }
-            let mut annotations = BTreeMap::new();
-            if !request.is_empty() {
-                let gone = view.evicted(&[uid.as_str()]);
-                let mut assignment = view
-                    .place(placer, &args.node, &request, self.policies.gpu, &gone)
-                    .map_err(|r| (BindOutcome::NoFit, format!("pod {key} no longer fits node {}: {r}", args.node)))?;
-                if let Some(other) = view.lookalike_in_admission(&args.node, &uid, &assignment) {
-                    // Beside the look-alikes, if there is room: then it does not matter which
-                    // of them the daemon serves first.
-                    assignment = view
-                        .place_beside_lookalikes(placer, &args.node, &request, &uid, self.policies.gpu, &gone)
-                        .filter(|a| view.lookalike_in_admission(&args.node, &uid, a).is_none())
-                        .ok_or_else(|| (BindOutcome::Deferred, Self::lookalike_reason(&args.node, &other, &key)))?;
-                }
-                let encoded = assignment.encode().map_err(|e| invalid(format!("pod {key}: {e}")))?;
-                annotations.insert(ASSIGNMENT_KEY.to_owned(), encoded);
-                if view.config().alibaba
-                    && let Ok(inventory) = view.inventory(&args.node)
-                    && let Some(a) = AlibabaAnnotations::from_assignment(&assignment, inventory, &request, now_ns())
-                {
-                    annotations.extend(a.encode());
-                }
-                view.assume(&uid, Self::assumed(namespace, &args.pod_name, &args.node, assignment));
-                view.refresh();
-            }
-            Binding {
-                namespace: namespace.to_owned(),
-                name: args.pod_name.clone(),
-                uid: uid.clone(),
-                node: args.node.clone(),
-                annotations,
             }
         };
         match self.cluster.bind(&binding).await {
@@ -434,6 +436,65 @@ impl<C: Cluster> Extender<C> {
                 Err((BindOutcome::Failed, format!("binding pod {key} to {}: {e}", args.node)))
             }
         }
+    }
+
+    /// The part of a bind under the node's lock: re-checks the fit against the current view,
+    /// chooses the GPUs and records the assumption, or says why it must wait.
+    fn attempt(
+        &self,
+        args: &BindingArgs,
+        namespace: &str,
+        key: &str,
+        uid: &str,
+        request: &PodRequest,
+    ) -> Result<Attempt, (BindOutcome, String)> {
+        let invalid = |m: String| (BindOutcome::Invalid, m);
+        let mut s = self.state();
+        let State { view, placer } = &mut *s;
+        Self::expire(view);
+        if let Some(a) = view.assumption(uid) {
+            if a.bound && a.node == args.node {
+                return Ok(Attempt::AlreadyBound); // a retry of a bind that already went through
+            }
+            if a.bound {
+                return Err(invalid(format!("pod {key} was just bound to {}", a.node)));
+            }
+        }
+        let mut annotations = BTreeMap::new();
+        if !request.is_empty() {
+            let gone = view.evicted(&[uid]);
+            let mut assignment = view
+                .place(placer, &args.node, request, self.policies.gpu, &gone)
+                .map_err(|r| (BindOutcome::NoFit, format!("pod {key} no longer fits node {}: {r}", args.node)))?;
+            if let Some(other) = view.lookalike_in_admission(&args.node, uid, &assignment) {
+                // Beside the look-alikes, if there is room: then it does not matter which
+                // of them the daemon serves first.
+                match view
+                    .place_beside_lookalikes(placer, &args.node, request, uid, self.policies.gpu, &gone)
+                    .filter(|a| view.lookalike_in_admission(&args.node, uid, a).is_none())
+                {
+                    Some(beside) => assignment = beside,
+                    None => return Ok(Attempt::LookalikeInAdmission(other)),
+                }
+            }
+            let encoded = assignment.encode().map_err(|e| invalid(format!("pod {key}: {e}")))?;
+            annotations.insert(ASSIGNMENT_KEY.to_owned(), encoded);
+            if view.config().alibaba
+                && let Ok(inventory) = view.inventory(&args.node)
+                && let Some(a) = AlibabaAnnotations::from_assignment(&assignment, inventory, request, now_ns())
+            {
+                annotations.extend(a.encode());
+            }
+            view.assume(uid, Self::assumed(namespace, &args.pod_name, &args.node, assignment));
+            view.refresh();
+        }
+        Ok(Attempt::Bind(Binding {
+            namespace: namespace.to_owned(),
+            name: args.pod_name.clone(),
+            uid: uid.to_owned(),
+            node: args.node.clone(),
+            annotations,
+        }))
     }
 
     fn lookalike_reason(node: &str, other: &str, pod: &str) -> String {

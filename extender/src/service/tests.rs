@@ -3,6 +3,7 @@
 //! that frees a GPU with the fewest, lowest-priority victims.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use serde_json::json;
 
@@ -12,6 +13,15 @@ use crate::view::tests::{assignment, config, holding, node, pod};
 use crate::wire::{MetaVictims, Name, NodeList};
 
 fn extender(nodes: &[crate::objects::NodeObject], pods: &[PodObject]) -> Arc<Extender<FakeCluster>> {
+    waiting_extender(nodes, pods, Duration::ZERO)
+}
+
+/// An extender whose binds wait up to `wait` for a look-alike's admission to be reported.
+fn waiting_extender(
+    nodes: &[crate::objects::NodeObject],
+    pods: &[PodObject],
+    wait: Duration,
+) -> Arc<Extender<FakeCluster>> {
     let cluster = FakeCluster::default();
     let mut view = ClusterView::new(config(false));
     for n in nodes {
@@ -21,7 +31,7 @@ fn extender(nodes: &[crate::objects::NodeObject], pods: &[PodObject]) -> Arc<Ext
         view.apply_pod(p);
         cluster.put(p.clone());
     }
-    let ext = Arc::new(Extender::new(view, cluster, Policies::default()));
+    let ext = Arc::new(Extender::new(view, cluster, Policies::default()).with_lookalike_wait(wait));
     ext.set_ready(true);
     ext
 }
@@ -171,6 +181,60 @@ async fn concurrent_binds_to_one_node_never_overcommit() {
     assert!(report.nodes[0].gpus.iter().all(|g| g.used_mib <= g.total_mib));
     assert_eq!(report.nodes[0].gpus.iter().map(|g| g.used_mib).sum::<u64>(), 2000);
     assert_eq!(ext.metrics().binds(BindOutcome::NoFit), 4);
+}
+
+#[tokio::test]
+async fn a_look_alike_bind_waits_for_the_node_to_report_the_other_admitted() {
+    let pods: Vec<PodObject> = (0..5).map(|i| pod(&format!("p{i}"), 250, None, "Pending")).collect();
+    let ext = waiting_extender(&[node("n1", 2, 1000, 1, vec![])], &pods, Duration::from_secs(2));
+    for i in 0..4 {
+        assert_eq!(ext.bind(&bind_args(&format!("p{i}"), "n1")).await.error, "");
+    }
+    // GPU0 is full of look-alikes still in admission; p4 would get GPU1: it waits, and the node
+    // stays free for other binds meanwhile.
+    let started = Instant::now();
+    let waiting = tokio::spawn({
+        let ext = ext.clone();
+        async move { ext.bind(&bind_args("p4", "n1")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(!waiting.is_finished(), "the bind waits for the look-alikes' admission");
+    assert_eq!(ext.cluster.bindings().len(), 4);
+    // The daemon reports them allocated: p4 is bound at once, on GPU1.
+    let held = (0..4).map(|i| holding(&format!("p{i}"), "main", 0, 250)).collect();
+    ext.with_view(|v| v.apply_node(&node("n1", 2, 1000, 2, held)));
+    let r = tokio::time::timeout(Duration::from_secs(1), waiting).await.unwrap().unwrap();
+    assert_eq!(r.error, "", "{r:?}");
+    assert!(started.elapsed() < Duration::from_secs(2), "bound when the report came, not at the deadline");
+    assert_eq!(ext.metrics().binds(BindOutcome::Deferred), 0);
+    assert_eq!(ext.metrics().binds(BindOutcome::Bound), 5);
+    let report = ext.report();
+    assert_eq!(report.nodes[0].gpus.iter().map(|g| g.used_mib).collect::<Vec<_>>(), [1000, 250]);
+}
+
+#[tokio::test]
+async fn a_look_alike_bind_is_refused_when_no_report_comes_in_time() {
+    let pods: Vec<PodObject> = (0..5).map(|i| pod(&format!("p{i}"), 250, None, "Pending")).collect();
+    let ext = waiting_extender(&[node("n1", 2, 1000, 1, vec![])], &pods, Duration::from_millis(200));
+    for i in 0..4 {
+        assert_eq!(ext.bind(&bind_args(&format!("p{i}"), "n1")).await.error, "");
+    }
+    let started = Instant::now();
+    // A change elsewhere in the view wakes the bind, which finds the look-alikes still admitting.
+    let other = tokio::spawn({
+        let ext = ext.clone();
+        async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            ext.with_view(|v| v.apply_node(&node("n2", 1, 1000, 1, vec![])));
+        }
+    });
+    let r = ext.bind(&bind_args("p4", "n1")).await;
+    other.await.unwrap();
+    assert!(r.error.contains("is still admitting pod default/p"), "{r:?}");
+    assert!(started.elapsed() >= Duration::from_millis(200), "refused only after the wait");
+    assert_eq!(ext.metrics().binds(BindOutcome::Deferred), 1);
+    assert_eq!(ext.cluster.bindings().len(), 4, "nothing bound, the assumption not kept");
+    assert_eq!(ext.report().nodes.iter().find(|n| n.name == "n1").unwrap().gpus[1].used_mib, 0);
 }
 
 #[tokio::test]
