@@ -14,7 +14,7 @@ use futures::StreamExt as _;
 use gpushare_core::NodeInventory;
 use gpushare_core::devices::DeviceMap;
 use gpushare_proto::DEVICE_PLUGIN_VERSION;
-use gpushare_proto::deviceplugin::device_plugin_server::{DevicePlugin, DevicePluginServer};
+use gpushare_proto::deviceplugin::device_plugin_server::DevicePlugin;
 use gpushare_proto::deviceplugin::registration_client::RegistrationClient;
 use gpushare_proto::deviceplugin::{
     AllocateRequest, AllocateResponse, ContainerAllocateResponse, ContainerPreferredAllocationResponse,
@@ -26,6 +26,8 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::allocator::{AllocError, Allocator};
+
+mod list_and_watch;
 
 /// What the kubelet's device list is made from: the GPUs with their health. Cheap to clone;
 /// the list itself (one entry per unit, 131 072 for 8 x 16 GiB) is written straight into the
@@ -87,6 +89,13 @@ impl Plugin {
     #[must_use]
     pub fn new(alloc: Arc<Allocator>, devices: watch::Receiver<DeviceSnapshot>) -> Self {
         Plugin { alloc, devices, stop: watch::Sender::new(false).subscribe() }
+    }
+
+    /// The device list now and after every change, until the server stops.
+    fn device_lists(&self) -> impl Stream<Item = ListAndWatchResponse> + Send + 'static {
+        tokio_stream::wrappers::WatchStream::new(self.devices.clone())
+            .map(|snapshot| ListAndWatchResponse::from_source(Arc::new(snapshot)))
+            .take_until(Box::pin(stopped(self.stop.clone())))
     }
 
     /// The same, ending its `ListAndWatch` streams once `stop` turns `true`.
@@ -157,11 +166,10 @@ impl DevicePlugin for Plugin {
 
     type ListAndWatchStream = DeviceStream;
 
+    /// Served through [`list_and_watch::PluginService`], which frames the same messages itself;
+    /// this is the path a caller of the service in process takes.
     async fn list_and_watch(&self, _: Request<Empty>) -> Result<Response<Self::ListAndWatchStream>, Status> {
-        let stream = tokio_stream::wrappers::WatchStream::new(self.devices.clone())
-            .map(|snapshot| Ok(ListAndWatchResponse::from_source(Arc::new(snapshot))))
-            .take_until(Box::pin(stopped(self.stop.clone())));
-        Ok(Response::new(Box::pin(stream)))
+        Ok(Response::new(Box::pin(self.device_lists().map(Ok))))
     }
 
     async fn get_preferred_allocation(
@@ -263,7 +271,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
-        .add_service(DevicePluginServer::new(plugin))
+        .add_service(list_and_watch::PluginService::new(plugin))
         .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), shutdown)
         .await
 }
