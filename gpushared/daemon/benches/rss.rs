@@ -63,7 +63,11 @@ async fn main() {
         ),
     )
     .unwrap();
-    for p in 0..PODS {
+    // Each pod is bound just before the kubelet admits it, as gpushare-extender binds pods that
+    // look alike to the kubelet (same size, other GPUs): the next only once the node reports the
+    // previous allocated. Bound all at once, every call would be ambiguous, and the daemon waits
+    // out its 5 s for the pod watch before serving the oldest.
+    let bind_pod = |p: usize| {
         let gpu = u32::try_from(p).unwrap() % GPUS;
         let a = Assignment {
             node: "node-a".into(),
@@ -85,7 +89,7 @@ async fn main() {
                    "resources": {"limits": {"gpushare.io/gpu-mem": pod_units.to_string()}}}]}}),
         )
         .unwrap();
-    }
+    };
     std::fs::create_dir_all(dir.path().join("dp")).unwrap();
     let kubelet = Kubelet::start(&dir.path().join("dp")).await.unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_gpushared"))
@@ -99,7 +103,10 @@ async fn main() {
                 .collect::<Vec<_>>()
         }))
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        // RSS_DAEMON_LOG=FILE keeps the daemon's log (with RSS_DAEMON_ENV=RUST_LOG=debug, say).
+        .stderr(
+            std::env::var_os("RSS_DAEMON_LOG").map_or_else(Stdio::null, |f| std::fs::File::create(f).unwrap().into()),
+        )
         .spawn()
         .unwrap();
     kubelet.wait_registered(1, Duration::from_secs(20)).await.unwrap();
@@ -107,10 +114,15 @@ async fn main() {
     // Steady state: the daemon hands the device list's pages back within 10 s of sending it.
     tokio::time::sleep(Duration::from_secs(11)).await;
     let idle = status_kib(child.id(), "VmRSS:");
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + Duration::from_secs(120);
     let mut admitted = 0;
     let mut latencies = Vec::with_capacity(PODS);
+    let mut bound = 0;
     while admitted < PODS {
+        if bound == admitted {
+            bind_pod(admitted);
+            bound += 1;
+        }
         let ids = match kubelet.preferred(pod_units).await {
             Ok(ids) => ids,
             Err(e) if Instant::now() < deadline && e.to_string().contains("no pod bound") => {
