@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
+use futures::FutureExt as _;
 use gpushare_core::NodeInventory;
 use gpushare_core::devices::{KUBELET_MAX_MESSAGE_BYTES, list_and_watch_size};
 use gpushared::allocator::Allocator;
@@ -18,8 +19,9 @@ use gpushared::ledger::Ledger;
 use gpushared::plugin::{self, Plugin};
 use gpushared::pods::PodStore;
 use gpushared::publish::{self, KubeNode};
-use gpushared::systemd::Notifier;
+use gpushared::systemd::{Heartbeat, Notifier};
 use std::time::Duration;
+use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::sync::watch;
 
 fn main() -> ExitCode {
@@ -45,7 +47,10 @@ fn main() -> ExitCode {
         .init();
     let must_exist = cli.config != std::path::Path::new(DEFAULT_PATH);
     let result = Config::load(&cli.config, must_exist).map_err(anyhow::Error::from).and_then(|config| {
+        // Two workers whatever the host: the daemon's work is a few calls a second, and tokio's
+        // default (one worker per core) would start 128 threads on a 128-core GPU host.
         tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
             .enable_all()
             .build()
             .context("starting the async runtime")?
@@ -61,20 +66,52 @@ fn main() -> ExitCode {
     }
 }
 
-/// Resolves when SIGTERM or SIGINT arrives.
-async fn terminated() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
+/// SIGTERM and SIGINT, caught from the moment [`StopSignals::install`] returns: a signal that
+/// arrives while the daemon starts waits here (instead of killing the process) until the daemon
+/// can stop cleanly.
+struct StopSignals {
+    signals: Option<(Signal, Signal)>,
+    arrived: bool,
+}
+
+impl StopSignals {
+    /// Installs the handlers. If that fails (it does not on Linux), the signals keep their
+    /// default action, as before the handlers existed: the process ends at once.
+    fn install() -> Self {
+        let signals = match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+            (Ok(term), Ok(int)) => Some((term, int)),
+            (Err(e), _) | (_, Err(e)) => {
+                tracing::warn!(error = %e, "cannot catch SIGTERM and SIGINT; they will end the daemon without STOPPING=1");
+                None
+            }
+        };
+        StopSignals { signals, arrived: false }
+    }
+
+    /// Resolves once SIGTERM or SIGINT has arrived, at once if one already has. Cancel-safe.
+    async fn arrived(&mut self) {
+        if self.arrived {
+            return;
+        }
+        let Some((term, int)) = &mut self.signals else { return std::future::pending().await };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        self.arrived = true;
+    }
+
+    /// Whether SIGTERM or SIGINT has arrived, without waiting.
+    fn has_arrived(&mut self) -> bool {
+        self.arrived().now_or_never().is_some()
     }
 }
 
 async fn run(config: Config) -> anyhow::Result<()> {
     let notifier = Notifier::from_env();
+    // First: a SIGTERM while the daemon starts (discovery, the ledger, the D-Bus wait) must end
+    // in STOPPING=1 and exit 0 like one later, not kill the process.
+    let mut stop = StopSignals::install();
     notifier.status("starting: discovering GPUs");
     let node = config
         .node_name()
@@ -200,22 +237,49 @@ async fn run(config: Config) -> anyhow::Result<()> {
     // The status API's first connection is made before READY, so `systemctl start gpushared`
     // returns with gpusharectl able to answer; a bus that is down or slow delays it 2 s at most
     // (the status API is never on the allocation path; it keeps retrying in the background).
+    // A stop signal during the wait ends it.
     if config.dbus.enabled {
         let (first_tx, first_rx) = tokio::sync::oneshot::channel();
         tasks.spawn(gpushared::dbus::serve(config.dbus.bus(), Arc::clone(&alloc), Some(first_tx)));
-        if tokio::time::timeout(Duration::from_secs(2), first_rx).await.is_err() {
-            tracing::warn!("the D-Bus status API is not up after 2 s; ready without it (it keeps trying)");
+        tokio::select! {
+            biased;
+            () = stop.arrived() => {}
+            first = tokio::time::timeout(Duration::from_secs(2), first_rx) => {
+                if first.is_err() {
+                    tracing::warn!("the D-Bus status API is not up after 2 s; ready without it (it keeps trying)");
+                }
+            }
         }
     } else {
         tracing::info!("the D-Bus status API is turned off ([dbus] enabled = false)");
     }
-    notifier.ready(&status.line());
-    tasks.spawn(report_status(notifier.clone(), status.clone()));
-    if let Some(interval) = gpushared::systemd::watchdog_interval() {
-        let probe = Arc::clone(&alloc);
-        tracing::info!(interval = ?interval, "systemd watchdog on; pinging at half the interval while the allocator answers");
-        tasks.spawn(gpushared::systemd::watchdog(notifier.clone(), interval, move || probe.probe().is_ok()));
-    }
+    // The main loop beats the heartbeat every time round; the watchdog pings only while it is
+    // fresh, so a stuck loop (kubelet restarts, registration, signals) stops the pings too.
+    let heartbeat = if stop.has_arrived() {
+        // No READY=1: the main loop below stops at once.
+        tracing::info!("a stop signal arrived while starting");
+        None
+    } else {
+        notifier.ready(&status.line());
+        tasks.spawn(report_status(notifier.clone(), status.clone()));
+        gpushared::systemd::watchdog_interval().map(|interval| {
+            let heartbeat = Heartbeat::for_watchdog(interval);
+            tracing::info!(
+                interval = ?interval,
+                heartbeat_period = ?heartbeat.period(),
+                heartbeat_bound = ?heartbeat.bound(),
+                "systemd watchdog on; pinging at half the interval while the allocator answers and the main loop turns"
+            );
+            let probe = Arc::clone(&alloc);
+            tasks.spawn(gpushared::systemd::watchdog_with_heartbeat(
+                notifier.clone(),
+                interval,
+                heartbeat.clone(),
+                move || probe.probe().is_ok(),
+            ));
+            heartbeat
+        })
+    };
     let reconcile_now = Arc::new(tokio::sync::Notify::new());
     tasks.spawn(reconcile_loop(
         Arc::clone(&alloc),
@@ -233,10 +297,17 @@ async fn run(config: Config) -> anyhow::Result<()> {
         ))
     };
     let mut registration = Some(register());
-    let stopped = terminated();
-    tokio::pin!(stopped);
+    // Without a watchdog nothing reads the heartbeat, and the timer arm is off.
+    let mut beat = tokio::time::interval(heartbeat.as_ref().map_or(Duration::from_secs(3600), Heartbeat::period));
+    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        if let Some(h) = &heartbeat {
+            h.beat();
+        }
         tokio::select! {
+            // A stop first: one that arrived while starting stops the loop before it registers.
+            biased;
+            () = stop.arrived() => break,
             Some(r) = async { match registration.as_mut() { Some(f) => Some(f.await), None => None } } => {
                 registration = None;
                 r.map_err(|s| anyhow::anyhow!("the kubelet refused the registration: {}", s.message()))?;
@@ -262,7 +333,8 @@ async fn run(config: Config) -> anyhow::Result<()> {
                     registration = Some(register());
                 }
             }
-            () = &mut stopped => break,
+            // Turns the loop (and so beats the heartbeat) when nothing else happens.
+            _ = beat.tick(), if heartbeat.is_some() => {}
         }
     }
     tracing::info!("stopping");

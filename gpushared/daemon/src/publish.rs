@@ -11,13 +11,18 @@
 //!   is touched).
 //! - API errors are retried with backoff (200 ms doubling to 10 s), publishing the state as it
 //!   is at each attempt; the state is also republished every 10 minutes.
-//! - A value over Kubernetes' annotation limit drops the per-GPU holder lists (the memory
-//!   figures stay) and says so in the log.
+//! - Kubernetes limits the total of all annotations of an object (every key and value) to
+//!   256 KiB. The publisher learns the size of the Node's other annotations from the Node it
+//!   reads at start and the Node each patch returns (and reads it again after any failure). A
+//!   value that would take the total over the limit drops the per-GPU holder lists (the memory
+//!   figures stay) and says so in the log; if even that would not fit, nothing is written, an
+//!   error names the sizes and the fix, and the publisher checks again every 10 s (the longest
+//!   backoff).
 
 use std::time::Duration;
 
-use gpushare_core::codec::CodecError;
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
+use gpushare_core::codec::{CodecError, MAX_ANNOTATION_BYTES};
 use kube::Api;
 use kube::api::{Patch, PatchParams};
 use thiserror::Error;
@@ -50,15 +55,69 @@ pub enum PublishError {
         /// The codec's error.
         source: CodecError,
     },
+    /// Even without the holder lists, the state would take the Node's annotations over
+    /// Kubernetes' limit: the other annotations leave too little room.
+    #[error(
+        "node {node}: {NODE_STATE_KEY} would take {own} bytes (key and value, without the holder lists) beside {others} \
+         bytes of the Node's other annotations, {} bytes over Kubernetes' limit of {limit} bytes for all annotations of \
+         an object; remove or shorten the Node's other annotations (kubectl annotate node {node} KEY-)",
+        excess(*.own, *.others, *.limit)
+    )]
+    DoesNotFit {
+        /// This node.
+        node: String,
+        /// The smallest value with its key, in bytes.
+        own: usize,
+        /// The Node's other annotations (keys and values), in bytes.
+        others: usize,
+        /// Kubernetes' limit.
+        limit: usize,
+    },
+}
+
+/// How many bytes `own` and `others` are over `limit`.
+fn excess(own: usize, others: usize, limit: usize) -> usize {
+    own.saturating_add(others).saturating_sub(limit)
+}
+
+/// Kubernetes' limit on the total size of all annotations of an object: every key and value
+/// (the API server refuses a write that would exceed it).
+pub const MAX_TOTAL_ANNOTATION_BYTES: usize = MAX_ANNOTATION_BYTES;
+
+/// What the publisher reads of its Node.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeView {
+    /// The generation published on the Node, if any (a missing or unreadable annotation is
+    /// `None`).
+    pub generation: Option<u64>,
+    /// The bytes of the Node's other annotations (keys and values; all but
+    /// [`NODE_STATE_KEY`]), which count against the same limit.
+    pub other_annotation_bytes: usize,
+}
+
+impl NodeView {
+    /// What the publisher reads of `node`.
+    #[must_use]
+    pub fn of(node: &NodeObject) -> Self {
+        let annotations = node.metadata.annotations.as_ref();
+        NodeView {
+            generation: annotations
+                .and_then(|a| a.get(NODE_STATE_KEY))
+                .and_then(|v| NodeState::decode(v).ok())
+                .map(|s| s.generation),
+            other_annotation_bytes: annotations.map_or(0, |a| {
+                a.iter().filter(|(k, _)| k.as_str() != NODE_STATE_KEY).map(|(k, v)| k.len() + v.len()).sum()
+            }),
+        }
+    }
 }
 
 /// Where the annotation goes: this node's Node object.
 pub trait NodeApi: Send + Sync {
-    /// The generation currently published on the Node, if any (a missing or unreadable
-    /// annotation is `None`).
-    fn published_generation(&self) -> impl Future<Output = Result<Option<u64>, PublishError>> + Send;
-    /// Merge-patches the annotation.
-    fn patch(&self, value: &str) -> impl Future<Output = Result<(), PublishError>> + Send;
+    /// Reads the Node.
+    fn read(&self) -> impl Future<Output = Result<NodeView, PublishError>> + Send;
+    /// Merge-patches the annotation; returns the Node as the API server stored it.
+    fn patch(&self, value: &str) -> impl Future<Output = Result<NodeView, PublishError>> + Send;
 }
 
 /// The Node through the API server.
@@ -77,42 +136,58 @@ impl KubeNode {
 }
 
 impl NodeApi for KubeNode {
-    async fn published_generation(&self) -> Result<Option<u64>, PublishError> {
+    async fn read(&self) -> Result<NodeView, PublishError> {
         let node = self.api.get(&self.node).await.map_err(|source| PublishError::Api {
             node: self.node.clone(),
             what: "reading the Node",
             source,
         })?;
-        Ok(node
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(NODE_STATE_KEY))
-            .and_then(|v| NodeState::decode(v).ok())
-            .map(|s| s.generation))
+        Ok(NodeView::of(&node))
     }
 
-    async fn patch(&self, value: &str) -> Result<(), PublishError> {
+    async fn patch(&self, value: &str) -> Result<NodeView, PublishError> {
         let body = serde_json::json!({ "metadata": { "annotations": { NODE_STATE_KEY: value } } });
         self.api
             .patch(&self.node, &PatchParams::default(), &Patch::Merge(&body))
             .await
-            .map(|_| ())
+            .map(|node| NodeView::of(&node))
             .map_err(|source| PublishError::Api { node: self.node.clone(), what: "patching its annotation", source })
     }
 }
 
-/// The annotation value for `state`: complete if it fits, else without the holder lists.
+/// What [`encode`] makes of a node state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Encoded {
+    /// The complete value.
+    Complete(String),
+    /// The value without the holder lists (the memory figures stay): the complete one would
+    /// not fit.
+    WithoutHolders(String),
+    /// Not even the value without the holder lists fits: with its key it takes `own` bytes.
+    DoesNotFit {
+        /// The smallest value's bytes with its key.
+        own: usize,
+    },
+}
+
+/// The annotation value for `state` beside `others` bytes of the Node's other annotations (keys
+/// and values): complete if all the Node's annotations then fit Kubernetes' limit
+/// ([`MAX_TOTAL_ANNOTATION_BYTES`]), else without the holder lists, else nothing.
 ///
 /// # Errors
-/// [`CodecError`] if even the reduced value cannot be encoded.
-pub fn encode(state: &NodeState) -> Result<(String, bool), CodecError> {
+/// [`CodecError`] if the state cannot be encoded for another reason than its size.
+pub fn encode(state: &NodeState, others: usize) -> Result<Encoded, CodecError> {
+    let with_key = |value: &str| NODE_STATE_KEY.len() + value.len();
+    let fits = |value: &str| with_key(value).saturating_add(others) <= MAX_TOTAL_ANNOTATION_BYTES;
     match state.encode() {
-        Ok(v) => Ok((v, false)),
-        Err(CodecError::TooLarge { .. }) => {
-            let reduced = NodeState { allocations: Vec::new(), ..state.clone() };
-            reduced.encode().map(|v| (v, true))
-        }
+        Ok(v) if fits(&v) => return Ok(Encoded::Complete(v)),
+        Ok(_) | Err(CodecError::TooLarge { .. }) => {}
+        Err(e) => return Err(e),
+    }
+    match (NodeState { allocations: Vec::new(), ..state.clone() }).encode() {
+        Ok(v) if fits(&v) => Ok(Encoded::WithoutHolders(v)),
+        Ok(v) => Ok(Encoded::DoesNotFit { own: with_key(&v) }),
+        Err(CodecError::TooLarge { len, .. }) => Ok(Encoded::DoesNotFit { own: NODE_STATE_KEY.len() + len }),
         Err(e) => Err(e),
     }
 }
@@ -148,14 +223,32 @@ impl Default for Timing {
 pub async fn run<N: NodeApi>(node: N, alloc: std::sync::Arc<Allocator>, timing: Timing) {
     let mut changes: watch::Receiver<u64> = alloc.subscribe();
     let mut activity: watch::Receiver<u64> = alloc.subscribe_activity();
-    let mut last: Option<u64> = None;
+    let mut publisher = Publisher::default();
     loop {
         changes.borrow_and_update();
         activity.borrow_and_update();
         let mut delay = timing.backoff;
         loop {
-            match publish_once(&node, &alloc, &mut last).await {
+            match publisher.publish_once(&node, &alloc).await {
                 Ok(()) => break,
+                Err(e @ PublishError::DoesNotFit { .. }) => {
+                    // Retrying sooner would not help: the other annotations must change first.
+                    if publisher.unfit_logged {
+                        tracing::debug!(error = %e, retry_in = ?timing.max_backoff, "the node state still does not fit");
+                    } else if let PublishError::DoesNotFit { own, others, limit, .. } = &e {
+                        tracing::error!(
+                            error = %e,
+                            annotation_bytes = own,
+                            other_annotation_bytes = others,
+                            limit_bytes = limit,
+                            retry_in = ?timing.max_backoff,
+                            "the node state does not fit beside the Node's other annotations; nothing is published until it does"
+                        );
+                        publisher.unfit_logged = true;
+                    }
+                    tokio::time::sleep(timing.max_backoff).await;
+                    delay = timing.max_backoff;
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, retry_in = ?delay, "cannot publish the node state; retrying");
                     tokio::time::sleep(delay).await;
@@ -181,29 +274,82 @@ pub async fn run<N: NodeApi>(node: N, alloc: std::sync::Arc<Allocator>, timing: 
     }
 }
 
-async fn publish_once<N: NodeApi>(node: &N, alloc: &Allocator, last: &mut Option<u64>) -> Result<(), PublishError> {
-    let previous = match *last {
-        Some(g) => g,
-        None => node.published_generation().await?.unwrap_or(0),
-    };
-    let generation = previous.saturating_add(1);
-    let state = alloc.node_state(generation, DAEMON_VERSION);
-    let (value, reduced) =
-        encode(&state).map_err(|source| PublishError::Encode { node: alloc.node().to_owned(), source })?;
-    if reduced {
-        tracing::warn!(
-            holders = state.allocations.len(),
-            "the node state with every holder is over Kubernetes' annotation limit; publishing the memory figures without the holder lists"
-        );
+/// What the publisher knows between publications.
+#[derive(Debug, Default)]
+struct Publisher {
+    /// The generation last published.
+    last: Option<u64>,
+    /// The bytes of the Node's other annotations as last seen; `None`: read the Node first.
+    others: Option<usize>,
+    /// The last publication left out the holder lists.
+    reduced: bool,
+    /// The state does not fit, and the error is logged.
+    unfit_logged: bool,
+}
+
+impl Publisher {
+    async fn publish_once<N: NodeApi>(&mut self, node: &N, alloc: &Allocator) -> Result<(), PublishError> {
+        let (previous, others) = match (self.last, self.others) {
+            (Some(last), Some(others)) => (last, others),
+            (last, _) => {
+                let view = node.read().await?;
+                self.others = Some(view.other_annotation_bytes);
+                (last.or(view.generation).unwrap_or(0), view.other_annotation_bytes)
+            }
+        };
+        let generation = previous.saturating_add(1);
+        let state = alloc.node_state(generation, DAEMON_VERSION);
+        let encoded =
+            encode(&state, others).map_err(|source| PublishError::Encode { node: alloc.node().to_owned(), source })?;
+        let (value, reduced) = match encoded {
+            Encoded::Complete(v) => (v, false),
+            Encoded::WithoutHolders(v) => (v, true),
+            Encoded::DoesNotFit { own } => {
+                // Read the Node again next time: its other annotations must shrink first.
+                self.others = None;
+                return Err(PublishError::DoesNotFit {
+                    node: alloc.node().to_owned(),
+                    own,
+                    others,
+                    limit: MAX_TOTAL_ANNOTATION_BYTES,
+                });
+            }
+        };
+        if reduced && !self.reduced {
+            tracing::warn!(
+                holders = state.allocations.len(),
+                other_annotation_bytes = others,
+                limit_bytes = MAX_TOTAL_ANNOTATION_BYTES,
+                "the node state with every holder would take the Node's annotations over Kubernetes' limit; publishing the memory figures without the holder lists"
+            );
+        }
+        match node.patch(&value).await {
+            Ok(view) => self.others = Some(view.other_annotation_bytes),
+            Err(e) => {
+                // The Node may have changed (deleted and created again, other annotations
+                // grown until the API server refused the patch): read it again.
+                self.others = None;
+                return Err(e);
+            }
+        }
+        if !reduced && self.reduced {
+            tracing::info!("the node state fits with every holder again");
+        }
+        if self.unfit_logged {
+            tracing::info!(bytes = NODE_STATE_KEY.len() + value.len(), "the node state fits again and is published");
+            self.unfit_logged = false;
+        }
+        self.reduced = reduced;
+        self.last = Some(generation);
+        tracing::debug!(generation, bytes = value.len(), reduced, "published the node state");
+        Ok(())
     }
-    node.patch(&value).await?;
-    *last = Some(generation);
-    tracing::debug!(generation, bytes = value.len(), "published the node state");
-    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::{Arc, Mutex};
+
     use super::*;
     use gpushare_core::codec::node::{NodeAllocation, PodRef};
     use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory};
@@ -245,13 +391,17 @@ mod tests {
         NodeState { generation: 1, daemon_version: DAEMON_VERSION.into(), inventory, used, allocations }
     }
 
+    /// The value without the holder lists.
+    fn reduced(state: &NodeState) -> String {
+        NodeState { allocations: Vec::new(), ..state.clone() }.encode().unwrap()
+    }
+
     #[test]
     fn hundreds_of_pods_fit_the_annotation_limit() {
         // Measured: 110 pods (the kubelet's default max-pods) 20,159 bytes, 250 pods 43,539,
         // 500 pods 85,289, against Kubernetes' 262,144 for all annotations of an object.
         for (pods, most) in [(110, 25_000), (250, 55_000), (500, 110_000)] {
-            let (value, reduced) = encode(&state(pods)).unwrap();
-            assert!(!reduced);
+            let Encoded::Complete(value) = encode(&state(pods), 0).unwrap() else { panic!("{pods} pods: reduced") };
             assert!(value.len() < most, "{pods} pods: {} bytes", value.len());
             assert_eq!(NodeState::decode(&value).unwrap().allocations.len(), pods);
         }
@@ -261,10 +411,176 @@ mod tests {
     fn an_oversized_state_keeps_the_memory_figures_without_the_holders() {
         let big = state(3_000);
         assert!(matches!(big.encode(), Err(CodecError::TooLarge { .. })));
-        let (value, reduced) = encode(&big).unwrap();
-        assert!(reduced);
+        let Encoded::WithoutHolders(value) = encode(&big, 0).unwrap() else { panic!("not reduced") };
         let back = NodeState::decode(&value).unwrap();
         assert!(back.allocations.is_empty());
         assert_eq!(back.used, big.used);
+    }
+
+    #[test]
+    fn the_other_annotations_count_against_the_same_limit() {
+        // Kubernetes counts every key and value of the object: with `others` bytes of other
+        // annotations, the node state's key and value may take the rest, to the byte.
+        let s = state(110);
+        let complete = s.encode().unwrap();
+        let room = |value: &str| MAX_TOTAL_ANNOTATION_BYTES - NODE_STATE_KEY.len() - value.len();
+        assert_eq!(encode(&s, room(&complete)).unwrap(), Encoded::Complete(complete.clone()));
+        // One byte less room: the holder lists go, the memory figures stay.
+        let without = reduced(&s);
+        assert_eq!(encode(&s, room(&complete) + 1).unwrap(), Encoded::WithoutHolders(without.clone()));
+        assert_eq!(encode(&s, room(&without)).unwrap(), Encoded::WithoutHolders(without.clone()));
+        // No room even for that: nothing, with the size it needs.
+        let own = NODE_STATE_KEY.len() + without.len();
+        // Measured: 1,819 bytes for these 8 GPUs.
+        assert!(own < 2_000, "8 GPUs without the holder lists: {own} bytes");
+        assert_eq!(encode(&s, room(&without) + 1).unwrap(), Encoded::DoesNotFit { own });
+        assert_eq!(encode(&s, MAX_TOTAL_ANNOTATION_BYTES).unwrap(), Encoded::DoesNotFit { own });
+        assert_eq!(encode(&s, usize::MAX).unwrap(), Encoded::DoesNotFit { own });
+        // What the error says.
+        let e = PublishError::DoesNotFit { node: "node-a".into(), own: 2_000, others: 261_000, limit: 262_144 };
+        let text = e.to_string();
+        for part in ["2000 bytes", "261000 bytes", "856 bytes over", "262144 bytes", "kubectl annotate node node-a"] {
+            assert!(text.contains(part), "{part:?} in {text}");
+        }
+    }
+
+    #[test]
+    fn the_publisher_counts_every_other_annotation_of_its_node() {
+        let node: NodeObject =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": "node-a", "annotations": {
+                "team": "ml",
+                NODE_STATE_KEY: reduced(&state(0)),
+            }}}))
+            .unwrap();
+        assert_eq!(NodeView::of(&node), NodeView { generation: Some(1), other_annotation_bytes: 6 });
+        assert_eq!(NodeView::of(&NodeObject::default()), NodeView::default());
+    }
+
+    /// A Node in memory that counts reads and patches and refuses, as the API server does, a
+    /// patch that would take its annotations over the limit.
+    #[derive(Clone, Default)]
+    struct FakeNode(Arc<Mutex<Fake>>);
+
+    #[derive(Default)]
+    struct Fake {
+        /// The other annotations' bytes (the test changes them).
+        others: usize,
+        reads: usize,
+        /// Every patch attempted.
+        attempts: usize,
+        /// The values stored.
+        stored: Vec<String>,
+    }
+
+    impl FakeNode {
+        fn with(&self, f: impl FnOnce(&mut Fake)) {
+            f(&mut self.0.lock().unwrap());
+        }
+        fn get<T>(&self, f: impl FnOnce(&Fake) -> T) -> T {
+            f(&self.0.lock().unwrap())
+        }
+        fn view(f: &Fake) -> NodeView {
+            NodeView {
+                generation: f.stored.last().map(|v| NodeState::decode(v).unwrap().generation),
+                other_annotation_bytes: f.others,
+            }
+        }
+    }
+
+    impl NodeApi for FakeNode {
+        async fn read(&self) -> Result<NodeView, PublishError> {
+            let mut f = self.0.lock().unwrap();
+            f.reads += 1;
+            Ok(Self::view(&f))
+        }
+
+        async fn patch(&self, value: &str) -> Result<NodeView, PublishError> {
+            let mut f = self.0.lock().unwrap();
+            f.attempts += 1;
+            if NODE_STATE_KEY.len() + value.len() + f.others > MAX_TOTAL_ANNOTATION_BYTES {
+                return Err(PublishError::Api {
+                    node: "node-a".into(),
+                    what: "patching its annotation",
+                    source: kube::Error::Service("metadata.annotations: Too long".into()),
+                });
+            }
+            f.stored.push(value.to_owned());
+            Ok(Self::view(&f))
+        }
+    }
+
+    /// An allocator for node-a with one 1000 MiB GPU.
+    fn allocator(dir: &std::path::Path) -> Arc<Allocator> {
+        let ledger = crate::ledger::Ledger::open(&dir.join("ledger.db")).unwrap().ledger;
+        let gpu = Gpu::new(0, GpuUuid::new("GPU-0").unwrap(), "Tesla T4", Mib::new(1000));
+        let inventory = NodeInventory::new(MemoryUnit::Mib, vec![gpu]).unwrap();
+        let names = gpushare_core::ResourceNames::gpushare();
+        let compat = crate::config::Compatibility::Gpushare;
+        Arc::new(
+            Allocator::new("node-a".into(), names, compat, inventory, crate::pods::PodStore::new(), ledger).unwrap(),
+        )
+    }
+
+    /// Quick timings: the first retry after 1 ms, doubling to 300 ms.
+    const QUICK: Timing = Timing {
+        debounce: Duration::from_millis(10),
+        min_interval: Duration::from_millis(20),
+        backoff: Duration::from_millis(1),
+        max_backoff: Duration::from_millis(300),
+        resync: Duration::from_secs(600),
+    };
+
+    async fn eventually(what: &str, ok: impl Fn() -> bool) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !ok() {
+            assert!(std::time::Instant::now() < deadline, "{what}: not within 5 s");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_node_without_room_gets_nothing_and_is_read_again_at_the_longest_backoff() {
+        let dir = tempfile::tempdir().unwrap();
+        let node = FakeNode::default();
+        node.with(|f| f.others = MAX_TOTAL_ANNOTATION_BYTES - 10);
+        let task = tokio::spawn(run(node.clone(), allocator(dir.path()), QUICK));
+        // Doubling from 1 ms would read the Node about ten times in 700 ms; at the longest
+        // backoff it is read at 0, 300 and 600 ms.
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let (reads, attempts) = node.get(|f| (f.reads, f.attempts));
+        assert!((1..=3).contains(&reads), "{reads} reads in 700 ms");
+        assert_eq!(attempts, 0, "nothing is written that would not fit");
+        // Room is made: the next read sees it, and the first publication is generation 1 (none
+        // was used up while nothing fitted).
+        node.with(|f| f.others = 100);
+        eventually("the publication", || node.get(|f| !f.stored.is_empty())).await;
+        let published = node.get(|f| NodeState::decode(&f.stored[0]).unwrap());
+        assert_eq!(published.generation, 1);
+        task.abort();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refused_patch_reads_the_node_again_and_learns_it_has_no_room() {
+        let dir = tempfile::tempdir().unwrap();
+        let alloc = allocator(dir.path());
+        let node = FakeNode::default();
+        node.with(|f| f.others = 100);
+        let task = tokio::spawn(run(node.clone(), Arc::clone(&alloc), QUICK));
+        eventually("the first publication", || node.get(|f| f.stored.len() == 1)).await;
+        assert_eq!(node.get(|f| f.reads), 1, "the patch's answer says how big the rest is");
+        // Someone else annotates the Node; the publisher learns of it when its patch is refused.
+        node.with(|f| f.others = MAX_TOTAL_ANNOTATION_BYTES - 10);
+        alloc.set_health(0, gpushare_core::Health::Unhealthy { reason: "Xid 79".into() }).unwrap();
+        eventually("the refused patch and a new read", || node.get(|f| f.attempts == 2 && f.reads == 2)).await;
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let (attempts, reads, stored) = node.get(|f| (f.attempts, f.reads, f.stored.len()));
+        assert_eq!((attempts, stored), (2, 1), "no patch that cannot fit");
+        assert!((2..=4).contains(&reads), "read again at the longest backoff: {reads} reads");
+        node.with(|f| f.others = 100);
+        eventually("the publication once there is room", || node.get(|f| f.stored.len() == 2)).await;
+        let published = node.get(|f| NodeState::decode(&f.stored[1]).unwrap());
+        assert_eq!(published.generation, 2);
+        assert!(matches!(published.inventory.gpus()[0].health, gpushare_core::Health::Unhealthy { .. }));
+        task.abort();
     }
 }

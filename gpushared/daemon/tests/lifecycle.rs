@@ -1,15 +1,16 @@
 //! gpushared over time, driven as a process through the stand-ins: systemd notification
-//! (`READY`, `STATUS`, the watchdog, `STOPPING`) on a datagram socket the test binds as
-//! `NOTIFY_SOCKET`; the node-state annotation it publishes on its Node; kubelet restarts;
-//! reconciliation with the kubelet's PodResources API; GPU health from NVML events injected
-//! into the fake NVML library, and automatic recovery.
+//! (`READY`, `STATUS`, the watchdog, `STOPPING`, a stop while starting) on a datagram socket the
+//! test binds as `NOTIFY_SOCKET`; the node-state annotation it publishes on its Node (and a Node
+//! whose other annotations leave it no room); kubelet restarts; reconciliation with the
+//! kubelet's PodResources API; GPU health from NVML events injected into the fake NVML library,
+//! and automatic recovery.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Host, WAIT, bound_pod, static_gpus};
+use common::{Daemon, Host, NO_API_SERVER, WAIT, bound_pod, static_gpus};
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_core::{ContainerRole, Mib};
 use gpushare_testkit::apiserver::ApiServer;
@@ -159,6 +160,92 @@ async fn tells_systemd_when_ready_what_it_does_and_that_it_lives() {
     assert!(!socket.exists());
     let all = notes.all();
     assert_eq!(all.iter().filter(|m| m.starts_with("READY=1")).count(), 1, "{all:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_signal_while_starting_stops_it_cleanly() {
+    // A "bus" that takes connections and never answers holds the start in its D-Bus wait (2 s),
+    // after the plugin socket is bound and before READY.
+    let host = Host::new();
+    let silent = host.path("silent-bus");
+    let _bus = std::os::unix::net::UnixListener::bind(&silent).unwrap();
+    let kubeconfig = host.kubeconfig(NO_API_SERVER);
+    let extra = format!("{}\n[dbus]\naddress = \"unix:path={}\"\n", static_gpus(&[(1000, None)]), silent.display());
+    let config = host.config(&kubeconfig, "", &extra);
+    let socket = host.plugin_dir().join("gpushared.sock");
+    let start = |name: &str| {
+        let notify = host.path(&format!("{name}.sock"));
+        let notes = Notes::listen(&notify);
+        let env = [("NOTIFY_SOCKET", notify.to_str().unwrap())];
+        (Daemon::start_with_env(&config, host.path(&format!("{name}.log")), &env), notes)
+    };
+    let stopped_cleanly = |daemon: &mut Daemon, notes: &Notes| {
+        assert_eq!(daemon.wait_exit(WAIT), Some(0), "{}", daemon.log());
+        notes.wait_for("STOPPING", WAIT, |m| m.starts_with("STOPPING=1\nSTATUS=stopping"));
+        let all = notes.all();
+        assert!(!all.iter().any(|m| m.starts_with("READY=1")), "never ready: {all:#?}");
+        assert!(!socket.exists(), "the plugin socket is removed");
+    };
+
+    // SIGTERM in the D-Bus wait: the wait ends at once.
+    let (mut daemon, notes) = start("in-the-wait");
+    notes.wait_for("restoring the ledger", WAIT, |m| m == "STATUS=starting: restoring the ledger");
+    eventually("the plugin socket", || socket.exists().then_some(())).await;
+    daemon.signal("TERM");
+    stopped_cleanly(&mut daemon, &notes);
+    assert!(daemon.log().contains("a stop signal arrived while starting"), "{}", daemon.log());
+    assert!(!daemon.log().contains("not up after 2 s"), "the wait was cut short: {}", daemon.log());
+
+    // SIGTERM as soon as it starts (discovery, the ledger): caught, and the same clean stop.
+    let (mut daemon, notes) = start("at-once");
+    notes.wait_for("discovering GPUs", WAIT, |m| m == "STATUS=starting: discovering GPUs");
+    daemon.signal("TERM");
+    stopped_cleanly(&mut daemon, &notes);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_other_annotations_leave_no_room_gets_nothing_until_they_shrink() {
+    let host = Host::new();
+    let api = ApiServer::start().await.unwrap();
+    // Kubernetes limits all annotations of an object together (keys and values) to 256 KiB;
+    // these leave 50 bytes, less than the node state needs even without holder lists.
+    let blob = "x".repeat(262_144 - "team".len() - "ml".len() - "example.com/blob".len() - 50);
+    api.create_node(json!({"metadata": {"name": "node-a", "annotations": {"team": "ml", "example.com/blob": blob}}}))
+        .unwrap();
+    let kubeconfig = host.path("kubeconfig");
+    api.write_kubeconfig(&kubeconfig).unwrap();
+    let config = host.config(&kubeconfig, "", &static_gpus(&[(1000, None), (1000, None)]));
+    let daemon = Daemon::start(&config, host.path("daemon.log"));
+    let log = eventually("the error", || {
+        let log = daemon.log();
+        log.contains("the node state does not fit beside the Node's other annotations").then_some(log)
+    })
+    .await;
+    for part in ["262094 bytes of the Node's other annotations", "262144 bytes", "kubectl annotate node node-a KEY-"] {
+        assert!(log.contains(part), "{part:?} in {log}");
+    }
+    // Nothing is written, and the Node is read again only at the longest backoff (10 s).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let to_node =
+        |method: &str| api.requests().iter().filter(|(m, p)| m == method && p.contains("/nodes/node-a")).count();
+    assert_eq!(to_node("PATCH"), 0);
+    assert_eq!(to_node("GET"), 1);
+    assert!(node_state(&api).is_none());
+    assert_eq!(daemon.log().matches("does not fit beside").count(), 1, "logged once: {}", daemon.log());
+
+    // With room made, the next attempt publishes generation 1 beside the rest.
+    api.patch(
+        gpushare_testkit::apiserver::Kind::Node,
+        "",
+        "node-a",
+        &json!({"metadata": {"annotations": {"example.com/blob": null}}}),
+    )
+    .unwrap();
+    let state = eventually("the publication once there is room", || node_state(&api)).await;
+    assert_eq!(state.generation, 1);
+    assert_eq!(state.inventory.gpus().len(), 2);
+    assert_eq!(api.node("node-a").unwrap()["metadata"]["annotations"]["team"], "ml");
+    assert!(daemon.log().contains("the node state fits again and is published"), "{}", daemon.log());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
