@@ -12,7 +12,9 @@
 //!
 //! **Once the box is quiet** ([`Report::settled_violations`]): each daemon's published
 //! allocations are exactly the long-running containers of the live pods admitted on its node —
-//! nothing lost, nothing duplicated, nothing left behind by a deleted pod.
+//! nothing lost, nothing duplicated (no container listed twice on a GPU), nothing left behind by
+//! a deleted pod; and every pod `Running` on a node has its kubelet's admission record there
+//! (so a missing record file cannot pass for "nothing to check").
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -199,8 +201,29 @@ pub fn check(pods: &[Pod], nodes: &[Node], admissions: &BTreeMap<String, BTreeMa
         }
     }
 
+    // Settled: every running pod was admitted on its node, as its kubelet recorded (a pod
+    // admitted after the records were read is running without one for a moment).
+    for pod in pods.iter().filter(|p| is_live(p)) {
+        let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+        let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) else { continue };
+        let Some(live) = admissions.get(node) else { continue };
+        if running && !pod.metadata.uid.as_ref().is_some_and(|uid| live.contains_key(uid)) {
+            r.settled_violations
+                .push(format!("pod {}: Running on {node}, but its kubelet recorded no admission", key(pod)));
+        }
+    }
+
     // Settled: the daemons' allocations are the admitted pods' long-running containers.
     for (node, state) in &states {
+        let mut times: BTreeMap<(&str, &str, u32), usize> = BTreeMap::new();
+        for a in state.allocations.iter().filter(|a| !a.container.is_empty()) {
+            *times.entry((a.pod.uid.as_str(), a.container.as_str(), a.gpu)).or_default() += 1;
+        }
+        for ((uid, container, gpu), n) in times.into_iter().filter(|(_, n)| *n > 1) {
+            r.settled_violations.push(format!(
+                "node {node}: its daemon publishes pod {uid} container {container} on GPU {gpu} {n} times"
+            ));
+        }
         let published: BTreeSet<(String, String, u32, u64)> =
             state.allocations.iter().map(|a| (a.pod.uid.clone(), a.container.clone(), a.gpu, a.mib.get())).collect();
         let mut expected = BTreeSet::new();
@@ -234,4 +257,233 @@ pub fn check(pods: &[Pod], nodes: &[Node], admissions: &BTreeMap<String, BTreeMa
         }
     }
     r
+}
+
+#[cfg(test)]
+mod tests {
+    //! Each invariant fed a state that breaks it, built in memory: pods and Nodes as the API
+    //! server would list them, kubelet records as the stand-ins write them.
+
+    use gpushare_core::codec::assignment::{ContainerAssignment, GpuShare};
+    use gpushare_core::codec::node::{NodeAllocation, PodRef};
+    use gpushare_core::{ContainerRole, Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory};
+    use serde_json::json;
+
+    use super::*;
+    use crate::node::RecordedContainer;
+
+    const TOTAL: u64 = 16_000;
+
+    /// Each kubelet's live admissions, by node then pod UID.
+    type Admissions = BTreeMap<String, BTreeMap<String, Record>>;
+
+    fn uuid(gpu: u32) -> String {
+        format!("GPU-test-{gpu}")
+    }
+
+    /// A Running pod `default/<name>` (UID `<name>-uid`) bound to `node`, with `containers`
+    /// (name, [(GPU index, MiB)]) as its assignment.
+    fn pod(name: &str, node: &str, containers: &[(&str, &[(u32, u64)])]) -> Pod {
+        let assignment = Assignment {
+            node: node.into(),
+            unit: MemoryUnit::Mib,
+            containers: containers
+                .iter()
+                .map(|(c, gpus)| ContainerAssignment {
+                    name: (*c).into(),
+                    role: ContainerRole::App,
+                    gpus: gpus
+                        .iter()
+                        .map(|(i, mib)| GpuShare {
+                            index: *i,
+                            uuid: GpuUuid::new(uuid(*i)).unwrap(),
+                            mib: Mib::new(*mib),
+                        })
+                        .collect(),
+                })
+                .collect(),
+        };
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "default", "uid": format!("{name}-uid"),
+                         "annotations": {ASSIGNMENT_KEY: assignment.encode().unwrap()}},
+            "spec": {"nodeName": node, "containers": containers.iter().map(|(c, _)| json!({"name": c})).collect::<Vec<_>>()},
+            "status": {"phase": "Running"}
+        }))
+        .unwrap()
+    }
+
+    /// A Node with two GPUs of `TOTAL` MiB whose daemon publishes `used` and `allocations`
+    /// (pod name, container, GPU, MiB).
+    fn node(name: &str, used: [u64; 2], allocations: &[(&str, &str, u32, u64)]) -> Node {
+        let gpus = (0..2).map(|i| Gpu::new(i, GpuUuid::new(uuid(i)).unwrap(), "Tesla T4", Mib::new(TOTAL))).collect();
+        let state = NodeState {
+            generation: 1,
+            daemon_version: "test".into(),
+            inventory: NodeInventory::new(MemoryUnit::Mib, gpus).unwrap(),
+            used: used.iter().map(|m| Mib::new(*m)).collect(),
+            allocations: allocations
+                .iter()
+                .map(|(pod, container, gpu, mib)| NodeAllocation {
+                    pod: PodRef { namespace: "default".into(), name: (*pod).into(), uid: format!("{pod}-uid") },
+                    container: (*container).into(),
+                    gpu: *gpu,
+                    mib: Mib::new(*mib),
+                })
+                .collect(),
+        };
+        serde_json::from_value(
+            json!({"metadata": {"name": name, "annotations": {NODE_STATE_KEY: state.encode().unwrap()}}}),
+        )
+        .unwrap()
+    }
+
+    /// What a kubelet recorded for pod `name`'s container `container`: `devices` (IDs) and
+    /// the environment the plugin answered.
+    fn admitted(name: &str, container: &str, devices: &[&str], visible: &str, mib: u64) -> (String, Record) {
+        let env = BTreeMap::from([
+            ("NVIDIA_VISIBLE_DEVICES".to_owned(), visible.to_owned()),
+            ("GPUSHARE_MEMORY_MIB".to_owned(), mib.to_string()),
+        ]);
+        let record = Record {
+            event: "admitted".into(),
+            namespace: "default".into(),
+            name: name.into(),
+            uid: format!("{name}-uid"),
+            at_ms: 0,
+            containers: vec![RecordedContainer {
+                name: container.into(),
+                init: false,
+                units: devices.len(),
+                devices: format!("={}", devices.join(",")),
+                env,
+            }],
+            reason: None,
+        };
+        (record.uid.clone(), record)
+    }
+
+    /// Two pods sharing GPU 0 of node `n1` (6000 + 8000 of 16 000 MiB), as everything agrees.
+    fn clean() -> (Vec<Pod>, Vec<Node>, Admissions) {
+        let pods = vec![pod("a", "n1", &[("main", &[(0, 6_000)])]), pod("b", "n1", &[("main", &[(0, 8_000)])])];
+        let nodes = vec![node("n1", [14_000, 0], &[("a", "main", 0, 6_000), ("b", "main", 0, 8_000)])];
+        let records = BTreeMap::from([
+            admitted("a", "main", &["d0", "d1"], &uuid(0), 6_000),
+            admitted("b", "main", &["d2", "d3"], &uuid(0), 8_000),
+        ]);
+        (pods, nodes, BTreeMap::from([("n1".to_owned(), records)]))
+    }
+
+    /// `report` holds exactly one violation, and it contains `needle`.
+    fn assert_only(violations: &[String], needle: &str, report: &Report) {
+        assert_eq!(violations.len(), 1, "expected one violation naming {needle:?}:\n{}", report.describe());
+        assert!(violations[0].contains(needle), "expected {needle:?}, got:\n{}", report.describe());
+    }
+
+    #[test]
+    fn a_consistent_box_is_clean_and_every_container_is_checked() {
+        let (pods, nodes, admissions) = clean();
+        let report = check(&pods, &nodes, &admissions);
+        assert!(report.is_clean(), "{}", report.describe());
+        assert_eq!((report.pods, report.bound, report.admitted), (2, 2, 2));
+        assert_eq!(report.containers_checked, 2);
+        assert_eq!(report.gpus_checked, 2);
+    }
+
+    #[test]
+    fn assignments_over_a_gpus_total_are_an_overcommit() {
+        let (mut pods, nodes, admissions) = clean();
+        pods.push(pod("c", "n1", &[("main", &[(0, 3_000)])]));
+        let report = check(&pods, &nodes, &admissions);
+        assert_only(&report.violations, "GPU 0: 17000 MiB assigned, 16000 MiB total", &report);
+    }
+
+    #[test]
+    fn a_daemon_publishing_more_used_than_total_is_an_overcommit() {
+        let (pods, mut nodes, admissions) = clean();
+        nodes[0] = node("n1", [TOTAL + 1, 0], &[("a", "main", 0, 6_000), ("b", "main", 0, 8_000)]);
+        let report = check(&pods, &nodes, &admissions);
+        assert_only(&report.violations, "GPU 0: its daemon publishes 16001 MiB used of 16000", &report);
+    }
+
+    #[test]
+    fn visible_devices_other_than_the_assignment_are_a_violation() {
+        let (pods, nodes, mut admissions) = clean();
+        let (uid, record) = admitted("b", "main", &["d2", "d3"], &uuid(1), 8_000);
+        admissions.get_mut("n1").unwrap().insert(uid, record);
+        let report = check(&pods, &nodes, &admissions);
+        assert_only(
+            &report.violations,
+            "pod default/b container main: NVIDIA_VISIBLE_DEVICES=GPU-test-1, assigned GPU-test-0",
+            &report,
+        );
+    }
+
+    #[test]
+    fn a_budget_other_than_the_assignment_is_a_violation() {
+        let (pods, nodes, mut admissions) = clean();
+        let (uid, record) = admitted("b", "main", &["d2", "d3"], &uuid(0), 16_000);
+        admissions.get_mut("n1").unwrap().insert(uid, record);
+        let report = check(&pods, &nodes, &admissions);
+        assert_only(&report.violations, "GPUSHARE_MEMORY_MIB=16000, assigned 8000", &report);
+    }
+
+    #[test]
+    fn a_device_allocated_to_two_pods_is_a_violation() {
+        let (pods, nodes, mut admissions) = clean();
+        let (uid, record) = admitted("b", "main", &["d1", "d2"], &uuid(0), 8_000);
+        admissions.get_mut("n1").unwrap().insert(uid, record);
+        let report = check(&pods, &nodes, &admissions);
+        assert_only(&report.violations, "device d1 held by two pods", &report);
+    }
+
+    #[test]
+    fn a_pod_admitted_on_two_nodes_is_a_violation() {
+        let (pods, mut nodes, mut admissions) = clean();
+        nodes.push(node("n2", [0, 0], &[]));
+        let (uid, record) = admitted("a", "main", &["d0", "d1"], &uuid(0), 6_000);
+        admissions.insert("n2".into(), BTreeMap::from([(uid, record)]));
+        let report = check(&pods, &nodes, &admissions);
+        assert!(
+            report.violations.iter().any(|v| v.contains("admitted on n2 but bound to \"n1\"")),
+            "{}",
+            report.describe()
+        );
+        assert!(report.violations.iter().any(|v| v.contains("admitted on several nodes")), "{}", report.describe());
+    }
+
+    #[test]
+    fn an_allocation_the_daemon_publishes_twice_is_a_settled_violation() {
+        let (pods, mut nodes, admissions) = clean();
+        let twice = [("a", "main", 0, 6_000), ("a", "main", 0, 6_000), ("b", "main", 0, 8_000)];
+        nodes[0] = node("n1", [14_000, 0], &twice);
+        let report = check(&pods, &nodes, &admissions);
+        assert!(report.violations.is_empty(), "{}", report.describe());
+        assert_only(&report.settled_violations, "publishes pod a-uid container main on GPU 0 2 times", &report);
+    }
+
+    #[test]
+    fn an_allocation_the_daemon_lost_or_kept_is_a_settled_violation() {
+        let (pods, mut nodes, admissions) = clean();
+        nodes[0] = node("n1", [14_000, 0], &[("a", "main", 0, 6_000)]);
+        let report = check(&pods, &nodes, &admissions);
+        assert_only(&report.settled_violations, "does not publish (\"b-uid\", \"main\", 0, 8000)", &report);
+
+        let gone = [("a", "main", 0, 6_000), ("b", "main", 0, 8_000), ("deleted", "main", 1, 1_000)];
+        nodes[0] = node("n1", [15_000, 0], &gone);
+        let report = check(&pods, &nodes, &admissions);
+        assert_only(&report.settled_violations, "which no live admitted container holds", &report);
+    }
+
+    #[test]
+    fn a_running_pod_its_kubelet_never_recorded_is_a_settled_violation() {
+        // A missing or unread record file: nothing to compare, so nothing may pass for checked.
+        let (pods, nodes, mut admissions) = clean();
+        admissions.get_mut("n1").unwrap().clear();
+        let report = check(&pods, &nodes, &admissions);
+        assert_eq!(report.containers_checked, 0);
+        assert!(report.violations.is_empty(), "{}", report.describe());
+        let unrecorded: Vec<_> =
+            report.settled_violations.iter().filter(|v| v.contains("its kubelet recorded no admission")).collect();
+        assert_eq!(unrecorded.len(), 2, "{}", report.describe());
+    }
 }

@@ -50,18 +50,38 @@ fn spec() -> ClusterSpec {
     }
 }
 
-/// Waits for `running` to run and every other pod to settle, then checks the invariants.
-async fn settle_and_check(box_: &Cluster, step: &str, running: &[(&str, &str)]) -> Vec<Pod> {
+/// What a step expects the kubelets to have recorded: live pods admitted, and GPU containers
+/// (init containers included) whose environment is compared with their assignment.
+struct Admitted {
+    pods: usize,
+    gpu_containers: usize,
+}
+
+/// Waits for `running` to run and every other pod to settle, then checks the invariants, and
+/// that they were checked against exactly the admissions `expect` says (a kubelet record that
+/// is missing or unread would otherwise pass as nothing to compare).
+async fn settle_and_check(box_: &Cluster, step: &str, running: &[(&str, &str)], expect: &Admitted) -> Vec<Pod> {
     for (ns, name) in running {
         box_.wait_phase(ns, name, "Running", SETTLE).await.unwrap_or_else(|e| panic!("{step}: {e:#}"));
     }
     let pods = box_.settle(SETTLE).await.unwrap_or_else(|e| panic!("{step}: {e:#}"));
     let report = box_.check_settled(Duration::from_secs(10)).await.unwrap();
-    assert!(report.is_clean(), "{step}: invariants violated:\n{}", report.describe());
     eprintln!(
-        "{step}: {} pods, {} admitted, {} containers checked, {} GPUs, violations 0",
-        report.pods, report.admitted, report.containers_checked, report.gpus_checked
+        "{step}: {} pods, {} admitted, {} containers checked, {} GPUs, violations {}",
+        report.pods,
+        report.admitted,
+        report.containers_checked,
+        report.gpus_checked,
+        report.violations.len() + report.settled_violations.len()
     );
+    assert!(report.is_clean(), "{step}: invariants violated:\n{}", report.describe());
+    assert_eq!(report.admitted, expect.pods, "{step}: live pods the kubelets recorded as admitted");
+    assert_eq!(
+        report.containers_checked, expect.gpu_containers,
+        "{step}: GPU containers whose environment was compared with their assignment"
+    );
+    let running_now = pods.iter().filter(|p| phase(p) == "Running").count();
+    assert_eq!(report.admitted, running_now, "{step}: every Running pod has its kubelet's admission record");
     pods
 }
 
@@ -85,7 +105,7 @@ async fn every_request_shape_lands_on_a_gpu_with_room() {
     // Fits no single GPU, though both nodes have the memory in total: kube-scheduler's
     // node-level fit passes them, the extender's per-GPU filter says why not.
     box_.apply(&[pod("default", "too-big", &[("main", 24_000, 1)], &[])]).await.unwrap();
-    let pods = settle_and_check(&box_, "unfit", &[]).await;
+    let pods = settle_and_check(&box_, "unfit", &[], &Admitted { pods: 0, gpu_containers: 0 }).await;
     let waiting = find(&pods, "default/too-big");
     assert_eq!(phase(waiting), "Pending");
     let reason = cluster::unschedulable_reason(waiting).unwrap();
@@ -106,6 +126,7 @@ async fn every_request_shape_lands_on_a_gpu_with_room() {
         &box_,
         "single containers",
         &[("default", "small"), ("default", "medium"), ("default", "large")],
+        &Admitted { pods: 3, gpu_containers: 3 },
     )
     .await;
     for name in ["small", "medium", "large"] {
@@ -116,7 +137,8 @@ async fn every_request_shape_lands_on_a_gpu_with_room() {
 
     // One container over two GPUs.
     box_.apply(&[pod("ml", "train", &[("trainer", 8_000, 2)], &[])]).await.unwrap();
-    let pods = settle_and_check(&box_, "2-GPU container", &[("ml", "train")]).await;
+    let pods =
+        settle_and_check(&box_, "2-GPU container", &[("ml", "train")], &Admitted { pods: 4, gpu_containers: 4 }).await;
     let train = find(&pods, "ml/train");
     assert_eq!(phase(train), "Running");
     let a = assignment(train);
@@ -128,7 +150,14 @@ async fn every_request_shape_lands_on_a_gpu_with_room() {
     box_.apply(&[pod("ml", "chat", &[("model", 9_000, 1), ("tokenizer", 1_500, 1)], &[("fetch", 2_000)])])
         .await
         .unwrap();
-    let pods = settle_and_check(&box_, "multi-container with init", &[("ml", "chat")]).await;
+    // The init container is admitted with devices too: three GPU containers.
+    let pods = settle_and_check(
+        &box_,
+        "multi-container with init",
+        &[("ml", "chat")],
+        &Admitted { pods: 5, gpu_containers: 7 },
+    )
+    .await;
     let chat = find(&pods, "ml/chat");
     assert_eq!(phase(chat), "Running");
     assert_eq!(assignment(chat).containers.len(), 3);
@@ -138,7 +167,7 @@ async fn every_request_shape_lands_on_a_gpu_with_room() {
                         "spec": {"containers": [{"name": "nginx", "image": "nginx"}]}})])
         .await
         .unwrap();
-    let pods = settle_and_check(&box_, "no GPU", &[("default", "web")]).await;
+    let pods = settle_and_check(&box_, "no GPU", &[("default", "web")], &Admitted { pods: 6, gpu_containers: 7 }).await;
     assert_eq!(phase(find(&pods, "default/web")), "Running");
 
     // A kubelet that refuses admission: the pod fails with its reason, nothing is held.
@@ -151,18 +180,20 @@ async fn every_request_shape_lands_on_a_gpu_with_room() {
     for n in &box_.nodes {
         n.kubelet.signal("USR1").unwrap();
     }
-    settle_and_check(&box_, "refused admission", &[]).await;
+    settle_and_check(&box_, "refused admission", &[], &Admitted { pods: 6, gpu_containers: 7 }).await;
 
     // Deleting pods returns their memory: a 2-GPU pod that needed it now lands.
     box_.apply(&[pod("ml", "wide", &[("w", 40_000, 2)], &[])]).await.unwrap();
-    let pods = settle_and_check(&box_, "wide waits", &[]).await;
+    let pods = settle_and_check(&box_, "wide waits", &[], &Admitted { pods: 6, gpu_containers: 7 }).await;
     assert_eq!(phase(find(&pods, "ml/wide")), "Pending");
     for (ns, name) in
         [("default", "small"), ("default", "medium"), ("default", "large"), ("ml", "chat"), ("ml", "train")]
     {
         box_.delete_pod(ns, name).await.unwrap();
     }
-    let pods = settle_and_check(&box_, "after deletions", &[("ml", "wide")]).await;
+    // Left: web (no GPU) and wide.
+    let pods =
+        settle_and_check(&box_, "after deletions", &[("ml", "wide")], &Admitted { pods: 2, gpu_containers: 1 }).await;
     let wide = find(&pods, "ml/wide");
     assert_eq!(phase(wide), "Running", "freed memory is reused: {:?}", cluster::unschedulable_reason(wide));
     assert_eq!(wide.spec.as_ref().unwrap().node_name.as_deref(), Some("a10"));

@@ -2,13 +2,19 @@
 //! killed with `SIGKILL`, kubelets restart, the API server goes away during admission and GPUs go
 //! unhealthy and recover, all at random moments. After every fault the always-invariants are
 //! checked; at the end, once the box is quiet, the settled ones too (no lost or duplicated
-//! allocation). The output reports the counts.
+//! allocation), against the kubelets' record of every running pod. Every kind of fault happens
+//! at least once (the churn goes on until it has), each is seen to take effect (restarted
+//! processes, the stand-ins' logs, the GPU published unhealthy), and every faulted GPU is
+//! published healthy again. The output reports the counts and the time taken.
 //!
 //! Bounded: `GPUSHARE_FAULT_PODS` pods (default 2000) over `GPUSHARE_FAULT_NODES` nodes
-//! (default 20); `GPUSHARE_FAULT_SEED` repeats a run; `GPUSHARE_BOX_DIR` keeps its state.
+//! (default 20), within `GPUSHARE_FAULT_DEADLINE_SECS` (default 600) from start to end, after
+//! which it fails with the counts so far; `GPUSHARE_FAULT_SEED` repeats a run;
+//! `GPUSHARE_BOX_DIR` keeps its state.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use gpushare_testkit::cluster::{Cluster, Options, is_settled, pod_key, uniform_cluster};
@@ -17,12 +23,15 @@ use serde_json::json;
 
 /// The longest this test waits for one API call (kube's client retries 503s during an outage).
 const CALL: Duration = Duration::from_secs(3);
+/// The longest a faulted GPU may take to be published healthy again once the faults stop
+/// (`recovery_seconds = 2`, probed every second, published within one more).
+const RECOVERY: Duration = Duration::from_secs(30);
 
 fn env(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-#[derive(Default, Debug)]
+#[derive(Default, Debug, Clone)]
 struct Counts {
     created: u64,
     deleted: u64,
@@ -34,8 +43,64 @@ struct Counts {
     checks: u64,
 }
 
+impl Counts {
+    /// The fault kinds that have not happened yet.
+    fn missing_kinds(&self) -> Vec<&'static str> {
+        [
+            ("gpushared SIGKILL", self.daemon_kills),
+            ("extender SIGKILL", self.extender_kills),
+            ("kubelet restart", self.kubelet_restarts),
+            ("API-server outage", self.api_outages),
+            ("GPU fault", self.gpu_faults),
+        ]
+        .into_iter()
+        .filter(|(_, n)| *n == 0)
+        .map(|(kind, _)| kind)
+        .collect()
+    }
+
+    fn faults(&self) -> u64 {
+        self.daemon_kills + self.extender_kills + self.kubelet_restarts + self.api_outages + self.gpu_faults
+    }
+}
+
+/// Where the run is, for the deadline's failure message.
+#[derive(Default, Debug, Clone)]
+struct Progress {
+    stage: &'static str,
+    counts: Counts,
+}
+
+type Shared = Arc<Mutex<Progress>>;
+
+fn publish(shared: &Shared, stage: &'static str, counts: &Counts) {
+    *shared.lock().unwrap_or_else(PoisonError::into_inner) = Progress { stage, counts: counts.clone() };
+}
+
+/// How many lines of `log` contain `needle`.
+fn occurrences(log: &str, needle: &str) -> usize {
+    log.lines().filter(|l| l.contains(needle)).count()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn churn_under_faults_keeps_every_invariant() {
+    let deadline = Duration::from_secs(env("GPUSHARE_FAULT_DEADLINE_SECS", 600));
+    let started = Instant::now();
+    let shared = Shared::default();
+    // Dropping the run at the deadline drops the box, which kills its processes.
+    if tokio::time::timeout(deadline, churn_under_faults(started, Arc::clone(&shared))).await.is_err() {
+        let progress = shared.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        panic!(
+            "fault suite: over its deadline of {} s (GPUSHARE_FAULT_DEADLINE_SECS) after {:.1} s, while {}; so far: {:?}",
+            deadline.as_secs(),
+            started.elapsed().as_secs_f64(),
+            progress.stage,
+            progress.counts
+        );
+    }
+}
+
+async fn churn_under_faults(started: Instant, shared: Shared) {
     let total = env("GPUSHARE_FAULT_PODS", 2000);
     let n_nodes = usize::try_from(env("GPUSHARE_FAULT_NODES", 20)).unwrap();
     // A new seed each run unless one is given; printed, so any run can be repeated.
@@ -54,19 +119,22 @@ async fn churn_under_faults_keeps_every_invariant() {
             .into(),
         ..Options::default()
     };
-    let started = Instant::now();
+    let mut counts = Counts::default();
+    publish(&shared, "bringing the box up", &counts);
     let mut box_ = Cluster::up(&spec, &options).await.unwrap();
     eprintln!("box up in {:.1} s", started.elapsed().as_secs_f64());
 
-    let mut counts = Counts::default();
     let mut live: VecDeque<String> = VecDeque::new();
     let target_live = (n_nodes * 6) as u64; // about 60% of the box's memory at 4.5 GiB per pod
     let mut next_fault = Instant::now() + Duration::from_millis(500);
     let mut outage_until: Option<Instant> = None;
     let mut restarts: Vec<(Instant, usize)> = Vec::new(); // (when, node) daemons to bring back
     let mut extender_back: Option<Instant> = None;
+    let mut faulted: BTreeSet<(usize, usize)> = BTreeSet::new(); // (node, GPU) given an Xid
     let churn_started = Instant::now();
-    while counts.created < total {
+    // The churn goes on until every pod is created and every kind of fault has happened.
+    while counts.created < total || !counts.missing_kinds().is_empty() {
+        publish(&shared, "churning", &counts);
         // Create a few pods, delete the oldest beyond the target.
         for _ in 0..5 {
             if counts.created >= total {
@@ -136,8 +204,9 @@ async fn churn_under_faults_keeps_every_invariant() {
                     counts.api_outages += 1;
                 }
                 4 => {
-                    let gpu = rng.below(2);
+                    let gpu = usize::try_from(rng.below(2)).unwrap();
                     box_.nodes[node].inject(&format!("xid {gpu} 79")).unwrap();
+                    faulted.insert((node, gpu));
                     counts.gpu_faults += 1;
                 }
                 _ => {}
@@ -152,6 +221,7 @@ async fn churn_under_faults_keeps_every_invariant() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     // Every fault healed: the API server serves, every daemon and the extender run.
+    publish(&shared, "healing the faults", &counts);
     if let Some(t) = outage_until {
         tokio::time::sleep(t.saturating_duration_since(Instant::now())).await;
     }
@@ -162,7 +232,56 @@ async fn churn_under_faults_keeps_every_invariant() {
         box_.extender.kill_and_restart().unwrap();
     }
     let churn = churn_started.elapsed();
+    assert!(counts.missing_kinds().is_empty(), "faults never injected: {:?} ({counts:?})", counts.missing_kinds());
+
+    // Each kind of fault took effect. Killed processes were started again, once per kill.
+    let daemon_starts: usize = box_.nodes.iter().map(|n| n.daemon.starts).sum();
+    assert_eq!(daemon_starts as u64 - n_nodes as u64, counts.daemon_kills, "gpushared restarts after SIGKILL");
+    assert_eq!(box_.extender.starts as u64 - 1, counts.extender_kills, "extender restarts after SIGKILL");
+    // The stand-ins logged the restarts and outages they were signalled (signals sent close
+    // together may arrive as one).
+    let kubelet_logs: String = box_.nodes.iter().map(|n| n.kubelet.log()).collect();
+    let restarted = occurrences(&kubelet_logs, "SIGHUP: restarting the kubelet") as u64;
+    assert!(
+        (1..=counts.kubelet_restarts).contains(&restarted),
+        "kubelets logged {restarted} restarts of {} signalled",
+        counts.kubelet_restarts
+    );
+    let api_log = box_.apiserver.log();
+    let (outages, ended) = (occurrences(&api_log, "SIGUSR1: outage"), occurrences(&api_log, "SIGUSR2: serving again"));
+    assert!(
+        (1..=counts.api_outages).contains(&(outages as u64)) && ended >= 1,
+        "the API server logged {outages} outages ({ended} ended) of {} begun",
+        counts.api_outages
+    );
+    // No process died of its faults: the kubelets restarted in place.
+    for p in box_.processes_mut() {
+        if let Some(status) = p.exited() {
+            panic!("{} exited ({status}) during the faults:\n{}", p.name, p.log());
+        }
+    }
     box_.wait_ready(Duration::from_secs(60)).await.unwrap();
+
+    // Every GPU given an Xid during the churn is published healthy again.
+    publish(&shared, "waiting for the faulted GPUs to recover", &counts);
+    let recovering = Instant::now();
+    for (node, gpu) in &faulted {
+        let name = box_.nodes[*node].spec.name.clone();
+        box_.wait_gpu_health(&name, *gpu, true, RECOVERY).await.unwrap_or_else(|e| panic!("{e:#} ({counts:?})"));
+    }
+    let recovered = recovering.elapsed();
+    // And a fault on a quiet box is seen, then recovers: the daemon publishes the GPU
+    // unhealthy, then healthy again.
+    publish(&shared, "faulting a GPU on the quiet box", &counts);
+    let probe = box_.nodes[0].spec.name.clone();
+    let faulted_at = Instant::now();
+    box_.nodes[0].inject("xid 1 79").unwrap();
+    box_.wait_gpu_health(&probe, 1, false, RECOVERY).await.unwrap_or_else(|e| panic!("the Xid is not seen: {e:#}"));
+    let seen = faulted_at.elapsed();
+    box_.wait_gpu_health(&probe, 1, true, RECOVERY).await.unwrap_or_else(|e| panic!("no recovery: {e:#}"));
+    let back = faulted_at.elapsed();
+
+    publish(&shared, "settling", &counts);
     let pods = box_.settle(Duration::from_secs(120)).await.unwrap();
     let report = box_.check_settled(Duration::from_secs(30)).await.unwrap();
     let running = pods.iter().filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")).count();
@@ -170,9 +289,11 @@ async fn churn_under_faults_keeps_every_invariant() {
     let waiting =
         pods.iter().filter(|p| is_settled(p) && p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_none()).count();
     eprintln!(
-        "fault suite: {} pods created, {} deleted in {:.1} s; faults injected: {} gpushared SIGKILLs, {} extender SIGKILLs, \
-         {} kubelet restarts, {} API-server outages, {} GPU Xid 79s ({} in all); {} invariant checks; at the end {} live \
-         pods: {running} running, {failed} failed admission, {waiting} waiting; {} containers checked; violations = {}",
+        "fault suite: {} pods created, {} deleted in {:.1} s of churn; faults injected: {} gpushared SIGKILLs, {} extender \
+         SIGKILLs, {} kubelet restarts ({restarted} logged), {} API-server outages ({outages} logged), {} GPU Xid 79s on {} \
+         GPUs ({} in all); faulted GPUs healthy again {:.1} s after the churn; a quiet-box Xid seen in {:.1} s, healthy in \
+         {:.1} s; {} invariant checks; at the end {} live pods: {running} running, {failed} failed admission, {waiting} \
+         waiting; {} pods admitted, {} containers checked; violations = {}; {:.1} s in all (deadline {} s)",
         counts.created,
         counts.deleted,
         churn.as_secs_f64(),
@@ -181,12 +302,22 @@ async fn churn_under_faults_keeps_every_invariant() {
         counts.kubelet_restarts,
         counts.api_outages,
         counts.gpu_faults,
-        counts.daemon_kills + counts.extender_kills + counts.kubelet_restarts + counts.api_outages + counts.gpu_faults,
+        faulted.len(),
+        counts.faults(),
+        recovered.as_secs_f64(),
+        seen.as_secs_f64(),
+        back.as_secs_f64(),
         counts.checks + 1,
         pods.len(),
+        report.admitted,
         report.containers_checked,
         report.violations.len() + report.settled_violations.len(),
+        started.elapsed().as_secs_f64(),
+        env("GPUSHARE_FAULT_DEADLINE_SECS", 600),
     );
     assert!(report.is_clean(), "invariants violated at the end:\n{}", report.describe());
     assert!(running > 0, "nothing runs: {:?}", pods.iter().map(pod_key).collect::<Vec<_>>());
+    // Every running pod was checked against its kubelet's record: one GPU container each.
+    assert_eq!(report.admitted, running, "running pods the kubelets recorded as admitted");
+    assert_eq!(report.containers_checked, running, "containers whose environment was compared with their assignment");
 }
