@@ -161,7 +161,7 @@ Every key is described in \fI/usr/share/doc/gpushared/gpushared.md\fR.
 The daemon is run by systemd as \fBgpushared.service\fR, a \fBType=notify\fR service:
 it reports readiness once the ledger is restored and the plugin socket serves,
 a status line as GPUs and allocations change,
-and watchdog pings while the allocator and the ledger answer.
+and watchdog pings while the allocator and the ledger answer and the main loop turns.
 SIGTERM or SIGINT stops it: the plugin socket is removed and it exits with status 0.
 Logs go to standard error (the journal, under systemd).
 "#;

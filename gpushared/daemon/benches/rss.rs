@@ -134,6 +134,14 @@ async fn main() {
         let t = Instant::now();
         let result = kubelet.allocate(&ids).await;
         latencies.push(t.elapsed());
+        // RSS_SLOW=MS prints each Allocate slower than that, with the wall clock, to match with
+        // the daemon's log (RSS_DAEMON_LOG).
+        if let Some(ms) = std::env::var("RSS_SLOW").ok().and_then(|v| v.parse::<u64>().ok())
+            && t.elapsed() > Duration::from_millis(ms)
+        {
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+            println!("slow Allocate #{admitted}: {:.3?} ending at {}.{:06}", t.elapsed(), now.as_secs() % 86_400, now.subsec_micros());
+        }
         match result {
             Ok(_) => admitted += 1,
             Err(e) if Instant::now() < deadline && e.to_string().contains("no pod bound") => {

@@ -268,9 +268,19 @@ async fn follow(conn: &zbus::Connection, alloc: &Arc<Allocator>) {
                 // A burst of allocations becomes one signal, not one each.
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 changes.borrow_and_update();
-                let api = iface.get().await;
-                let emitter = iface.signal_emitter();
-                if api.gpus_changed(emitter).await.is_err() || api.allocation_count_changed(emitter).await.is_err() {
+                // Both properties in one PropertiesChanged: a client never sees the new GPUs
+                // beside the old count.
+                let (gpus, count) = {
+                    let api = iface.get().await;
+                    (api.gpus(), api.allocation_count())
+                };
+                let changed = std::collections::HashMap::from([
+                    ("Gpus", zbus::Variant::from(gpus)),
+                    ("AllocationCount", zbus::Variant::from(count)),
+                ]);
+                let name = zbus::names::InterfaceName::from_static_str_unchecked(INTERFACE);
+                let signal = fdo::Properties::properties_changed(iface.signal_emitter(), name, changed, (&[][..]).into());
+                if signal.await.is_err() {
                     return;
                 }
             }

@@ -301,6 +301,8 @@ struct Signals {
     counts: Vec<u32>,
     /// `Gpus` values.
     gpus: Vec<Vec<GpuRecord>>,
+    /// Both, from signals that carried both.
+    together: Vec<(u32, Vec<GpuRecord>)>,
 }
 
 impl Signals {
@@ -310,7 +312,7 @@ impl Signals {
         let props =
             zbus::fdo::PropertiesProxy::builder(&conn).destination(BUS_NAME).path(OBJECT_PATH).build().await.unwrap();
         let stream = props.receive_properties_changed().await.unwrap();
-        Signals { stream, counts: Vec::new(), gpus: Vec::new() }
+        Signals { stream, counts: Vec::new(), gpus: Vec::new(), together: Vec::new() }
     }
 
     /// Reads signals until `done` holds of what came; fails after [`WAIT`], naming `what` and
@@ -328,12 +330,18 @@ impl Signals {
             if args.interface_name().as_str() != INTERFACE {
                 continue;
             }
+            let (mut count, mut gpus) = (None, None);
             for (name, value) in args.changed_properties() {
                 match *name {
-                    "AllocationCount" => self.counts.push(u32::try_from(value.try_to_owned().unwrap()).unwrap()),
-                    "Gpus" => self.gpus.push(Vec::<GpuRecord>::try_from(value.try_to_owned().unwrap()).unwrap()),
+                    "AllocationCount" => count = Some(u32::try_from(value.try_to_owned().unwrap()).unwrap()),
+                    "Gpus" => gpus = Some(Vec::<GpuRecord>::try_from(value.try_to_owned().unwrap()).unwrap()),
                     _ => {}
                 }
+            }
+            self.counts.extend(count);
+            self.gpus.extend(gpus.clone());
+            if let (Some(c), Some(g)) = (count, gpus) {
+                self.together.push((c, g));
             }
         }
     }
@@ -404,10 +412,10 @@ async fn root_reads_everything(node: &Node, p: &Gpushare1Proxy<'_>) {
 async fn allocations_are_signalled(node: &Node, daemon: &Daemon) {
     let mut signals = Signals::subscribe(&node.address).await;
     node.admit(daemon, "infer-2", 0, 200).await;
-    signals.wait_for("AllocationCount 2", |s| s.counts.contains(&2)).await;
+    // One signal carries both: a client never sees the new GPUs beside the old count.
     signals
-        .wait_for("Gpus with 200 MiB used on GPU0 and 300 on GPU1", |s| {
-            s.gpus.iter().any(|g| g.iter().map(|g| g.4).eq([200, 300]))
+        .wait_for("AllocationCount 2 and Gpus with 200 MiB used on GPU0 and 300 on GPU1, in one signal", |s| {
+            s.together.iter().any(|(c, g)| *c == 2 && g.iter().map(|g| g.4).eq([200, 300]))
         })
         .await;
 }
