@@ -140,7 +140,12 @@ async fn main() {
             && t.elapsed() > Duration::from_millis(ms)
         {
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
-            println!("slow Allocate #{admitted}: {:.3?} ending at {}.{:06}", t.elapsed(), now.as_secs() % 86_400, now.subsec_micros());
+            println!(
+                "slow Allocate #{admitted}: {:.3?} ending at {}.{:06}",
+                t.elapsed(),
+                now.as_secs() % 86_400,
+                now.subsec_micros()
+            );
         }
         match result {
             Ok(_) => admitted += 1,
