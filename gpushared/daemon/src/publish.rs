@@ -403,6 +403,8 @@ mod tests {
         for (pods, most) in [(110, 25_000), (250, 55_000), (500, 110_000)] {
             let Encoded::Complete(value) = encode(&state(pods), 0).unwrap() else { panic!("{pods} pods: reduced") };
             assert!(value.len() < most, "{pods} pods: {} bytes", value.len());
+            // BENCHMARKS.md records these (`-- --nocapture`).
+            println!("node-state annotation, 8 GPUs, {pods} pods: {} bytes", value.len());
             assert_eq!(NodeState::decode(&value).unwrap().allocations.len(), pods);
         }
     }
