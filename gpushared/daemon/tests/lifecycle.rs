@@ -417,9 +417,14 @@ async fn reconciles_the_ledger_with_what_the_kubelet_holds() {
         events.iter().any(|e| e.starts_with("adopted GPU1 100 MiB for default/adopted container \"main\"")),
         "{events:?}"
     );
-    // The published state follows the repairs.
-    let state = eventually("the annotation", || node_state(&api).filter(|s| s.allocations.len() == 3)).await;
-    assert_eq!(state.used, vec![Mib::new(300), Mib::new(250)]);
+    // The published state follows the repairs (the state before them also held three
+    // allocations: wait for the repaired figures, not the count).
+    let repaired = vec![Mib::new(300), Mib::new(250)];
+    let state = eventually("the repaired annotation", || {
+        node_state(&api).filter(|s| s.allocations.len() == 3 && s.used == repaired)
+    })
+    .await;
+    assert_eq!(state.used, repaired);
     drop(daemon);
 }
 
