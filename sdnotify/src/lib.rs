@@ -316,6 +316,21 @@ mod tests {
         Notifier { target: None }.ready("x");
     }
 
+    /// The watchdog pings `sock` receives in the next `ms` milliseconds (it must have a read
+    /// timeout); anything else arriving fails the test.
+    fn count_pings(sock: &UnixDatagram, ms: u64) -> usize {
+        let deadline = std::time::Instant::now() + Duration::from_millis(ms);
+        let mut n = 0;
+        let mut buf = [0u8; 64];
+        while std::time::Instant::now() < deadline {
+            if let Ok(len) = sock.recv(&mut buf) {
+                assert_eq!(&buf[..len], b"WATCHDOG=1");
+                n += 1;
+            }
+        }
+        n
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn pings_stop_while_the_probe_is_stuck_and_resume_after() {
         let (_dir, sock, path) = listener();
@@ -328,18 +343,7 @@ mod tests {
             }
             true
         }));
-        let count = |ms: u64| {
-            let deadline = std::time::Instant::now() + Duration::from_millis(ms);
-            let mut n = 0;
-            let mut buf = [0u8; 64];
-            while std::time::Instant::now() < deadline {
-                if let Ok(len) = sock.recv(&mut buf) {
-                    assert_eq!(&buf[..len], b"WATCHDOG=1");
-                    n += 1;
-                }
-            }
-            n
-        };
+        let count = |ms: u64| count_pings(&sock, ms);
         let healthy = tokio::task::block_in_place(|| count(1000));
         assert!(healthy >= 6, "about 10 pings a second while alive, got {healthy}");
         stuck.store(true, Ordering::SeqCst);
@@ -401,18 +405,7 @@ mod tests {
             })
         };
         let task = tokio::spawn(watchdog_with_heartbeat(Notifier::to(&path), interval, heartbeat, || true));
-        let count = |ms: u64| {
-            let deadline = std::time::Instant::now() + Duration::from_millis(ms);
-            let mut n = 0;
-            let mut buf = [0u8; 64];
-            while std::time::Instant::now() < deadline {
-                if let Ok(len) = sock.recv(&mut buf) {
-                    assert_eq!(&buf[..len], b"WATCHDOG=1");
-                    n += 1;
-                }
-            }
-            n
-        };
+        let count = |ms: u64| count_pings(&sock, ms);
         let healthy = tokio::task::block_in_place(|| count(1000));
         assert!(healthy >= 6, "about 10 pings a second while the loop turns, got {healthy}");
         // The loop stops turning: after at most the bound (100 ms) and one probe period

@@ -183,15 +183,23 @@ async fn concurrent_binds_to_one_node_never_overcommit() {
     assert_eq!(ext.metrics().binds(BindOutcome::NoFit), 4);
 }
 
-#[tokio::test]
-async fn a_look_alike_bind_waits_for_the_node_to_report_the_other_admitted() {
-    let pods: Vec<PodObject> = (0..5).map(|i| pod(&format!("p{i}"), 250, None, "Pending")).collect();
-    let ext = waiting_extender(&[node("n1", 2, 1000, 1, vec![])], &pods, Duration::from_secs(2));
+/// Node n1 (2 GPUs of 1000 MiB) with GPU0 full of four 250-MiB look-alikes p0..p3, bound but
+/// not yet reported admitted; p4 (the same size) and q (100 MiB) are pending.
+async fn gpu0_full_of_lookalikes(wait: Duration) -> Arc<Extender<FakeCluster>> {
+    let mut pods: Vec<PodObject> = (0..5).map(|i| pod(&format!("p{i}"), 250, None, "Pending")).collect();
+    pods.push(pod("q", 100, None, "Pending"));
+    let ext = waiting_extender(&[node("n1", 2, 1000, 1, vec![])], &pods, wait);
     for i in 0..4 {
         assert_eq!(ext.bind(&bind_args(&format!("p{i}"), "n1")).await.error, "");
     }
-    // GPU0 is full of look-alikes still in admission; p4 would get GPU1: it waits, and the node
-    // stays free for other binds meanwhile.
+    ext
+}
+
+#[tokio::test]
+async fn a_look_alike_bind_waits_for_the_node_to_report_the_other_admitted() {
+    let ext = gpu0_full_of_lookalikes(Duration::from_secs(2)).await;
+    // p4 would get GPU1 while its look-alikes are in admission: it waits, and the node stays
+    // free for other binds meanwhile (q, another size, is bound on GPU1 at once).
     let started = Instant::now();
     let waiting = tokio::spawn({
         let ext = ext.clone();
@@ -200,6 +208,9 @@ async fn a_look_alike_bind_waits_for_the_node_to_report_the_other_admitted() {
     tokio::time::sleep(Duration::from_millis(150)).await;
     assert!(!waiting.is_finished(), "the bind waits for the look-alikes' admission");
     assert_eq!(ext.cluster.bindings().len(), 4);
+    let q = tokio::time::timeout(Duration::from_millis(500), ext.bind(&bind_args("q", "n1"))).await.unwrap();
+    assert_eq!(q.error, "", "another bind to the node goes through while p4 waits: {q:?}");
+    assert!(!waiting.is_finished());
     // The daemon reports them allocated: p4 is bound at once, on GPU1.
     let held = (0..4).map(|i| holding(&format!("p{i}"), "main", 0, 250)).collect();
     ext.with_view(|v| v.apply_node(&node("n1", 2, 1000, 2, held)));
@@ -207,18 +218,14 @@ async fn a_look_alike_bind_waits_for_the_node_to_report_the_other_admitted() {
     assert_eq!(r.error, "", "{r:?}");
     assert!(started.elapsed() < Duration::from_secs(2), "bound when the report came, not at the deadline");
     assert_eq!(ext.metrics().binds(BindOutcome::Deferred), 0);
-    assert_eq!(ext.metrics().binds(BindOutcome::Bound), 5);
+    assert_eq!(ext.metrics().binds(BindOutcome::Bound), 6);
     let report = ext.report();
-    assert_eq!(report.nodes[0].gpus.iter().map(|g| g.used_mib).collect::<Vec<_>>(), [1000, 250]);
+    assert_eq!(report.nodes[0].gpus.iter().map(|g| g.used_mib).collect::<Vec<_>>(), [1000, 350]);
 }
 
 #[tokio::test]
 async fn a_look_alike_bind_is_refused_when_no_report_comes_in_time() {
-    let pods: Vec<PodObject> = (0..5).map(|i| pod(&format!("p{i}"), 250, None, "Pending")).collect();
-    let ext = waiting_extender(&[node("n1", 2, 1000, 1, vec![])], &pods, Duration::from_millis(200));
-    for i in 0..4 {
-        assert_eq!(ext.bind(&bind_args(&format!("p{i}"), "n1")).await.error, "");
-    }
+    let ext = gpu0_full_of_lookalikes(Duration::from_millis(200)).await;
     let started = Instant::now();
     // A change elsewhere in the view wakes the bind, which finds the look-alikes still admitting.
     let other = tokio::spawn({

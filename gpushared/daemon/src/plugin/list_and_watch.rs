@@ -23,7 +23,7 @@ use tonic::server::NamedService;
 
 use super::Plugin;
 
-/// The path kube's gRPC client calls for the device list.
+/// The path the kubelet calls for the device list.
 const PATH: &str = "/v1beta1.DevicePlugin/ListAndWatch";
 
 /// The device plugin service: `ListAndWatch` answered here, everything else by tonic.
