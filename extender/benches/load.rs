@@ -46,6 +46,7 @@ fn node(i: usize) -> Value {
         inventory: NodeInventory::new(MemoryUnit::Mib, gpus).unwrap(),
         used: vec![Mib::ZERO; GPUS as usize],
         allocations: vec![],
+        over_budget: vec![],
     };
     json!({"apiVersion": "v1", "kind": "Node",
            "metadata": {"name": format!("node-{i:05}"), "annotations": {NODE_STATE_KEY: state.encode().unwrap()}},

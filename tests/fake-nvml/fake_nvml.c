@@ -46,6 +46,10 @@
  *                             0-100; the memory rate reported is the same); default 0
  *   used <index> <mib>        memory in use on the GPU from now on (nvmlDeviceGetMemoryInfo's
  *                             used, at most the total); default 0
+ *   proc <index> <pid> <mib>  process <pid> runs on the GPU using <mib> MiB from now on (listed by
+ *                             nvmlDeviceGetComputeRunningProcesses_v3 and, alike,
+ *                             nvmlDeviceGetMPSComputeRunningProcesses_v3); at most 64 per GPU
+ *   proc_end <index> <pid>    the process no longer runs on the GPU
  *
  * An event goes to every event set on which that type was registered for that GPU (lost or
  * not), queued there until nvmlEventSetWait takes it (at most 256 per set: more are dropped
@@ -118,6 +122,7 @@ typedef struct {
 #define MAX_SETS 64
 #define MAX_QUEUED 256
 #define WAIT_STEP_MS 10
+#define MAX_PROCS 64
 
 struct fake_gpu {
     unsigned int index;
@@ -155,6 +160,9 @@ static struct nvmlEventSet_st *sets[MAX_SETS];
 static int lost[MAX_GPUS];
 static unsigned int utilization[MAX_GPUS];
 static unsigned long long used_mib[MAX_GPUS];
+static unsigned int proc_pid[MAX_GPUS][MAX_PROCS];
+static unsigned long long proc_mib[MAX_GPUS][MAX_PROCS];
+static unsigned int proc_count[MAX_GPUS];
 static char events_path[4096];
 static long long events_offset;
 static int events_line;
@@ -234,10 +242,38 @@ static void apply_event(char *text) {
         }
         return;
     }
+    if (strcmp(kind, "proc") == 0 || strcmp(kind, "proc_end") == 0) {
+        int end = kind[4] == '_';
+        unsigned long long pid, mib = 0;
+        if (n != (end ? 3 : 4) || !parse_number(tokens[1], &index) || !parse_number(tokens[2], &pid) ||
+            (!end && !parse_number(tokens[3], &mib)) || pid == 0 || pid > 0xFFFFFFFFULL) {
+            bad_event(end ? "proc_end needs <gpu-index> <pid>" : "proc needs <gpu-index> <pid> <mib>");
+            return;
+        }
+        if (index >= gpu_count) {
+            bad_event("no GPU with that index");
+            return;
+        }
+        unsigned int g = (unsigned int)index, at = 0;
+        while (at < proc_count[g] && proc_pid[g][at] != (unsigned int)pid) at++;
+        if (end) {
+            if (at == proc_count[g]) return;
+            proc_count[g]--;
+            proc_pid[g][at] = proc_pid[g][proc_count[g]];
+            proc_mib[g][at] = proc_mib[g][proc_count[g]];
+        } else if (at == proc_count[g] && proc_count[g] == MAX_PROCS) {
+            bad_event("the GPU runs 64 processes already");
+        } else {
+            if (at == proc_count[g]) proc_count[g]++;
+            proc_pid[g][at] = (unsigned int)pid;
+            proc_mib[g][at] = mib;
+        }
+        return;
+    }
     int xid = strcmp(kind, "xid") == 0;
     if (!xid && strcmp(kind, "ecc_dbe") != 0 && strcmp(kind, "ecc_sbe") != 0 && strcmp(kind, "lost") != 0 &&
         strcmp(kind, "recover") != 0) {
-        bad_event("unknown event (xid, ecc_dbe, ecc_sbe, lost, recover, util, used)");
+        bad_event("unknown event (xid, ecc_dbe, ecc_sbe, lost, recover, util, used, proc, proc_end)");
         return;
     }
     if (n != (xid ? 3 : 2) || !parse_number(tokens[1], &index) || (xid && !parse_number(tokens[2], &code))) {
@@ -332,6 +368,7 @@ static nvmlReturn_t load(void) {
         lost[i] = 0;
         utilization[i] = 0;
         used_mib[i] = 0;
+        proc_count[i] = 0;
     }
     const char *events = getenv("FAKE_NVML_EVENTS");
     snprintf(events_path, sizeof events_path, "%s", events != NULL ? events : "");
@@ -536,6 +573,45 @@ nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilization_t *ut
     utilization_out->memory = utilization[d->index];
     unlock();
     return NVML_SUCCESS;
+}
+
+/* nvmlProcessInfo_t (nvmlProcessInfo_v2_t): what the _v3 process queries fill. */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlProcessInfo_t;
+
+/* The processes on a GPU: with *count too small (or no buffer), the count needed and
+ * NVML_ERROR_INSUFFICIENT_SIZE, as NVML does. */
+static nvmlReturn_t processes(nvmlDevice_t d, unsigned int *count, nvmlProcessInfo_t *infos, const char *function) {
+    lock();
+    nvmlReturn_t r = check_locked(d, count, function);
+    if (r == NVML_SUCCESS) {
+        unsigned int n = proc_count[d->index];
+        if (*count < n || (infos == NULL && n > 0)) {
+            r = NVML_ERROR_INSUFFICIENT_SIZE;
+        } else {
+            for (unsigned int i = 0; i < n; i++) {
+                infos[i].pid = proc_pid[d->index][i];
+                infos[i].usedGpuMemory = proc_mib[d->index][i] * 1024ULL * 1024ULL;
+                infos[i].gpuInstanceId = 0xFFFFFFFFu; /* not MIG */
+                infos[i].computeInstanceId = 0xFFFFFFFFu;
+            }
+        }
+        *count = n;
+    }
+    unlock();
+    return r;
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *count, nvmlProcessInfo_t *infos) {
+    return processes(d, count, infos, "nvmlDeviceGetComputeRunningProcesses_v3");
+}
+
+nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *count, nvmlProcessInfo_t *infos) {
+    return processes(d, count, infos, "nvmlDeviceGetMPSComputeRunningProcesses_v3");
 }
 
 nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t d, nvmlPciInfo_t *pci) {

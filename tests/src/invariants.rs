@@ -330,6 +330,7 @@ mod tests {
                     mib: Mib::new(*mib),
                 })
                 .collect(),
+            over_budget: vec![],
         };
         serde_json::from_value(
             json!({"metadata": {"name": name, "annotations": {NODE_STATE_KEY: state.encode().unwrap()}}}),

@@ -355,6 +355,7 @@ fn prioritize_weighs_gpu_activity_only_when_configured() {
             inventory,
             used: vec![gpushare_core::Mib::ZERO],
             allocations: vec![],
+            over_budget: vec![],
         };
         serde_json::from_value::<crate::objects::NodeObject>(json!({
             "metadata": {"name": name, "annotations": {gpushare_core::codec::node::NODE_STATE_KEY: state.encode().unwrap()}}

@@ -176,7 +176,7 @@ proptest! {
                 mib: Mib::new(mib),
             })
             .collect::<Vec<_>>();
-        let state = NodeState { generation, daemon_version: "0.1.0".into(), inventory: inv, used, allocations };
+        let state = NodeState { generation, daemon_version: "0.1.0".into(), inventory: inv, used, allocations, over_budget: vec![] };
         let text = state.encode().unwrap();
         let back = NodeState::decode(&text).unwrap();
         // Allocations come back grouped by GPU; compare as sets.

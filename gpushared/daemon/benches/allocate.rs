@@ -72,6 +72,7 @@ fn setup(dir: &std::path::Path) -> (NodeInventory, Arc<Allocator>) {
             terminal: false,
             spec: gpushare_core::PodSpec::default(),
             annotations: BTreeMap::from([(ASSIGNMENT_KEY.to_owned(), assignment.encode().unwrap())]),
+            container_ids: Vec::new(),
         });
     }
     let ledger = Ledger::open(&dir.join("ledger.db")).unwrap().ledger;

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use gpushare_core::codec::alibaba;
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment};
-use gpushare_core::codec::node::{NodeAllocation, NodeState, PodRef};
+use gpushare_core::codec::node::{NodeAllocation, NodeState, OverBudget, PodRef};
 use gpushare_core::devices::DeviceMap;
 use gpushare_core::placement::footprint;
 use gpushare_core::{Activity, ContainerRole, GpuUuid, Health, Mib, NodeInventory, PodRequest, ResourceNames};
@@ -265,6 +265,8 @@ pub struct Allocator {
     /// Bumped when a GPU's sampled activity changes meaningfully: only the node annotation
     /// follows it (not reconciliation, the kubelet's device list or the D-Bus signals).
     activity: watch::Sender<u64>,
+    /// The containers over their budget, as the over-use detector last saw them.
+    over_budget: Mutex<Vec<OverBudget>>,
 }
 
 impl Allocator {
@@ -307,6 +309,7 @@ impl Allocator {
             }),
             changes: watch::Sender::new(0),
             activity: watch::Sender::new(0),
+            over_budget: Mutex::new(Vec::new()),
         })
     }
 
@@ -1001,6 +1004,46 @@ impl Allocator {
         true
     }
 
+    /// Records the over-use detector's verdict: the containers over budget now (published with
+    /// the node state and on D-Bus), and each one newly over or back within budget in the
+    /// ledger history (`over-budget`, `within-budget`).
+    ///
+    /// # Errors
+    /// [`AllocError::Ledger`] if the history cannot be written (the list is kept anyway).
+    pub fn set_over_budget(&self, verdict: &crate::overuse::Verdict) -> Result<(), AllocError> {
+        *self.over_budget.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = verdict.current.clone();
+        if verdict.began.is_empty() && verdict.ended.is_empty() {
+            return Ok(());
+        }
+        let mut recorded = Ok(());
+        {
+            let mut state = self.lock();
+            for o in &verdict.began {
+                recorded = recorded.and(state.ledger.record_event("over-budget", &crate::overuse::describe(o)));
+            }
+            for o in &verdict.ended {
+                let detail = format!("{}: no longer over budget", crate::overuse::describe(o));
+                recorded = recorded.and(state.ledger.record_event("within-budget", &detail));
+            }
+        }
+        self.changed();
+        Ok(recorded?)
+    }
+
+    /// The containers over their budget, as last sampled.
+    #[must_use]
+    pub fn over_budget(&self) -> Vec<OverBudget> {
+        self.over_budget.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// Adds an entry to the ledger's event history.
+    ///
+    /// # Errors
+    /// [`AllocError::Ledger`].
+    pub fn record_event(&self, kind: &str, detail: &str) -> Result<(), AllocError> {
+        Ok(self.lock().ledger.record_event(kind, detail)?)
+    }
+
     /// Makes the ledger agree with the kubelet's PodResources answer (see [`crate::reconcile`]);
     /// rows younger than `grace_ms` are not released. Call it only once the pod store has
     /// synced ([`PodStore::is_synced`]): a pod missing from it must mean the pod is gone. Every repair is logged and recorded in
@@ -1255,7 +1298,8 @@ impl Allocator {
                 Some(NodeAllocation { pod: h.pod.clone(), container: h.container.clone(), gpu: gpu.index, mib: h.mib })
             })
             .collect();
-        NodeState { generation, daemon_version: daemon_version.to_owned(), inventory, used, allocations }
+        let over_budget = self.over_budget();
+        NodeState { generation, daemon_version: daemon_version.to_owned(), inventory, used, allocations, over_budget }
     }
 }
 

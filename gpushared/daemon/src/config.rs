@@ -130,6 +130,77 @@ pub struct Config {
     /// CUDA MPS, for the GPUs `[sharing] mps` names.
     #[serde(default)]
     pub mps: MpsConfig,
+    /// Over-use detection: containers whose processes use more GPU memory than their budget.
+    #[serde(default)]
+    pub overuse: OveruseConfig,
+}
+
+/// What happens to a container over its budget.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OveruseAction {
+    /// Log it, record it in the ledger history, publish it; nothing else.
+    Warn,
+    /// As `warn`, and evict the pod through the API once it has stayed over for
+    /// `evict_after_seconds`.
+    Evict,
+}
+
+/// `[overuse]`: how the GPUs' processes are compared with the containers' budgets.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OveruseConfig {
+    /// Whether the processes are sampled at all (only with NVML).
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// Seconds between samples.
+    #[serde(default = "default_overuse_interval")]
+    pub interval_seconds: Seconds,
+    /// Memory a container may use above its budget before it counts as over.
+    #[serde(default)]
+    pub tolerance_mib: u64,
+    /// `warn` or `evict`.
+    #[serde(default = "default_overuse_action")]
+    pub action: OveruseAction,
+    /// With `action = "evict"`: how long a container stays over before its pod is evicted.
+    #[serde(default = "default_evict_after")]
+    pub evict_after_seconds: Seconds,
+    /// Where the processes' cgroups are read (`<dir>/<pid>/cgroup`).
+    #[serde(default = "default_proc_directory")]
+    pub proc_directory: AbsPath,
+}
+
+impl Default for OveruseConfig {
+    fn default() -> Self {
+        OveruseConfig {
+            enabled: true,
+            interval_seconds: default_overuse_interval(),
+            tolerance_mib: 0,
+            action: default_overuse_action(),
+            evict_after_seconds: default_evict_after(),
+            proc_directory: default_proc_directory(),
+        }
+    }
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_overuse_interval() -> Seconds {
+    Seconds(10)
+}
+
+fn default_overuse_action() -> OveruseAction {
+    OveruseAction::Warn
+}
+
+fn default_evict_after() -> Seconds {
+    Seconds(60)
+}
+
+fn default_proc_directory() -> AbsPath {
+    abs("/proc")
 }
 
 /// A GPU named in the configuration: its index or its UUID.
@@ -752,6 +823,12 @@ mod tests {
         assert_eq!(c.health.recovery_seconds, 300);
         assert!(c.dbus.enabled);
         assert_eq!(c.dbus.bus(), crate::dbus::Bus::System);
+        assert!(c.overuse.enabled);
+        assert_eq!(c.overuse.interval_seconds.duration().as_secs(), 10);
+        assert_eq!(c.overuse.tolerance_mib, 0);
+        assert_eq!(c.overuse.action, OveruseAction::Warn);
+        assert_eq!(c.overuse.evict_after_seconds.duration().as_secs(), 60);
+        assert_eq!(c.overuse.proc_directory.path(), Path::new("/proc"));
     }
 
     #[test]
@@ -781,6 +858,13 @@ count = "example.com/gpus"
 numa_topology = false
 [nvml]
 library = "/opt/nvidia/libnvidia-ml.so.1"
+[overuse]
+enabled = false
+interval_seconds = 3
+tolerance_mib = 512
+action = "evict"
+evict_after_seconds = 120
+proc_directory = "/host/proc"
 [[gpus]]
 index = 0
 uuid = "GPU-0"
@@ -800,6 +884,12 @@ numa_node = 1
         assert_eq!(c.reconcile.interval_seconds.duration().as_secs(), 5);
         assert_eq!(c.health.ignored_xids, vec![13]);
         assert_eq!(c.health.recovery_seconds, 0);
+        assert!(!c.overuse.enabled);
+        assert_eq!(c.overuse.interval_seconds.duration().as_secs(), 3);
+        assert_eq!(c.overuse.tolerance_mib, 512);
+        assert_eq!(c.overuse.action, OveruseAction::Evict);
+        assert_eq!(c.overuse.evict_after_seconds.duration().as_secs(), 120);
+        assert_eq!(c.overuse.proc_directory.path(), Path::new("/host/proc"));
     }
 
     #[test]
@@ -826,6 +916,9 @@ numa_node = 1
             ("[reconcile]\ninterval_seconds = 0", &["line 2", "write at least 1"]),
             ("[dbus]\naddress = \"session\"", &["not a D-Bus address", "unix:path="]),
             ("[health]\nignored_xids = [-1]", &["line 2"]),
+            ("[overuse]\naction = \"kill\"", &["line 2", "unknown variant `kill`", "`warn`", "`evict`"]),
+            ("[overuse]\nevict_after_seconds = 0", &["line 2", "write at least 1"]),
+            ("[overuse]\nproc_directory = \"proc\"", &["line 2", "is relative"]),
             ("[health]\nprobe_interval = 3", &["line 2", "unknown field `probe_interval`", "probe_interval_seconds"]),
         ];
         for (text, wants) in cases {

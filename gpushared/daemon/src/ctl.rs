@@ -20,7 +20,7 @@ use serde_json::{Value, json};
 use zbus::DBusError as _;
 use zbus::fdo;
 
-use crate::dbus::{AllocationRecord, BUS_NAME, Bus, GpuRecord, Gpushare1Proxy, HistoryRecord};
+use crate::dbus::{AllocationRecord, BUS_NAME, Bus, GpuRecord, Gpushare1Proxy, HistoryRecord, OverBudgetRecord};
 
 /// Exit status: the daemon refused the request (a D-Bus error reply such as an unknown GPU).
 pub const EXIT_REFUSED: u8 = 1;
@@ -114,6 +114,8 @@ pub enum Request {
         #[arg(long, value_name = "T", value_parser = since_arg)]
         since: Option<i64>,
     },
+    /// The containers whose processes use more GPU memory than their budget
+    OverBudget,
     /// Where a pod's containers are on this node and why, or why the pod has nothing here
     Explain {
         /// The pod
@@ -143,6 +145,7 @@ impl Request {
             Request::Gpus => "gpus",
             Request::Allocations { .. } => "allocations",
             Request::History { .. } => "history",
+            Request::OverBudget => "over-budget",
             Request::Explain { .. } => "explain",
             Request::Cordon { .. } => "cordon",
             Request::Uncordon { .. } => "uncordon",
@@ -349,6 +352,8 @@ pub struct Status {
     pub gpus: Vec<GpuRecord>,
     /// Live allocations.
     pub allocations: u32,
+    /// Containers over their budget.
+    pub over_budget: usize,
 }
 
 /// Performs `request` against `proxy` and returns what to print (ending in a newline): text, or
@@ -360,14 +365,15 @@ pub struct Status {
 pub async fn execute(proxy: &Gpushare1Proxy<'_>, request: &Request, json: bool, now_ms: i64) -> zbus::Result<String> {
     Ok(match request {
         Request::Status => {
-            let (node, version, unit, gpus, allocations) = tokio::try_join!(
+            let (node, version, unit, gpus, allocations, over) = tokio::try_join!(
                 proxy.node_name(),
                 proxy.version(),
                 proxy.unit(),
                 proxy.gpus(),
-                proxy.allocation_count()
+                proxy.allocation_count(),
+                proxy.over_budget()
             )?;
-            let status = Status { node, version, unit, gpus, allocations };
+            let status = Status { node, version, unit, gpus, allocations, over_budget: over.len() };
             if json { pretty(&status_json(&status)) } else { status_text(&status) }
         }
         Request::Gpus => {
@@ -382,6 +388,10 @@ pub async fn execute(proxy: &Gpushare1Proxy<'_>, request: &Request, json: bool, 
             let since = since.unwrap_or_else(|| now_ms.saturating_sub(DEFAULT_HISTORY_MS));
             let rows = proxy.history(since).await?;
             if json { pretty(&history_json(&rows)) } else { history_text(&rows, since) }
+        }
+        Request::OverBudget => {
+            let rows = proxy.over_budget().await?;
+            if json { pretty(&over_budget_json(&rows)) } else { over_budget_text(&rows) }
         }
         Request::Explain { pod } => {
             let text = proxy.explain(pod).await?;
@@ -525,6 +535,7 @@ pub fn status_text(s: &Status) -> String {
             ),
         ),
         ("allocations", s.allocations.to_string()),
+        ("over budget", format!("{} containers", s.over_budget)),
     ])
 }
 
@@ -542,6 +553,7 @@ pub fn status_json(s: &Status) -> Value {
         "usedMiB": c.used_mib,
         "freeMiB": c.total_mib.saturating_sub(c.used_mib),
         "allocations": s.allocations,
+        "overBudget": s.over_budget,
     })
 }
 
@@ -659,6 +671,61 @@ pub fn allocations_json(rows: &[AllocationRecord]) -> Value {
                     "mib": mib,
                     "allocatedAt": format_ms(*at),
                     "allocatedAtMs": at,
+                })
+            })
+            .collect(),
+    )
+}
+
+fn sorted_over_budget(rows: &[OverBudgetRecord]) -> Vec<&OverBudgetRecord> {
+    let mut sorted: Vec<&OverBudgetRecord> = rows.iter().collect();
+    sorted.sort_by(|a, b| (&a.0, &a.1, &a.3, a.4).cmp(&(&b.0, &b.1, &b.3, b.4)));
+    sorted
+}
+
+/// The containers over budget as a table: NAMESPACE POD CONTAINER GPU IN-USE(MiB) BUDGET(MiB)
+/// SINCE, by pod. A container not tied to one of the pod's containers shows `-`.
+#[must_use]
+pub fn over_budget_text(rows: &[OverBudgetRecord]) -> String {
+    if rows.is_empty() {
+        return "no container is over its budget\n".to_owned();
+    }
+    let rows: Vec<Vec<String>> = sorted_over_budget(rows)
+        .into_iter()
+        .map(|(ns, pod, _uid, container, gpu, in_use, budget, since)| {
+            vec![
+                ns.clone(),
+                pod.clone(),
+                if container.is_empty() { "-".to_owned() } else { container.clone() },
+                gpu.to_string(),
+                in_use.to_string(),
+                budget.to_string(),
+                format_ms(*since),
+            ]
+        })
+        .collect();
+    render_table(&["NAMESPACE", "POD", "CONTAINER", "GPU", "IN-USE(MiB)", "BUDGET(MiB)", "SINCE"], &rows)
+}
+
+/// The containers over budget as a JSON array; each object has `namespace`, `pod`, `podUid`,
+/// `container` (`null` when not tied to one), `gpuIndex`, `inUseMiB`, `budgetMiB`, `since`
+/// (RFC 3339) and `sinceMs`.
+#[must_use]
+pub fn over_budget_json(rows: &[OverBudgetRecord]) -> Value {
+    Value::Array(
+        sorted_over_budget(rows)
+            .into_iter()
+            .map(|(ns, pod, uid, container, gpu, in_use, budget, since)| {
+                json!({
+                    "namespace": ns,
+                    "pod": pod,
+                    "podUid": uid,
+                    "container": if container.is_empty() { Value::Null } else { Value::from(container.as_str()) },
+                    "gpuIndex": gpu,
+                    "inUseMiB": in_use,
+                    "budgetMiB": budget,
+                    "since": format_ms(*since),
+                    "sinceMs": since,
                 })
             })
             .collect(),
@@ -931,15 +998,38 @@ mod tests {
             unit: "MiB".into(),
             gpus: vec![gpu(0, 100, 10, "", true), gpu(1, 100, 20, "Xid 79", false)],
             allocations: 3,
+            over_budget: 1,
         };
         let text = status_text(&s);
+        assert!(text.ends_with("over budget:  1 containers\n"), "{text}");
         assert!(text.contains("gpus:         2 (1 healthy, 1 unhealthy, 1 cordoned)\n"), "{text}");
         assert!(text.contains("memory:       30 MiB used of 200 MiB (170 MiB free)\n"), "{text}");
         assert!(text.starts_with("node:         n1\n"), "{text}");
         let v = status_json(&s);
         assert_eq!(v["gpus"], json!({"total": 2, "healthy": 1, "unhealthy": 1, "cordoned": 1}));
         assert_eq!(v["allocations"], 3);
+        assert_eq!(v["overBudget"], 1);
         assert_eq!(v["freeMiB"], 170);
+    }
+
+    #[test]
+    fn over_budget_table_and_json() {
+        assert_eq!(over_budget_text(&[]), "no container is over its budget\n");
+        let rows: Vec<OverBudgetRecord> = vec![
+            ("ml".into(), "train".into(), "u2".into(), "main".into(), 1, 5200, 4096, 1_763_892_000_000),
+            ("default".into(), "rogue".into(), "u1".into(), String::new(), 0, 800, 0, 1_763_892_060_000),
+        ];
+        assert_eq!(
+            over_budget_text(&rows),
+            "NAMESPACE   POD     CONTAINER   GPU   IN-USE(MiB)   BUDGET(MiB)   SINCE\n\
+             default     rogue   -           0     800           0             2025-11-23T10:01:00Z\n\
+             ml          train   main        1     5200          4096          2025-11-23T10:00:00Z\n"
+        );
+        let v = over_budget_json(&rows);
+        assert_eq!(v[0]["container"], Value::Null);
+        assert_eq!(v[1]["container"], "main");
+        assert_eq!(v[1]["inUseMiB"], 5200);
+        assert_eq!(v[1]["sinceMs"], 1_763_892_000_000_i64);
     }
 
     #[test]

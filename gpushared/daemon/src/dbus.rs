@@ -29,6 +29,10 @@ pub type GpuRecord = (u32, String, String, u64, u64, String, String, bool);
 /// allocated at (Unix ms).
 pub type AllocationRecord = (String, String, String, String, String, String, u32, u64, i64);
 
+/// One container over its budget: namespace, pod, pod UID, container (empty: not tied to one),
+/// GPU index, MiB in use, budget MiB, over since (Unix ms).
+pub type OverBudgetRecord = (String, String, String, String, u32, u64, u64, i64);
+
 /// One history entry: Unix ms, kind (`allocated`, `released`, `health`, `cordon`, `uncordon`,
 /// `reconcile`, `ledger-moved-aside`), detail.
 pub type HistoryRecord = (i64, String, String);
@@ -124,6 +128,19 @@ impl StatusApi {
         u32::try_from(self.alloc.summary().allocations).unwrap_or(u32::MAX)
     }
 
+    /// The containers whose processes use more GPU memory than their budget (see
+    /// [`OverBudgetRecord`]), as last sampled.
+    #[zbus(property)]
+    fn over_budget(&self) -> Vec<OverBudgetRecord> {
+        self.alloc
+            .over_budget()
+            .into_iter()
+            .map(|o| {
+                (o.pod.namespace, o.pod.name, o.pod.uid, o.container, o.gpu, o.in_use.get(), o.budget.get(), o.since_ms)
+            })
+            .collect()
+    }
+
     /// Live allocations, all (`pod` empty) or of one pod (`NAMESPACE/NAME`).
     async fn list_allocations(&self, pod: &str) -> fdo::Result<Vec<AllocationRecord>> {
         let filter = if pod.is_empty() { None } else { Some(pod_name(pod)?) };
@@ -191,6 +208,9 @@ pub trait Gpushare1 {
     /// Live allocations.
     #[zbus(property)]
     fn allocation_count(&self) -> zbus::Result<u32>;
+    /// Containers over their budget.
+    #[zbus(property)]
+    fn over_budget(&self) -> zbus::Result<Vec<OverBudgetRecord>>;
     /// Live allocations, of one pod if `pod` is not empty.
     fn list_allocations(&self, pod: &str) -> zbus::Result<Vec<AllocationRecord>>;
     /// Where a pod is and why.
@@ -221,7 +241,7 @@ async fn connect(bus: &Bus, alloc: &Arc<Allocator>) -> zbus::Result<zbus::Connec
 }
 
 /// Serves the API on `bus` forever: connects (retrying with backoff while the bus is not
-/// there), emits `PropertiesChanged` for `Gpus` and `AllocationCount` after every change (a
+/// there), emits `PropertiesChanged` for `Gpus`, `AllocationCount` and `OverBudget` after every change (a
 /// burst within 100 ms is one signal), and reconnects when the bus goes away. `first`, when
 /// given, hears whether the first attempt succeeded (the daemon waits for it before READY).
 pub async fn serve(bus: Bus, alloc: Arc<Allocator>, mut first: Option<tokio::sync::oneshot::Sender<bool>>) {
@@ -268,15 +288,16 @@ async fn follow(conn: &zbus::Connection, alloc: &Arc<Allocator>) {
                 // A burst of allocations becomes one signal, not one each.
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 changes.borrow_and_update();
-                // Both properties in one PropertiesChanged: a client never sees the new GPUs
+                // The properties in one PropertiesChanged: a client never sees the new GPUs
                 // beside the old count.
-                let (gpus, count) = {
+                let (gpus, count, over) = {
                     let api = iface.get().await;
-                    (api.gpus(), api.allocation_count())
+                    (api.gpus(), api.allocation_count(), api.over_budget())
                 };
                 let changed = std::collections::HashMap::from([
                     ("Gpus", zbus::Variant::from(gpus)),
                     ("AllocationCount", zbus::Variant::from(count)),
+                    ("OverBudget", zbus::Variant::from(over)),
                 ]);
                 let name = zbus::names::InterfaceName::from_static_str_unchecked(INTERFACE);
                 let signal = fdo::Properties::properties_changed(iface.signal_emitter(), name, changed, (&[][..]).into());

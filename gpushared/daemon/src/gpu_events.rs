@@ -196,6 +196,12 @@ impl NvmlEvents {
     pub fn library(&self) -> &Path {
         &self.library
     }
+
+    /// The shared NVML handle, for other samplers (the over-use detector).
+    #[must_use]
+    pub fn nvml(&self) -> Arc<Nvml> {
+        Arc::clone(&self.nvml)
+    }
 }
 
 impl GpuEvents for NvmlEvents {

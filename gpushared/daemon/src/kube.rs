@@ -61,6 +61,7 @@ pub fn view(pod: &PodObject) -> Option<PodView> {
         terminal: meta.deletion_timestamp.is_some() || matches!(phase, Some("Succeeded" | "Failed")),
         spec: pod.spec.core(),
         annotations: meta.annotations.clone().unwrap_or_default().into_iter().collect::<BTreeMap<_, _>>(),
+        container_ids: pod.status.container_ids(),
     })
 }
 
@@ -117,4 +118,69 @@ fn release(alloc: &Allocator, v: &PodView, reason: &str) {
         Ok(n) => tracing::info!(pod = %format!("{}/{}", v.pod.namespace, v.pod.name), rows = n, reason, "released"),
         Err(e) => tracing::error!(error = %e, "cannot release a pod's allocations"),
     }
+}
+
+/// How often an eviction the API server turned away for now (a disruption budget: 429; the
+/// server: 5xx; the network) is asked again, and how many times.
+const EVICTION_RETRY: std::time::Duration = std::time::Duration::from_secs(30);
+const EVICTION_ATTEMPTS: u32 = 10;
+
+/// Evicts the pods the over-use detector names, through the Eviction API (`policy/v1`, the
+/// pod's UID as precondition, so a re-created pod of the same name is never hit), each in a
+/// task of its own. Every outcome is logged and recorded in the ledger history.
+pub async fn evict_pods(
+    client: Client,
+    mut requests: tokio::sync::mpsc::UnboundedReceiver<crate::overuse::Eviction>,
+    alloc: Arc<Allocator>,
+) {
+    while let Some(request) = requests.recv().await {
+        tokio::spawn(evict(client.clone(), request, Arc::clone(&alloc)));
+    }
+}
+
+async fn evict(client: Client, request: crate::overuse::Eviction, alloc: Arc<Allocator>) {
+    let PodRef { namespace, name, uid } = &request.pod;
+    let who = format!("{namespace}/{name}");
+    let body = serde_json::json!({
+        "apiVersion": "policy/v1",
+        "kind": "Eviction",
+        "metadata": {"name": name, "namespace": namespace},
+        "deleteOptions": {"preconditions": {"uid": uid}},
+    });
+    let record = |kind: &str, detail: String| {
+        if let Err(e) = alloc.record_event(kind, &detail) {
+            tracing::error!(error = %e, "the eviction could not be recorded in the ledger history");
+        }
+    };
+    for attempt in 1..=EVICTION_ATTEMPTS {
+        let http_request = http::Request::post(format!("/api/v1/namespaces/{namespace}/pods/{name}/eviction"))
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(body.to_string().into_bytes());
+        let http_request = match http_request {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(pod = %who, error = %e, "cannot build the eviction request");
+                return;
+            }
+        };
+        match client.request::<serde_json::Value>(http_request).await {
+            Ok(_) => {
+                tracing::warn!(pod = %who, reason = %request.reason, "evicted: over its GPU memory budget");
+                record("evicted", format!("{who}: {}", request.reason));
+                return;
+            }
+            Err(kube::Error::Api(status)) if status.code != 429 && status.code < 500 => {
+                // 403: the node's credentials may not evict; 404/409: the pod is gone or replaced.
+                tracing::error!(pod = %who, code = status.code, message = %status.message,
+                    "the API server refused the eviction; the pod stays over budget (see docs/gpushared.md, Over-use)");
+                record("eviction-refused", format!("{who}: HTTP {}: {}", status.code, status.message));
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(pod = %who, attempt, error = %e, "eviction not done yet; asking again in 30 s");
+                tokio::time::sleep(EVICTION_RETRY).await;
+            }
+        }
+    }
+    record("eviction-refused", format!("{who}: still turned away after {EVICTION_ATTEMPTS} attempts"));
 }

@@ -16,6 +16,7 @@
 //! - [`memory`]: keeping resident memory small after the kubelet's large device lists;
 //! - [`mps`]: the environment file the MPS control daemon's unit reads (the GPUs in MPS mode);
 //! - [`objects`]: the parts of Pods and Nodes the daemon reads;
+//! - [`overuse`]: GPU processes against the containers' budgets, with warn or evict;
 //! - [`plugin`]: the kubelet device plugin API and registration;
 //! - [`pods`]: the pods bound to this node, as last seen;
 //! - [`publish`]: the node-state annotation on this node's Node;
@@ -36,6 +37,7 @@ pub mod ledger;
 pub mod memory;
 pub mod mps;
 pub mod objects;
+pub mod overuse;
 pub mod plugin;
 pub mod pods;
 pub mod publish;

@@ -183,6 +183,8 @@ async fn run(config: Config) -> anyhow::Result<()> {
     );
     tracing::info!(live = alloc.summary().allocations, ledger = %config.ledger.path.path().display(), "ledger restored");
 
+    // Pods the over-use detector evicts (`[overuse] action = "evict"`), to the API-server side.
+    let (evict_tx, evict_rx) = tokio::sync::mpsc::unbounded_channel();
     // GPU health: NVML events and probes, on a thread of its own.
     let health_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     if nvml {
@@ -196,15 +198,40 @@ async fn run(config: Config) -> anyhow::Result<()> {
             "watching GPU health"
         );
         let tracker = health::Tracker::new(policy, inventory.gpus().iter().map(|g| g.index));
+        // Over-use detection shares the health watcher's NVML handle.
+        if config.overuse.enabled {
+            let o = &config.overuse;
+            tracing::info!(interval = ?o.interval_seconds.duration(), tolerance_mib = o.tolerance_mib,
+                action = ?o.action, evict_after = ?o.evict_after_seconds.duration(),
+                proc = %o.proc_directory.path().display(), "watching GPU processes against their containers' budgets");
+            gpushared::overuse::spawn(
+                gpushared::overuse::NvmlProcesses::new(events.nvml()),
+                gpushared::overuse::Detector::new(gpushared::overuse::Policy::from(o)),
+                Arc::clone(&alloc),
+                pods.clone(),
+                gpushared::overuse::Sampling {
+                    every: o.interval_seconds.duration(),
+                    proc_dir: o.proc_directory.path().to_owned(),
+                },
+                evict_tx.clone(),
+                Arc::clone(&health_stop),
+            )
+            .context("starting the GPU over-use thread")?;
+        } else {
+            tracing::info!("GPU over-use detection is turned off ([overuse] enabled = false)");
+        }
         health::spawn(events, tracker, Arc::clone(&alloc), Arc::clone(&health_stop))
             .context("starting the GPU health thread")?;
     } else {
-        tracing::warn!("GPU health is not monitored: the GPUs come from the static [[gpus]] list, not NVML");
+        tracing::warn!(
+            "GPU health and over-use are not monitored: the GPUs come from the static [[gpus]] list, not NVML"
+        );
     }
 
     let client = gpushared::kube::client(config.kubernetes.kubeconfig.path()).await?;
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(gpushared::kube::watch_pods(client.clone(), node.clone(), pods.clone(), Arc::clone(&alloc)));
+    tasks.spawn(gpushared::kube::evict_pods(client.clone(), evict_rx, Arc::clone(&alloc)));
     tasks.spawn(publish::run(KubeNode::new(client, node.clone()), Arc::clone(&alloc), publish::Timing::default()));
 
     // The kubelet's device list follows the GPUs' health.

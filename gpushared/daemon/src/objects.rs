@@ -50,10 +50,45 @@ impl PodObjectSpec {
 
 /// `status` of a [`PodObject`].
 #[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct PodObjectStatus {
     /// `Pending`, `Running`, `Succeeded`, `Failed` or `Unknown`.
     #[serde(default)]
     pub phase: Option<String>,
+    /// `status.containerStatuses`.
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub container_statuses: Vec<ContainerStatus>,
+    /// `status.initContainerStatuses`.
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub init_container_statuses: Vec<ContainerStatus>,
+}
+
+impl PodObjectStatus {
+    /// (container name, runtime container ID without its scheme) of every started container.
+    #[must_use]
+    pub fn container_ids(&self) -> Vec<(String, String)> {
+        self.init_container_statuses
+            .iter()
+            .chain(&self.container_statuses)
+            .filter_map(|c| {
+                let id = c.container_id.as_deref()?;
+                let id = id.split_once("://").map_or(id, |(_, id)| id);
+                (!id.is_empty()).then(|| (c.name.clone(), id.to_owned()))
+            })
+            .collect()
+    }
+}
+
+/// One entry of `status.containerStatuses`, reduced to its name and runtime ID.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ContainerStatus {
+    /// The container's name.
+    #[serde(default)]
+    pub name: String,
+    /// `containerd://<64 hex>` (or `docker://`, `cri-o://`) once started.
+    #[serde(default, rename = "containerID")]
+    pub container_id: Option<String>,
 }
 
 /// A Node, reduced to its metadata (the daemon reads and writes one annotation).
@@ -108,7 +143,10 @@ mod tests {
             "spec": {"nodeName": "node-a", "initContainers": null, "volumes": [{"name": "v"}],
                      "containers": [{"name": "main", "image": "x",
                                      "resources": {"limits": {"gpushare.io/gpu-mem": "300"}}}]},
-            "status": {"phase": "Running", "conditions": []}
+            "status": {"phase": "Running", "conditions": [],
+                       "initContainerStatuses": null,
+                       "containerStatuses": [{"name": "main", "containerID": "containerd://4f2a", "ready": true},
+                                             {"name": "waiting", "ready": false}]}
         }))
         .unwrap();
         assert_eq!(pod.metadata.name.as_deref(), Some("p"));
@@ -116,6 +154,7 @@ mod tests {
         assert_eq!(pod.spec.core().containers.len(), 1);
         assert!(pod.spec.init_containers.is_empty());
         assert_eq!(pod.status.phase.as_deref(), Some("Running"));
+        assert_eq!(pod.status.container_ids(), vec![("main".to_owned(), "4f2a".to_owned())]);
         let bare: PodObject = serde_json::from_value(serde_json::json!({"metadata": null, "spec": null})).unwrap();
         assert!(bare.spec.node_name.is_none());
         let node: NodeObject =

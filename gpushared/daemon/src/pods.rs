@@ -25,6 +25,10 @@ pub struct PodView {
     pub spec: PodSpec,
     /// `metadata.annotations`.
     pub annotations: BTreeMap<String, String>,
+    /// (container name, container runtime ID without its `containerd://` scheme) from the
+    /// pod's container statuses, init containers included: ties a process's cgroup to its
+    /// container.
+    pub container_ids: Vec<(String, String)>,
 }
 
 /// A pod as stored: its view and its assignment, decoded once when stored.

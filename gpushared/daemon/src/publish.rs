@@ -388,7 +388,14 @@ mod tests {
         for a in &allocations {
             used[a.gpu as usize] = used[a.gpu as usize].saturating_add(a.mib);
         }
-        NodeState { generation: 1, daemon_version: DAEMON_VERSION.into(), inventory, used, allocations }
+        NodeState {
+            generation: 1,
+            daemon_version: DAEMON_VERSION.into(),
+            inventory,
+            used,
+            allocations,
+            over_budget: Vec::new(),
+        }
     }
 
     /// The value without the holder lists.

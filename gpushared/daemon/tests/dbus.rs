@@ -30,7 +30,7 @@ use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_testkit::apiserver::ApiServer;
 use gpushare_testkit::kubelet::{Admitted, Kubelet};
 use gpushared::ctl::now_ms;
-use gpushared::dbus::{BUS_NAME, GpuRecord, Gpushare1Proxy, INTERFACE, OBJECT_PATH};
+use gpushared::dbus::{BUS_NAME, GpuRecord, Gpushare1Proxy, INTERFACE, OBJECT_PATH, OverBudgetRecord};
 use serde_json::{Value, json};
 
 const POLICY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../etc/dbus-1/system.d/io.gpushare.GpuShare1.conf");
@@ -301,8 +301,8 @@ struct Signals {
     counts: Vec<u32>,
     /// `Gpus` values.
     gpus: Vec<Vec<GpuRecord>>,
-    /// Both, from signals that carried both.
-    together: Vec<(u32, Vec<GpuRecord>)>,
+    /// Both, from signals that carried both, with the `OverBudget` they carried too (if any).
+    together: Vec<(u32, Vec<GpuRecord>, Option<Vec<OverBudgetRecord>>)>,
 }
 
 impl Signals {
@@ -330,18 +330,21 @@ impl Signals {
             if args.interface_name().as_str() != INTERFACE {
                 continue;
             }
-            let (mut count, mut gpus) = (None, None);
+            let (mut count, mut gpus, mut over) = (None, None, None);
             for (name, value) in args.changed_properties() {
                 match *name {
                     "AllocationCount" => count = Some(u32::try_from(value.try_to_owned().unwrap()).unwrap()),
                     "Gpus" => gpus = Some(Vec::<GpuRecord>::try_from(value.try_to_owned().unwrap()).unwrap()),
+                    "OverBudget" => {
+                        over = Some(Vec::<OverBudgetRecord>::try_from(value.try_to_owned().unwrap()).unwrap());
+                    }
                     _ => {}
                 }
             }
             self.counts.extend(count);
             self.gpus.extend(gpus.clone());
             if let (Some(c), Some(g)) = (count, gpus) {
-                self.together.push((c, g));
+                self.together.push((c, g, over));
             }
         }
     }
@@ -399,6 +402,7 @@ async fn root_reads_everything(node: &Node, p: &Gpushare1Proxy<'_>) {
         ("gpus", "2 (2 healthy, 0 unhealthy, 0 cordoned)"),
         ("memory", "300 MiB used of 2000 MiB (1700 MiB free)"),
         ("allocations", "1"),
+        ("over budget", "0 containers"),
     ];
     assert_eq!(key_values(&out), BTreeMap::from(expected.map(|(k, v)| (k.to_owned(), v.to_owned()))), "{out}");
     let (code, out) = ctl(None, &node.address, &["gpus", "--json"]).await;
@@ -415,9 +419,16 @@ async fn allocations_are_signalled(node: &Node, daemon: &Daemon) {
     // One signal carries both: a client never sees the new GPUs beside the old count.
     signals
         .wait_for("AllocationCount 2 and Gpus with 200 MiB used on GPU0 and 300 on GPU1, in one signal", |s| {
-            s.together.iter().any(|(c, g)| *c == 2 && g.iter().map(|g| g.4).eq([200, 300]))
+            s.together.iter().any(|(c, g, _)| *c == 2 && g.iter().map(|g| g.4).eq([200, 300]))
         })
         .await;
+    // The same signal carries the containers over budget: none (no NVML here, no processes).
+    let (_, _, over) = signals.together.iter().find(|(c, _, _)| *c == 2).unwrap();
+    assert_eq!(over.as_deref(), Some(&[][..]), "OverBudget in the same signal");
+    let (code, out) = ctl(None, &node.address, &["over-budget"]).await;
+    assert_eq!((code, out.as_str()), (0, "no container is over its budget\n"));
+    let (code, out) = ctl(None, &node.address, &["over-budget", "--json"]).await;
+    assert_eq!((code, out.as_str()), (0, "[]\n"));
 }
 
 /// Root cordons GPU0 (by UUID; again by index, unchanged; an unknown GPU is refused): the

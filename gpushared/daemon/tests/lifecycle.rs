@@ -534,3 +534,142 @@ mod health {
         assert!(history[4].ends_with("is unhealthy: uncorrectable ECC error"), "{history:#?}");
     }
 }
+
+mod overuse {
+    //! Over-use detection: processes injected into the fake NVML library, their cgroups in a
+    //! stand-in `/proc`, the budgets from the ledger, evictions through the API-server stand-in.
+
+    use super::*;
+    use gpushare_testkit::nvml::{FakeGpu, build, events_directive, inject, write_config};
+
+    const CID: &str = "4f2a9c0d1e2b3a4f5e6d7c8b9a0f1e2d3c4b5a69788796a5b4c3d2e1f0a1b2c3";
+
+    /// `<proc>/<pid>/cgroup` for a process of pod `uid` (systemd driver, containerd).
+    fn cgroup(proc: &std::path::Path, pid: u32, uid: &str, container_id: &str) {
+        let dir = proc.join(pid.to_string());
+        std::fs::create_dir_all(&dir).unwrap();
+        let slice = format!("kubepods-burstable-pod{}.slice", uid.replace('-', "_"));
+        let text = format!("0::/kubepods.slice/kubepods-burstable.slice/{slice}/cri-containerd-{container_id}.scope\n");
+        std::fs::write(dir.join("cgroup"), text).unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_container_over_budget_is_recorded_published_and_evicted() {
+        let host = Host::new();
+        let lib = build(host.dir.path()).unwrap();
+        let events = host.path("nvml-events");
+        std::fs::write(&events, "").unwrap();
+        let nvml_config = host.path("fake-nvml.conf");
+        let gpus: Vec<FakeGpu> = (0..2)
+            .map(|i| FakeGpu { uuid: common::uuid(i).to_string(), ..FakeGpu::new("h", i, 1000, "Tesla T4") })
+            .collect();
+        write_config(&nvml_config, &gpus, &events_directive(&events)).unwrap();
+        let proc = host.path("proc");
+        let api = ApiServer::start().await.unwrap();
+        api.create_node(json!({"metadata": {"name": "node-a"}})).unwrap();
+        let kubeconfig = host.path("kubeconfig");
+        api.write_kubeconfig(&kubeconfig).unwrap();
+        let extra = format!(
+            "[nvml]\nlibrary = \"{}\"\n[overuse]\ninterval_seconds = 1\ntolerance_mib = 50\naction = \"evict\"\n\
+             evict_after_seconds = 3\nproc_directory = \"{}\"\n",
+            lib.display(),
+            proc.display()
+        );
+        let config = host.config(&kubeconfig, "", &extra);
+        let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
+        let daemon = Daemon::start_with_env(
+            &config,
+            host.path("daemon.log"),
+            &[("FAKE_NVML_CONFIG", nvml_config.to_str().unwrap())],
+        );
+        kubelet.wait_registered(1, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+        kubelet.wait_devices(WAIT, |d| d.len() == 2000).await.unwrap();
+
+        // "train" holds 300 MiB of GPU0; its container's runtime ID reaches the daemon through
+        // the pod's status, as the kubelet writes it.
+        place(&api, &kubelet, "train", 0, 300).await;
+        let train_uid = api.pod("default", "train").unwrap()["metadata"]["uid"].as_str().unwrap().to_owned();
+        api.patch_pod(
+            "default",
+            "train",
+            &json!({"status": {"phase": "Running",
+                    "containerStatuses": [{"name": "main", "containerID": format!("containerd://{CID}")}]}}),
+        )
+        .unwrap();
+        // "rogue" asks for no GPU memory, yet runs on GPU1 (it set NVIDIA_VISIBLE_DEVICES itself).
+        api.create_pod(
+            "default",
+            json!({"metadata": {"name": "rogue"}, "spec": {"nodeName": "node-a",
+            "containers": [{"name": "app", "image": "x"}]}}),
+        )
+        .unwrap();
+        let rogue_uid = api.pod("default", "rogue").unwrap()["metadata"]["uid"].as_str().unwrap().to_owned();
+        cgroup(&proc, 4242, &train_uid, CID);
+        cgroup(&proc, 4243, &train_uid, CID);
+        cgroup(&proc, 5151, &rogue_uid, "aaaabbbbccccddddeeeeffff000011112222333344445555666677778888999a");
+        // A host process (the MPS server, a monitoring agent) is nobody's.
+        std::fs::create_dir_all(proc.join("77")).unwrap();
+        std::fs::write(proc.join("77/cgroup"), "0::/system.slice/nvidia-persistenced.service\n").unwrap();
+
+        // Within budget (300 + 50 of tolerance): nothing.
+        inject(&events, "proc 0 4242 200").unwrap();
+        inject(&events, "proc 0 4243 140").unwrap();
+        inject(&events, "proc 0 77 600").unwrap();
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        let over = |api: &ApiServer| node_state(api).map(|s| s.over_budget).unwrap_or_default();
+        assert!(over(&api).is_empty(), "{:?}\n{}", over(&api), daemon.log());
+
+        // 200 + 250 = 450 MiB of a 300 MiB budget; and the rogue pod on GPU1.
+        inject(&events, "proc 0 4243 250").unwrap();
+        inject(&events, "proc 1 5151 100").unwrap();
+        let seen = eventually("both in the node annotation", || {
+            let o = over(&api);
+            (o.len() == 2).then_some(o)
+        })
+        .await;
+        let train = seen.iter().find(|o| o.pod.name == "train").unwrap();
+        assert_eq!(
+            (train.container.as_str(), train.gpu, train.in_use, train.budget),
+            ("main", 0, Mib::new(450), Mib::new(300))
+        );
+        let rogue = seen.iter().find(|o| o.pod.name == "rogue").unwrap();
+        assert_eq!(
+            (rogue.container.as_str(), rogue.gpu, rogue.in_use, rogue.budget),
+            ("", 1, Mib::new(100), Mib::ZERO)
+        );
+
+        // Over for 3 s: "train" is evicted through the API; "rogue", with no budget, is not.
+        eventually("train evicted", || api.pod("default", "train").is_none().then_some(())).await;
+        let evictions: Vec<(String, String)> =
+            api.requests().into_iter().filter(|(_, path)| path.ends_with("/eviction")).collect();
+        assert_eq!(evictions, vec![("POST".to_owned(), "/api/v1/namespaces/default/pods/train/eviction".to_owned())]);
+        let history = |kind: &str| -> Vec<String> {
+            ledger(&host).events_since(0).unwrap().into_iter().filter(|e| e.kind == kind).map(|e| e.detail).collect()
+        };
+        let evicted = eventually("the eviction in the history", || {
+            let h = history("evicted");
+            (!h.is_empty()).then_some(h)
+        })
+        .await;
+        assert!(
+            evicted[0].starts_with(
+                "default/train: default/train container \"main\" uses 450 MiB on GPU0, over its budget of 300 MiB, for "
+            ),
+            "{evicted:?}"
+        );
+        let began = history("over-budget");
+        assert_eq!(began.len(), 2, "{began:?}");
+        assert!(began.contains(&"default/rogue uses 100 MiB on GPU1 without a budget there".to_owned()), "{began:?}");
+
+        // The evicted pod's processes end; it leaves the list, and the history says so.
+        inject(&events, "proc_end 0 4242").unwrap();
+        inject(&events, "proc_end 0 4243").unwrap();
+        eventually("train gone from the list", || (over(&api).len() == 1).then_some(())).await;
+        let ended = history("within-budget");
+        assert_eq!(ended.len(), 1, "{ended:?}");
+        assert!(ended[0].starts_with("default/train container \"main\""), "{ended:?}");
+        assert!(api.pod("default", "rogue").is_some(), "a pod without a budget is never evicted");
+        assert!(daemon.log().contains("container over its GPU memory budget"), "{}", daemon.log());
+        drop(daemon);
+    }
+}

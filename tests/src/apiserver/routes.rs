@@ -9,6 +9,7 @@
 //! /api/v1/namespaces/{ns}/pods/{name}                 GET, PUT, PATCH, DELETE
 //! /api/v1/namespaces/{ns}/pods/{name}/status          GET, PUT, PATCH
 //! /api/v1/namespaces/{ns}/pods/{name}/binding         POST
+//! /api/v1/namespaces/{ns}/pods/{name}/eviction        POST (no disruption budgets: deletes)
 //! /api/v1/nodes                                       GET (list, watch), POST
 //! /api/v1/nodes/{name}                                GET, PUT, PATCH, DELETE
 //! /api/v1/nodes/{name}/status                         GET, PUT, PATCH
@@ -150,6 +151,8 @@ async fn api_resources() -> Response {
             {"name": "pods", "singularName": "pod", "namespaced": true, "kind": "Pod", "verbs": all,
              "shortNames": ["po"], "categories": ["all"]},
             {"name": "pods/binding", "singularName": "", "namespaced": true, "kind": "Binding", "verbs": ["create"]},
+            {"name": "pods/eviction", "singularName": "", "namespaced": true, "group": "policy", "version": "v1",
+             "kind": "Eviction", "verbs": ["create"]},
             {"name": "pods/status", "singularName": "", "namespaced": true, "kind": "Pod", "verbs": status},
         ]}),
     )
@@ -161,6 +164,7 @@ enum Part {
     Main,
     Status,
     Binding,
+    Eviction,
 }
 
 #[derive(Debug)]
@@ -228,6 +232,7 @@ fn parse_route(path: &str) -> Option<Route> {
         [_] => Part::Main,
         [_, "status"] => Part::Status,
         [_, "binding"] if kind == Kind::Pod => Part::Binding,
+        [_, "eviction"] if kind == Kind::Pod => Part::Eviction,
         _ => return None,
     };
     let name = rest.first()?;
@@ -263,6 +268,7 @@ async fn resource(State(shared): State<Shared>, method: Method, uri: Uri, header
         }
         (Route::Object { key, part: Part::Main }, Method::DELETE) => delete(&shared, &key, &query, &body),
         (Route::Object { key, part: Part::Binding }, Method::POST) => bind(&shared, &key, &query, &body),
+        (Route::Object { key, part: Part::Eviction }, Method::POST) => evict(&shared, &key, &query, &body),
         _ => Err(ApiError::method_not_allowed()),
     };
     result.unwrap_or_else(IntoResponse::into_response)
@@ -448,20 +454,23 @@ fn patch(
     Ok(json_response(StatusCode::OK, &updated))
 }
 
+/// A `DeleteOptions`' `preconditions` (UID, resourceVersion) against the object.
+fn preconditions(key: &Key, options: &Value, old: &Value) -> Result<(), ApiError> {
+    for (field, what) in [("uid", "UID"), ("resourceVersion", "ResourceVersion")] {
+        let wanted = options.pointer(&format!("/preconditions/{field}")).and_then(Value::as_str);
+        let actual = old.pointer(&format!("/metadata/{field}")).and_then(Value::as_str).unwrap_or("");
+        if let Some(wanted) = wanted.filter(|w| *w != actual) {
+            return Err(ApiError::precondition(key, what, wanted, actual));
+        }
+    }
+    Ok(())
+}
+
 fn delete(shared: &Shared, key: &Key, query: &BTreeMap<String, String>, body: &Bytes) -> Result<Response, ApiError> {
     let options = if body.iter().all(u8::is_ascii_whitespace) { Value::Null } else { parse_json(body)? };
     let body_dry_run = options.get("dryRun").and_then(Value::as_array).is_some_and(|d| !d.is_empty());
     let dry_run = dry_run(query)? || body_dry_run;
-    let deleted = shared.lock().delete(key, dry_run, |old| {
-        for (field, what) in [("uid", "UID"), ("resourceVersion", "ResourceVersion")] {
-            let wanted = options.pointer(&format!("/preconditions/{field}")).and_then(Value::as_str);
-            let actual = old.pointer(&format!("/metadata/{field}")).and_then(Value::as_str).unwrap_or("");
-            if let Some(wanted) = wanted.filter(|w| *w != actual) {
-                return Err(ApiError::precondition(key, what, wanted, actual));
-            }
-        }
-        Ok(())
-    })?;
+    let deleted = shared.lock().delete(key, dry_run, |old| preconditions(key, &options, old))?;
     Ok(json_response(StatusCode::OK, &deleted))
 }
 
@@ -510,6 +519,32 @@ fn bind(shared: &Shared, key: &Key, query: &BTreeMap<String, String>, body: &Byt
         set_scheduled(&mut pod);
         Ok(pod)
     })?;
+    Ok(json_response(StatusCode::CREATED, &success(StatusCode::CREATED)))
+}
+
+/// `pods/eviction`: an `Eviction` (`policy/v1` or `v1beta1`) naming the pod; with no
+/// disruption budgets in the stand-in it is always allowed, and deletes the pod as `DELETE`
+/// does, honouring `deleteOptions.preconditions`.
+fn evict(shared: &Shared, key: &Key, query: &BTreeMap<String, String>, body: &Bytes) -> Result<Response, ApiError> {
+    let eviction = parse_json(body)?;
+    if !eviction.is_object() {
+        return Err(ApiError::bad_request("the Eviction is not a JSON object"));
+    }
+    if eviction.get("kind").and_then(Value::as_str).is_some_and(|k| !k.is_empty() && k != "Eviction") {
+        return Err(ApiError::bad_request("the object provided is unrecognized (must be of type Eviction)"));
+    }
+    if let Some(v) = eviction.get("apiVersion").and_then(Value::as_str)
+        && !matches!(v, "" | "policy/v1" | "policy/v1beta1")
+    {
+        return Err(ApiError::bad_request(format!("no kind \"Eviction\" is registered for version {v:?}")));
+    }
+    let name = eviction.pointer("/metadata/name").and_then(Value::as_str).unwrap_or("");
+    if name != key.name {
+        return Err(ApiError::bad_request("name in URL does not match name in Eviction object"));
+    }
+    let options = eviction.get("deleteOptions").cloned().unwrap_or(Value::Null);
+    let dry_run = dry_run(query)? || options.get("dryRun").and_then(Value::as_array).is_some_and(|d| !d.is_empty());
+    shared.lock().delete(key, dry_run, |old| preconditions(key, &options, old))?;
     Ok(json_response(StatusCode::CREATED, &success(StatusCode::CREATED)))
 }
 

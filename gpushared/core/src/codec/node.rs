@@ -10,7 +10,8 @@
 //! `usedMiB` is the daemon's own figure (what its ledger holds on the GPU, by the init-container
 //! rule of [`crate::placement`]); the extender trusts it over its own assumptions. `pods` lists
 //! the holders for people and for reconciliation. `generation` grows with every publication so a
-//! reader can ignore a stale value.
+//! reader can ignore a stale value. `overBudget` (absent when empty) lists the containers whose
+//! processes use more of the GPU's memory than their budget, as the daemon last sampled them.
 
 use serde::{Deserialize, Serialize};
 
@@ -47,6 +48,24 @@ pub struct NodeAllocation {
     pub mib: Mib,
 }
 
+/// A container whose processes use more of a GPU's memory than its budget (or use a GPU it has
+/// no budget on), as the daemon last sampled them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OverBudget {
+    /// The pod.
+    pub pod: PodRef,
+    /// The container; empty when the processes could not be tied to one of the pod's containers.
+    pub container: String,
+    /// The GPU's NVML index.
+    pub gpu: u32,
+    /// Memory its processes use on the GPU.
+    pub in_use: Mib,
+    /// Its budget on the GPU (0: none).
+    pub budget: Mib,
+    /// Since when (Unix milliseconds).
+    pub since_ms: i64,
+}
+
 /// What a daemon publishes: its GPUs, how much of each is used, and by whom.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NodeState {
@@ -60,6 +79,8 @@ pub struct NodeState {
     pub used: Vec<Mib>,
     /// The allocations behind `used`.
     pub allocations: Vec<NodeAllocation>,
+    /// Containers over their budget.
+    pub over_budget: Vec<OverBudget>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -103,6 +124,23 @@ struct WireGpu {
     used_mib: Mib,
     #[serde(default)]
     pods: Vec<WireHolder>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    over_budget: Vec<WireOver>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct WireOver {
+    namespace: String,
+    name: String,
+    uid: String,
+    #[serde(default)]
+    container: String,
+    #[serde(rename = "inUseMiB")]
+    in_use_mib: Mib,
+    #[serde(rename = "budgetMiB")]
+    budget_mib: Mib,
+    since: i64,
 }
 
 #[derive(Serialize, Deserialize, PartialEq, Eq, Clone, Copy)]
@@ -153,6 +191,9 @@ impl NodeState {
                 a.pod.namespace, a.pod.name, a.gpu
             )));
         }
+        if let Some(o) = self.over_budget.iter().find(|o| self.inventory.by_index(o.gpu).is_none()) {
+            return Err(invalid(format!("over-budget {}/{} names unknown GPU{}", o.pod.namespace, o.pod.name, o.gpu)));
+        }
         let wire = Wire {
             v: NODE_STATE_VERSION,
             generation: self.generation,
@@ -194,6 +235,20 @@ impl NodeState {
                             mib: a.mib,
                         })
                         .collect(),
+                    over_budget: self
+                        .over_budget
+                        .iter()
+                        .filter(|o| o.gpu == g.index)
+                        .map(|o| WireOver {
+                            namespace: o.pod.namespace.clone(),
+                            name: o.pod.name.clone(),
+                            uid: o.pod.uid.clone(),
+                            container: o.container.clone(),
+                            in_use_mib: o.in_use,
+                            budget_mib: o.budget,
+                            since: o.since_ms,
+                        })
+                        .collect(),
                 })
                 .collect(),
         };
@@ -209,6 +264,7 @@ impl NodeState {
         let mut gpus = Vec::with_capacity(wire.gpus.len());
         let mut used = Vec::with_capacity(wire.gpus.len());
         let mut allocations = Vec::new();
+        let mut over_budget = Vec::new();
         for g in wire.gpus {
             let health = match (g.health, g.health_reason) {
                 (WireHealth::Healthy, _) => Health::Healthy,
@@ -229,6 +285,22 @@ impl NodeState {
                     container: h.container,
                     gpu: g.index,
                     mib: h.mib,
+                });
+            }
+            for o in g.over_budget {
+                if o.namespace.is_empty() || o.name.is_empty() {
+                    return Err(invalid(format!(
+                        "GPU{} lists an over-budget pod with an empty namespace or name",
+                        g.index
+                    )));
+                }
+                over_budget.push(OverBudget {
+                    pod: PodRef { namespace: o.namespace, name: o.name, uid: o.uid },
+                    container: o.container,
+                    gpu: g.index,
+                    in_use: o.in_use_mib,
+                    budget: o.budget_mib,
+                    since_ms: o.since,
                 });
             }
             if let Some(p) = g.util_percent.filter(|p| *p > 100) {
@@ -261,6 +333,7 @@ impl NodeState {
             inventory,
             used: used.into_iter().map(|(_, m)| m).collect(),
             allocations,
+            over_budget,
         })
     }
 }
@@ -293,6 +366,14 @@ mod tests {
                 container: "main".into(),
                 gpu: 0,
                 mib: Mib::new(3500),
+            }],
+            over_budget: vec![OverBudget {
+                pod: PodRef { namespace: "default".into(), name: "infer-1".into(), uid: "u1".into() },
+                container: "main".into(),
+                gpu: 0,
+                in_use: Mib::new(4100),
+                budget: Mib::new(3500),
+                since_ms: 1_700_000_000_000,
             }],
         }
     }

@@ -64,6 +64,7 @@ fn pod(f: &Fixture, uid: &str, created: &str, containers: &[ContainerSpec<'_>]) 
         terminal: false,
         spec: gpushare_core::PodSpec::default(),
         annotations: BTreeMap::from([(ASSIGNMENT_KEY.to_owned(), assignment.encode().unwrap())]),
+        container_ids: Vec::new(),
     });
 }
 
@@ -215,6 +216,7 @@ fn failures_are_errors_with_reasons_never_bogus_success() {
         )
         .unwrap(),
         annotations: BTreeMap::new(),
+        container_ids: Vec::new(),
     };
     f.pods.upsert(view.clone());
     let err = f.alloc.allocate(&f.alloc.devices().ids(0).take(100).collect::<Vec<_>>()).unwrap_err().to_string();
