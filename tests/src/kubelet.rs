@@ -216,6 +216,16 @@ struct Shared {
     limiter: Limiter,
     pod_resources_requests: usize,
     pod_resources_rejected: usize,
+    /// Further resources ([`Kubelet::also_serve`]), each with its own plugin connection.
+    others: BTreeMap<String, Other>,
+}
+
+/// A further resource's plugin, as the kubelet keeps one per resource.
+#[derive(Debug)]
+struct Other {
+    devices: Arc<watch::Sender<Vec<Device>>>,
+    client: Option<DevicePluginClient<Channel>>,
+    stream: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Default for Shared {
@@ -237,6 +247,7 @@ impl Default for Shared {
             limiter: Limiter::new(),
             pod_resources_requests: 0,
             pod_resources_rejected: 0,
+            others: BTreeMap::new(),
         }
     }
 }
@@ -305,6 +316,21 @@ impl Registration for Service {
         let mut shared = lock(&self.shared);
         if shared.restarts != self.epoch {
             return Err(Status::unavailable("the kubelet is restarting"));
+        }
+        if let Some(other) = shared.others.get_mut(&r.resource_name) {
+            // A further resource: its own client and device list, beside the main one.
+            if let Some(old) = other.stream.take() {
+                old.abort();
+            }
+            other.client = Some(client);
+            let devices = Arc::clone(&other.devices);
+            other.stream = Some(tokio::spawn(async move {
+                while let Ok(Some(list)) = stream.message().await {
+                    devices.send_replace(list.devices);
+                }
+            }));
+            shared.registrations.push(r);
+            return Ok(Response::new(Empty {}));
         }
         shared.generation += 1;
         let generation = shared.generation;
@@ -582,6 +608,13 @@ impl Kubelet {
             if let Some(stream) = shared.stream.take() {
                 stream.abort();
             }
+            for other in shared.others.values_mut() {
+                other.client = None;
+                if let Some(stream) = other.stream.take() {
+                    stream.abort();
+                }
+                other.devices.send_replace(Vec::new());
+            }
         }
         self.devices_tx.send_replace(Vec::new());
         std::fs::create_dir_all(&self.dir).with_context(|| format!("creating {}", self.dir.display()))?;
@@ -706,6 +739,55 @@ impl Kubelet {
             Ok(Ok(d)) => Ok(d.clone()),
             _ => bail!("no matching device list within {timeout:?} (last had {} devices)", self.devices.borrow().len()),
         }
+    }
+
+    /// Serves `resource` as a further resource, as the kubelet keeps one plugin per resource:
+    /// its registrations get a connection and a device list of their own
+    /// ([`Kubelet::wait_devices_of`], [`Kubelet::allocate_of`]) and leave the main resource's
+    /// alone. Call it before the plugin registers.
+    pub fn also_serve(&self, resource: &str) {
+        self.shared().others.entry(resource.to_owned()).or_insert_with(|| Other {
+            devices: Arc::new(watch::Sender::new(Vec::new())),
+            client: None,
+            stream: None,
+        });
+    }
+
+    /// Waits until the device list of a further resource satisfies `ok`.
+    ///
+    /// # Errors
+    /// The resource is not served ([`Kubelet::also_serve`]), or no such list came in time.
+    pub async fn wait_devices_of(
+        &self,
+        resource: &str,
+        timeout: Duration,
+        ok: impl Fn(&[Device]) -> bool,
+    ) -> anyhow::Result<Vec<Device>> {
+        let mut rx = self.shared().others.get(resource).context("not a further resource")?.devices.subscribe();
+        let found =
+            tokio::time::timeout(timeout, rx.wait_for(|d| ok(d))).await.ok().and_then(Result::ok).map(|d| d.clone());
+        match found {
+            Some(d) => Ok(d),
+            None => bail!("no matching {resource} device list within {timeout:?} (last: {:?})", rx.borrow().clone()),
+        }
+    }
+
+    /// `Allocate` of `devices` of a further resource for one container: its environment.
+    ///
+    /// # Errors
+    /// No plugin of that resource is registered, or the plugin refused, with its message.
+    pub async fn allocate_of(&self, resource: &str, devices: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
+        let client = self.shared().others.get(resource).and_then(|o| o.client.clone());
+        let response = client
+            .with_context(|| format!("no plugin of {resource} has registered"))?
+            .allocate(AllocateRequest {
+                container_requests: vec![ContainerAllocateRequest { devices_ids: devices.to_vec() }],
+            })
+            .await
+            .map_err(|s| anyhow::anyhow!("Allocate: {}: {}", code(&s), s.message()))?
+            .into_inner();
+        let answer = response.container_responses.into_iter().next().context("empty Allocate response")?;
+        Ok(answer.envs.into_iter().collect())
     }
 
     /// The resource of the newest registration, kept across restarts.

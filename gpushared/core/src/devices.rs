@@ -29,7 +29,8 @@ pub struct DeviceMap {
 }
 
 impl DeviceMap {
-    /// Names the devices of `inventory`: one per whole unit of each GPU's total.
+    /// Names the devices of `inventory`: one per whole unit of each GPU's total (none for a GPU
+    /// in `whole` mode).
     #[must_use]
     pub fn new(inventory: &NodeInventory) -> Self {
         let gpus = inventory.gpus();
@@ -45,7 +46,8 @@ impl DeviceMap {
             tags[pos] = tag_chars(n);
         }
         let unit = inventory.unit();
-        let units = gpus.iter().map(|g| unit.whole_units(g.total)).collect();
+        // A GPU handed out whole offers no memory devices (its tag stays reserved).
+        let units = gpus.iter().map(|g| unit.whole_units(g.capacity(unit))).collect();
         DeviceMap { tags, units }
     }
 
@@ -260,7 +262,7 @@ pub fn list_and_watch_size(inventory: &NodeInventory, numa: bool) -> usize {
     let unit = inventory.unit();
     let mut total = 0usize;
     for g in inventory.gpus() {
-        let devices = unit.whole_units(g.total);
+        let devices = unit.whole_units(g.capacity(unit));
         let numa_node = if numa { g.numa_node } else { None };
         // Devices 0..62 have 1-digit numbers, 62..3844 two digits, and so on.
         let (mut start, mut end, mut digits) = (0u64, 62u64, 1usize);
@@ -314,6 +316,19 @@ mod tests {
         }
         // A number beyond the GPU's units is not a device.
         assert_eq!(map.resolve(&format!("{tag}4000000")), None);
+    }
+
+    #[test]
+    fn a_whole_gpu_offers_no_memory_devices_and_keeps_its_tag() {
+        let shared = inventory(MemoryUnit::Mib, &[("GPU-a", 100, None), ("GPU-b", 100, None)]);
+        let mut gpus = shared.gpus().to_vec();
+        gpus[1].mode = crate::inventory::SharingMode::Whole;
+        let whole = NodeInventory::new(MemoryUnit::Mib, gpus).unwrap();
+        let (a, b) = (DeviceMap::new(&shared), DeviceMap::new(&whole));
+        assert_eq!((b.units(0), b.units(1), b.total()), (100, 0, 100));
+        assert_eq!(b.id(1, 0), None);
+        assert_eq!(a.id(0, 7), b.id(0, 7), "the shared GPU's IDs do not move");
+        assert!(list_and_watch_size(&whole, false) < list_and_watch_size(&shared, false));
     }
 
     #[test]

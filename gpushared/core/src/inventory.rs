@@ -89,15 +89,19 @@ pub enum SharingMode {
     /// Containers are clients of the GPU's CUDA MPS control daemon, which pins each client's
     /// device memory to its budget and limits its share of the GPU's threads.
     Mps,
+    /// The GPU is handed out whole, through the daemon's second resource (one device per GPU),
+    /// and never shared: it offers no memory devices and takes no share.
+    Whole,
 }
 
 impl SharingMode {
-    /// The name in configuration files and annotations: `shared` or `mps`.
+    /// The name in configuration files and annotations: `shared`, `mps` or `whole`.
     #[must_use]
     pub fn as_str(self) -> &'static str {
         match self {
             SharingMode::Shared => "shared",
             SharingMode::Mps => "mps",
+            SharingMode::Whole => "whole",
         }
     }
 
@@ -107,6 +111,7 @@ impl SharingMode {
         match s {
             "shared" => Some(SharingMode::Shared),
             "mps" => Some(SharingMode::Mps),
+            "whole" => Some(SharingMode::Whole),
             _ => None,
         }
     }
@@ -194,16 +199,17 @@ impl Gpu {
         }
     }
 
-    /// Whether new allocations may land here: healthy and not cordoned.
+    /// Whether new shares may land here: healthy, not cordoned, and not a whole GPU.
     #[must_use]
     pub fn is_schedulable(&self) -> bool {
-        self.health.is_healthy() && !self.cordoned
+        self.health.is_healthy() && !self.cordoned && self.mode != SharingMode::Whole
     }
 
-    /// The memory that can be handed out under `unit`: the total rounded down to whole units.
+    /// The memory that can be handed out as shares under `unit`: the total rounded down to
+    /// whole units; none on a GPU handed out whole.
     #[must_use]
     pub fn capacity(&self, unit: MemoryUnit) -> Mib {
-        unit.round_down(self.total)
+        if self.mode == SharingMode::Whole { Mib::ZERO } else { unit.round_down(self.total) }
     }
 }
 

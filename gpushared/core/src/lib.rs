@@ -24,6 +24,9 @@ pub mod units;
 pub const GPUSHARE_MEMORY_RESOURCE: &str = "gpushare.io/gpu-mem";
 /// gpushare's GPU-count resource (scheduler-only, never advertised by nodes).
 pub const GPUSHARE_COUNT_RESOURCE: &str = "gpushare.io/gpu-count";
+/// gpushare's whole-GPU resource: one device per GPU in `whole` mode, advertised by the daemon
+/// beside the memory resource and counted by kube-scheduler itself.
+pub const GPUSHARE_WHOLE_RESOURCE: &str = "gpushare.io/gpu";
 
 pub use inventory::{Activity, Gpu, GpuUuid, Health, NodeInventory, SharingMode};
 pub use placement::{GpuPolicy, NodePolicy, NodeView, Placement, Placer, Rejection};

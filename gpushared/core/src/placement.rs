@@ -5,7 +5,7 @@
 //! Rules every placement keeps (property-tested):
 //! - a container asking for K GPUs gets K distinct GPUs with its memory split evenly;
 //! - no GPU's usage plus the pod's footprint exceeds its capacity (total rounded to the unit);
-//! - unhealthy and cordoned GPUs are never chosen.
+//! - unhealthy, cordoned and whole-mode GPUs are never chosen.
 //!
 //! A pod's footprint on a GPU follows Kubernetes' init-container rule: app containers and
 //! sidecars add up; each init container runs alone beside the sidecars started before it, so
@@ -179,6 +179,8 @@ pub enum Unusable {
     Unhealthy(String),
     /// Cordoned by an operator.
     Cordoned,
+    /// Handed out whole (`whole` mode), never shared.
+    Whole,
 }
 
 /// Why a pod does not fit on a node.
@@ -195,7 +197,7 @@ pub enum Rejection {
         /// The unit the pod's request was read in.
         cluster: crate::units::MemoryUnit,
     },
-    /// Every GPU is unhealthy or cordoned.
+    /// Every GPU is unhealthy, cordoned or handed out whole.
     #[error("no GPU takes allocations: {}", states(.gpus, None))]
     NoSchedulableGpus {
         /// Each GPU's state.
@@ -257,6 +259,7 @@ fn states(gpus: &[GpuState], need: Option<Mib>) -> String {
         let line = match &g.unusable {
             Some(Unusable::Unhealthy(reason)) => format!("GPU{}: unhealthy ({reason})", g.index),
             Some(Unusable::Cordoned) => format!("GPU{}: cordoned", g.index),
+            Some(Unusable::Whole) => format!("GPU{}: handed out whole, not shared", g.index),
             None => match need {
                 Some(n) if g.free < n => {
                     format!("GPU{}: {} of {} MiB free, needs {}", g.index, g.free.get(), g.capacity.get(), n.get())
@@ -654,6 +657,7 @@ fn gpu_states(node: NodeView<'_>) -> Vec<GpuState> {
             capacity: g.capacity(unit),
             free: g.capacity(unit).saturating_sub(*used),
             unusable: match (&g.health, g.cordoned) {
+                _ if g.mode == crate::inventory::SharingMode::Whole => Some(Unusable::Whole),
                 (Health::Unhealthy { reason }, _) => Some(Unusable::Unhealthy(reason.clone())),
                 (Health::Healthy, true) => Some(Unusable::Cordoned),
                 (Health::Healthy, false) => None,

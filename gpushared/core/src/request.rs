@@ -115,6 +115,14 @@ pub enum Compatibility {
     Alibaba,
 }
 
+impl ResourceName {
+    /// `gpushare.io/gpu`: whole GPUs, one device per GPU, beside the shares.
+    #[must_use]
+    pub fn gpushare_whole() -> Self {
+        ResourceName(crate::GPUSHARE_WHOLE_RESOURCE.to_owned())
+    }
+}
+
 impl ResourceNames {
     /// The names under `compatibility`, with either one overridden.
     #[must_use]

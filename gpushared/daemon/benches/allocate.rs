@@ -126,7 +126,7 @@ async fn main() {
         tokio::sync::watch::channel(plugin::DeviceSnapshot { inventory: Arc::new(inventory), numa: true });
     let listener = plugin::bind(&plugin_dir.join("gpushared.sock")).unwrap();
     tokio::spawn(plugin::serve(Plugin::new(Arc::clone(&alloc), devices_rx), listener, std::future::pending()));
-    plugin::register(plugin_dir.join("kubelet.sock"), "gpushared.sock".into(), "gpushare.io/gpu-mem".into())
+    plugin::register(plugin_dir.join("kubelet.sock"), "gpushared.sock".into(), "gpushare.io/gpu-mem".into(), true)
         .await
         .unwrap();
     kubelet.wait_devices(Duration::from_secs(10), |d| !d.is_empty()).await.unwrap();

@@ -151,7 +151,7 @@ pub enum OveruseAction {
 #[serde(deny_unknown_fields)]
 pub struct OveruseConfig {
     /// Whether the processes are sampled at all (only with NVML).
-    #[serde(default = "default_true")]
+    #[serde(default = "yes")]
     pub enabled: bool,
     /// Seconds between samples.
     #[serde(default = "default_overuse_interval")]
@@ -181,10 +181,6 @@ impl Default for OveruseConfig {
             proc_directory: default_proc_directory(),
         }
     }
-}
-
-fn default_true() -> bool {
-    true
 }
 
 fn default_overuse_interval() -> Seconds {
@@ -240,6 +236,9 @@ pub struct SharingConfig {
     /// GPUs (index or UUID) whose containers are clients of CUDA MPS.
     #[serde(default)]
     pub mps: Vec<GpuRef>,
+    /// GPUs (index or UUID) handed out whole through `[resources] whole`, never shared.
+    #[serde(default)]
+    pub whole: Vec<GpuRef>,
 }
 
 impl SharingConfig {
@@ -248,18 +247,27 @@ impl SharingConfig {
     /// # Errors
     /// A GPU named here that this host does not have, with the GPUs it has.
     pub fn apply(&self, gpus: &mut [Gpu]) -> Result<(), String> {
-        if let Some(missing) = self.mps.iter().find(|r| !gpus.iter().any(|g| r.names(g))) {
-            let have: Vec<String> = gpus.iter().map(|g| format!("{} ({})", g.index, g.uuid)).collect();
-            return Err(format!(
-                "[sharing] mps names {missing}, which this host does not have; its GPUs are {}",
-                if have.is_empty() { "none".to_owned() } else { have.join(", ") }
-            ));
+        for (key, list) in [("mps", &self.mps), ("whole", &self.whole)] {
+            if let Some(missing) = list.iter().find(|r| !gpus.iter().any(|g| r.names(g))) {
+                let have: Vec<String> = gpus.iter().map(|g| format!("{} ({})", g.index, g.uuid)).collect();
+                return Err(format!(
+                    "[sharing] {key} names {missing}, which this host does not have; its GPUs are {}",
+                    if have.is_empty() { "none".to_owned() } else { have.join(", ") }
+                ));
+            }
         }
         for g in gpus.iter_mut() {
-            g.mode = if self.mps.iter().any(|r| r.names(g)) {
-                gpushare_core::SharingMode::Mps
-            } else {
-                gpushare_core::SharingMode::Shared
+            let (mps, whole) = (self.mps.iter().any(|r| r.names(g)), self.whole.iter().any(|r| r.names(g)));
+            g.mode = match (mps, whole) {
+                (true, true) => {
+                    return Err(format!(
+                        "[sharing] names GPU {} ({}) both in mps and in whole; a GPU is shared one way or handed out whole",
+                        g.index, g.uuid
+                    ));
+                }
+                (true, false) => gpushare_core::SharingMode::Mps,
+                (false, true) => gpushare_core::SharingMode::Whole,
+                (false, false) => gpushare_core::SharingMode::Shared,
             };
         }
         Ok(())
@@ -577,6 +585,9 @@ pub struct ResourcesConfig {
     /// Overrides the GPU-count resource name.
     #[serde(default)]
     pub count: Option<ResourceName>,
+    /// The resource whole GPUs (`[sharing] whole`) are handed out as, one device per GPU.
+    #[serde(default = "default_whole_resource")]
+    pub whole: ResourceName,
     /// Publish each GPU's NUMA node to the kubelet (topology hints); costs 4–6 bytes per device
     /// in the kubelet's 4 MiB device list.
     #[serde(default = "yes")]
@@ -587,6 +598,10 @@ fn yes() -> bool {
     true
 }
 
+fn default_whole_resource() -> ResourceName {
+    ResourceName::gpushare_whole()
+}
+
 impl Default for ResourcesConfig {
     fn default() -> Self {
         ResourcesConfig {
@@ -594,6 +609,7 @@ impl Default for ResourcesConfig {
             compatibility: Compatibility::default(),
             memory: None,
             count: None,
+            whole: default_whole_resource(),
             numa_topology: true,
         }
     }
@@ -700,6 +716,12 @@ impl Config {
                 names.memory.as_str()
             )));
         }
+        if config.resources.whole == names.memory || config.resources.whole == names.count {
+            return Err(invalid(format!(
+                "resources: whole is {:?}, which is also the memory or count resource; name whole GPUs with their own resource, such as \"gpushare.io/gpu\"",
+                config.resources.whole.as_str()
+            )));
+        }
         Ok(config)
     }
 
@@ -784,15 +806,23 @@ mod tests {
     fn sharing_sets_each_gpus_mode_and_refuses_a_gpu_the_host_lacks() {
         let mut gpus: Vec<Gpu> =
             (0..3).map(|i| Gpu::new(i, GpuUuid::new(format!("GPU-{i}")).unwrap(), "T4", Mib::new(1000))).collect();
-        let sharing = SharingConfig { mps: vec![GpuRef::Index(2), GpuRef::Uuid("GPU-0".into())] };
+        let sharing = SharingConfig { mps: vec![GpuRef::Index(2), GpuRef::Uuid("GPU-0".into())], whole: vec![] };
         sharing.apply(&mut gpus).unwrap();
         let modes: Vec<&str> = gpus.iter().map(|g| g.mode.as_str()).collect();
         assert_eq!(modes, ["mps", "shared", "mps"]);
-        let err = SharingConfig { mps: vec![GpuRef::Index(7)] }.apply(&mut gpus).unwrap_err();
+        let sharing = SharingConfig { mps: vec![GpuRef::Index(2)], whole: vec![GpuRef::Uuid("GPU-1".into())] };
+        sharing.apply(&mut gpus).unwrap();
+        let modes: Vec<&str> = gpus.iter().map(|g| g.mode.as_str()).collect();
+        assert_eq!(modes, ["shared", "whole", "mps"]);
+        let err = SharingConfig { mps: vec![GpuRef::Index(7)], whole: vec![] }.apply(&mut gpus).unwrap_err();
         assert!(
             err.contains("names GPU 7, which this host does not have; its GPUs are 0 (GPU-0), 1 (GPU-1), 2 (GPU-2)"),
             "{err}"
         );
+        let err = SharingConfig { mps: vec![], whole: vec![GpuRef::Index(9)] }.apply(&mut gpus).unwrap_err();
+        assert!(err.starts_with("[sharing] whole names GPU 9"), "{err}");
+        let both = SharingConfig { mps: vec![GpuRef::Index(1)], whole: vec![GpuRef::Index(1)] };
+        assert!(both.apply(&mut gpus).unwrap_err().contains("both in mps and in whole"));
     }
 
     #[test]
@@ -813,6 +843,7 @@ mod tests {
         assert_eq!(c.nvml.library, Path::new("libnvidia-ml.so.1"));
         assert_eq!(c.resources.unit, MemoryUnit::Mib);
         assert_eq!(c.resources.names(), ResourceNames::gpushare());
+        assert_eq!(c.resources.whole.as_str(), "gpushare.io/gpu");
         assert!(c.resources.numa_topology);
         assert!(c.gpus.is_empty());
         assert_eq!(c.kubelet.pod_resources_socket.path(), Path::new("/var/lib/kubelet/pod-resources/kubelet.sock"));
@@ -855,6 +886,7 @@ path = "/tmp/ledger.db"
 unit = "GiB"
 compatibility = "alibaba"
 count = "example.com/gpus"
+whole = "example.com/whole-gpu"
 numa_topology = false
 [nvml]
 library = "/opt/nvidia/libnvidia-ml.so.1"
@@ -879,6 +911,7 @@ numa_node = 1
         assert_eq!(c.socket_path(), Path::new("/tmp/dp/x.sock"));
         assert_eq!(c.resources.names().memory.as_str(), "aliyun.com/gpu-mem");
         assert_eq!(c.resources.names().count.as_str(), "example.com/gpus");
+        assert_eq!(c.resources.whole.as_str(), "example.com/whole-gpu");
         assert_eq!(c.gpus[0].to_gpu().numa_node, Some(1));
         assert_eq!(c.kubelet.pod_resources_socket.path(), Path::new("/tmp/pr/kubelet.sock"));
         assert_eq!(c.reconcile.interval_seconds.duration().as_secs(), 5);
@@ -912,6 +945,11 @@ numa_node = 1
             ),
             ("node_name = \"Node_A\"", &["not a Kubernetes node name"]),
             ("[resources]\ncount = \"gpushare.io/gpu-mem\"", &["must be two different resources"]),
+            (
+                "[resources]\nwhole = \"gpushare.io/gpu-mem\"",
+                &["whole is \"gpushare.io/gpu-mem\"", "with their own resource"],
+            ),
+            ("[sharing]\nwhole = [\"x\", \"y\", true]", &["line 2"]),
             ("[ledger", &["line 1"]),
             ("[reconcile]\ninterval_seconds = 0", &["line 2", "write at least 1"]),
             ("[dbus]\naddress = \"session\"", &["not a D-Bus address", "unix:path="]),

@@ -21,7 +21,8 @@
 //! - [`pods`]: the pods bound to this node, as last seen;
 //! - [`publish`]: the node-state annotation on this node's Node;
 //! - [`reconcile`]: the ledger against the kubelet's PodResources record;
-//! - [`systemd`]: readiness, status and the watchdog for `Type=notify`.
+//! - [`systemd`]: readiness, status and the watchdog for `Type=notify`;
+//! - [`whole`]: whole GPUs beside the shares, as a second device-plugin resource.
 
 pub mod allocator;
 pub mod cli;
@@ -42,4 +43,6 @@ pub mod plugin;
 pub mod pods;
 pub mod publish;
 pub mod reconcile;
+pub mod whole;
+
 pub use gpushare_sdnotify as systemd;

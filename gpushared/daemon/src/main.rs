@@ -321,9 +321,23 @@ async fn run(config: Config) -> anyhow::Result<()> {
             config.kubelet_socket(),
             config.kubelet.socket_name.as_str().to_owned(),
             alloc.resource().to_owned(),
+            true,
         ))
     };
     let mut registration = Some(register());
+    // Whole GPUs, when `[sharing] whole` names any: a second resource on a socket of its own.
+    let (whole_stop, whole_stop_rx) = watch::channel(false);
+    let mut whole = if alloc.inventory().gpus().iter().any(|g| g.mode == gpushare_core::SharingMode::Whole) {
+        let endpoint = gpushared::whole::Endpoint {
+            dir: dir.clone(),
+            socket_name: gpushared::whole::socket_name(config.kubelet.socket_name.as_str()),
+            resource: config.resources.whole.as_str().to_owned(),
+        };
+        let plugin = gpushared::whole::WholePlugin::new(Arc::clone(&alloc), numa);
+        Some(tokio::spawn(gpushared::whole::run(plugin, endpoint, whole_stop_rx)))
+    } else {
+        None
+    };
     // Without a watchdog nothing reads the heartbeat, and the timer arm is off.
     let mut beat = tokio::time::interval(heartbeat.as_ref().map_or(Duration::from_secs(3600), Heartbeat::period));
     beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -360,6 +374,14 @@ async fn run(config: Config) -> anyhow::Result<()> {
                     registration = Some(register());
                 }
             }
+            Some(ended) = async { match whole.as_mut() { Some(t) => Some(t.await), None => None } } => {
+                whole = None;
+                match ended {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return Err(e),
+                    Err(e) => bail!("the whole-GPU plugin task failed: {e}"),
+                }
+            }
             // Turns the loop (and so beats the heartbeat) when nothing else happens.
             _ = beat.tick(), if heartbeat.is_some() => {}
         }
@@ -368,6 +390,12 @@ async fn run(config: Config) -> anyhow::Result<()> {
     notifier.stopping("stopping: closing the plugin socket");
     // End the ListAndWatch streams first: a graceful shutdown waits for open streams.
     server.stop(true).await;
+    let _ = whole_stop.send(true);
+    if let Some(t) = whole
+        && tokio::time::timeout(Duration::from_secs(6), t).await.is_err()
+    {
+        tracing::warn!("the whole-GPU plugin did not stop within 6 s");
+    }
     tasks.abort_all();
     health_stop.store(true, std::sync::atomic::Ordering::Relaxed);
     Ok(())

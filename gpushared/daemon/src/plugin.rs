@@ -314,13 +314,19 @@ impl Server {
     }
 }
 
-/// Registers with the kubelet at `kubelet_sock`, retrying with backoff (100 ms doubling to 5 s)
-/// while the kubelet is not there. Returns once the kubelet accepted, or with the kubelet's
-/// refusal (a refused registration is final: the kubelet rejects the name or version).
+/// Registers `resource` served at `endpoint` with the kubelet at `kubelet_sock` (`preferred`:
+/// whether the plugin offers `GetPreferredAllocation`), retrying with backoff (100 ms doubling
+/// to 5 s) while the kubelet is not there. Returns once the kubelet accepted, or with the
+/// kubelet's refusal (a refused registration is final: the kubelet rejects the name or version).
 ///
 /// # Errors
 /// The kubelet's refusal.
-pub async fn register(kubelet_sock: PathBuf, endpoint: String, resource: String) -> Result<(), Status> {
+pub async fn register(
+    kubelet_sock: PathBuf,
+    endpoint: String,
+    resource: String,
+    preferred: bool,
+) -> Result<(), Status> {
     let mut delay = Duration::from_millis(100);
     loop {
         let attempt = async {
@@ -334,7 +340,7 @@ pub async fn register(kubelet_sock: PathBuf, endpoint: String, resource: String)
                     resource_name: resource.clone(),
                     options: Some(DevicePluginOptions {
                         pre_start_required: false,
-                        get_preferred_allocation_available: true,
+                        get_preferred_allocation_available: preferred,
                     }),
                 })
                 .await

@@ -673,3 +673,83 @@ mod overuse {
         drop(daemon);
     }
 }
+
+mod whole {
+    //! Whole GPUs beside the shares: `[sharing] whole` GPUs as a second resource, through the
+    //! kubelet stand-in serving both resources.
+
+    use super::*;
+    use gpushare_core::SharingMode;
+
+    const WHOLE: &str = "gpushare.io/gpu";
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_whole_gpu_is_a_second_resource_and_never_a_share() {
+        let gpus = static_gpus(&[(1000, None), (1000, Some(1)), (1000, None)]);
+        let (host, api, config) = host_with(&format!("[sharing]\nwhole = [1, \"GPU-static-2\"]\n{gpus}")).await;
+        let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
+        kubelet.also_serve(WHOLE);
+        let daemon = Daemon::start(&config, host.path("daemon.log"));
+        kubelet.wait_registered(2, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+        let registrations = kubelet.registrations();
+        let whole = registrations.iter().find(|r| r.resource_name == WHOLE).unwrap();
+        assert_eq!(whole.endpoint, "gpushared-whole.sock");
+        assert!(!whole.options.unwrap().get_preferred_allocation_available);
+        assert!(
+            registrations.iter().any(|r| r.resource_name == "gpushare.io/gpu-mem" && r.endpoint == "gpushared.sock")
+        );
+
+        // The memory resource offers GPU0 only; the whole resource GPU1 and GPU2, by UUID.
+        kubelet.wait_devices(WAIT, |d| d.len() == 1000).await.unwrap();
+        let list = kubelet.wait_devices_of(WHOLE, WAIT, |d| d.len() == 2).await.unwrap();
+        let ids: Vec<(&str, &str)> = list.iter().map(|d| (d.id.as_str(), d.health.as_str())).collect();
+        assert_eq!(ids, vec![("GPU-static-1", "Healthy"), ("GPU-static-2", "Healthy")]);
+        assert_eq!(list[0].topology.as_ref().unwrap().nodes[0].id, 1, "NUMA node published");
+
+        // Allocate: the GPUs' UUIDs, and a line in the history.
+        let envs = kubelet.allocate_of(WHOLE, &["GPU-static-1".into(), "GPU-static-2".into()]).await.unwrap();
+        assert_eq!(envs.get("NVIDIA_VISIBLE_DEVICES").map(String::as_str), Some("GPU-static-1,GPU-static-2"));
+        let err = kubelet.allocate_of(WHOLE, &["GPU-static-0".into()]).await.unwrap_err().to_string();
+        assert!(err.contains("InvalidArgument") && err.contains("is shared, not handed out whole"), "{err}");
+        let err = kubelet.allocate_of(WHOLE, &["GPU-nope".into()]).await.unwrap_err().to_string();
+        assert!(err.contains("\"GPU-nope\" is not a GPU of this node"), "{err}");
+        let history: Vec<String> = ledger(&host)
+            .events_since(0)
+            .unwrap()
+            .into_iter()
+            .filter(|e| e.kind == "whole-allocated")
+            .map(|e| e.detail)
+            .collect();
+        assert_eq!(history, vec!["GPU1 (GPU-static-1), GPU2 (GPU-static-2) handed out whole".to_owned()]);
+
+        // The node annotation says so: the extender places no share there.
+        let state = eventually("the node state", || node_state(&api)).await;
+        let modes: Vec<SharingMode> = state.inventory.gpus().iter().map(|g| g.mode).collect();
+        assert_eq!(modes, vec![SharingMode::Shared, SharingMode::Whole, SharingMode::Whole]);
+        assert_eq!(state.inventory.schedulable_capacity(), Mib::new(1000));
+
+        // A kubelet restart: both resources register again.
+        kubelet.restart().await.unwrap();
+        kubelet.wait_registered_since_restart(2, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+        kubelet.wait_devices_of(WHOLE, WAIT, |d| d.len() == 2).await.unwrap();
+        kubelet.wait_devices(WAIT, |d| d.len() == 1000).await.unwrap();
+
+        // Stopping removes both sockets.
+        let mut daemon = daemon;
+        daemon.signal("TERM");
+        assert_eq!(daemon.wait_exit(WAIT), Some(0), "{}", daemon.log());
+        assert!(!host.plugin_dir().join("gpushared-whole.sock").exists());
+        assert!(!host.plugin_dir().join("gpushared.sock").exists());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_gpu_cannot_be_both_mps_and_whole() {
+        let gpus = static_gpus(&[(1000, None), (1000, None)]);
+        let (host, _api, config) =
+            host_with(&format!("[sharing]\nwhole = [1]\nmps = [\"GPU-static-1\"]\n{gpus}")).await;
+        let mut daemon = Daemon::start(&config, host.path("daemon.log"));
+        let code = daemon.wait_exit(WAIT);
+        assert!(code.is_some_and(|c| c != 0), "{code:?}");
+        assert!(daemon.log().contains("names GPU 1 (GPU-static-1) both in mps and in whole"), "{}", daemon.log());
+    }
+}

@@ -155,6 +155,7 @@ enum WireMode {
     #[default]
     Shared,
     Mps,
+    Whole,
 }
 
 impl WireMode {
@@ -219,6 +220,7 @@ impl NodeState {
                     mode: match g.mode {
                         SharingMode::Shared => WireMode::Shared,
                         SharingMode::Mps => WireMode::Mps,
+                        SharingMode::Whole => WireMode::Whole,
                     },
                     util_percent: g.activity.and_then(|a| a.utilization),
                     in_use_mib: g.activity.map(|a| a.in_use),
@@ -319,6 +321,7 @@ impl NodeState {
                 mode: match g.mode {
                     WireMode::Shared => SharingMode::Shared,
                     WireMode::Mps => SharingMode::Mps,
+                    WireMode::Whole => SharingMode::Whole,
                 },
                 activity: g.in_use_mib.map(|in_use| Activity { utilization: g.util_percent, in_use }),
             });

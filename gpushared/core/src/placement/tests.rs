@@ -14,6 +14,7 @@ enum State {
     Ok,
     Sick,
     Cordoned,
+    Whole,
 }
 
 const OK: State = State::Ok;
@@ -27,6 +28,9 @@ fn node(unit: MemoryUnit, gpus: &[G]) -> (NodeInventory, Vec<Mib>) {
             g.health =
                 if *state == State::Sick { Health::Unhealthy { reason: "Xid 79".into() } } else { Health::Healthy };
             g.cordoned = *state == State::Cordoned;
+            if *state == State::Whole {
+                g.mode = crate::inventory::SharingMode::Whole;
+            }
             g
         })
         .collect();
@@ -95,11 +99,17 @@ fn gpu_policies_choose_as_documented() {
             vec![vec![0, 2]],
         ),
         (
-            "unhealthy and cordoned GPUs are never chosen",
-            &[G(16_000, 15_000, OK), G(16_000, 0, State::Sick), G(16_000, 0, State::Cordoned), G(16_000, 8000, OK)],
+            "unhealthy, cordoned and whole GPUs are never chosen",
+            &[
+                G(16_000, 15_000, OK),
+                G(16_000, 0, State::Sick),
+                G(16_000, 0, State::Cordoned),
+                G(16_000, 0, State::Whole),
+                G(16_000, 8000, OK),
+            ],
             pod(&[app("a", 2000)]),
             GpuPolicy::Spread,
-            vec![vec![3]],
+            vec![vec![4]],
         ),
         (
             "containers of one pod may share a GPU",
@@ -186,6 +196,20 @@ fn rejections_name_the_gpus_and_say_whether_preemption_helps() {
             &[G(t4, 0, State::Sick), G(t4, 0, State::Cordoned)],
             pod(&[app("a", 1)]),
             "no GPU takes allocations: GPU0: unhealthy (Xid 79); GPU1: cordoned",
+            false,
+        ),
+        (
+            "only whole GPUs",
+            &[G(t4, 0, State::Whole), G(t4, 0, State::Whole)],
+            pod(&[app("a", 1)]),
+            "no GPU takes allocations: GPU0: handed out whole, not shared; GPU1: handed out whole, not shared",
+            false,
+        ),
+        (
+            "a whole GPU is not a second GPU for a share",
+            &[G(t4, 0, OK), G(t4, 0, State::Whole)],
+            pod(&[("a", ContainerRole::App, 4000, 2)]),
+            "container \"a\" needs 2 GPUs, node has 1 that take allocations",
             false,
         ),
         (
