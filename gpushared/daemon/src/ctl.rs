@@ -20,7 +20,9 @@ use serde_json::{Value, json};
 use zbus::DBusError as _;
 use zbus::fdo;
 
-use crate::dbus::{AllocationRecord, BUS_NAME, Bus, GpuRecord, Gpushare1Proxy, HistoryRecord, OverBudgetRecord};
+use crate::dbus::{
+    ActivityRecord, AllocationRecord, BUS_NAME, Bus, GpuRecord, Gpushare1Proxy, HistoryRecord, OverBudgetRecord,
+};
 
 /// Exit status: the daemon refused the request (a D-Bus error reply such as an unknown GPU).
 pub const EXIT_REFUSED: u8 = 1;
@@ -377,8 +379,8 @@ pub async fn execute(proxy: &Gpushare1Proxy<'_>, request: &Request, json: bool, 
             if json { pretty(&status_json(&status)) } else { status_text(&status) }
         }
         Request::Gpus => {
-            let gpus = proxy.gpus().await?;
-            if json { pretty(&gpus_json(&gpus)) } else { gpus_text(&gpus) }
+            let (gpus, activity) = tokio::try_join!(proxy.gpus(), proxy.gpu_activity())?;
+            if json { pretty(&gpus_json(&gpus, &activity)) } else { gpus_text(&gpus, &activity) }
         }
         Request::Allocations { pod } => {
             let rows = proxy.list_allocations(pod.as_deref().unwrap_or("")).await?;
@@ -568,16 +570,26 @@ fn health_cell(health: &str, reason: &str) -> String {
     if reason.is_empty() { health.to_owned() } else { format!("{health} ({reason})") }
 }
 
-/// `gpus` as a table sorted by index: INDEX UUID MODEL TOTAL(MiB) USED(MiB) FREE(MiB) HEALTH
-/// CORDONED.
+/// A GPU's mode, utilisation (`None`: not reported) and memory in use (`None`: not sampled).
+fn activity_of(activity: &[ActivityRecord], index: u32) -> (String, Option<i32>, Option<i64>) {
+    activity.iter().find(|a| a.0 == index).map_or_else(
+        || ("shared".to_owned(), None, None),
+        |(_, mode, util, in_use)| (mode.clone(), (*util >= 0).then_some(*util), (*in_use >= 0).then_some(*in_use)),
+    )
+}
+
+/// `gpus` as a table sorted by index: INDEX UUID MODEL TOTAL(MiB) USED(MiB) FREE(MiB) MODE
+/// UTIL(%) IN-USE(MiB) HEALTH CORDONED; `-` where NVML gave no figure.
 #[must_use]
-pub fn gpus_text(gpus: &[GpuRecord]) -> String {
+pub fn gpus_text(gpus: &[GpuRecord], activity: &[ActivityRecord]) -> String {
     if gpus.is_empty() {
         return "no GPUs\n".to_owned();
     }
+    let dash = |v: Option<String>| v.unwrap_or_else(|| "-".to_owned());
     let rows: Vec<Vec<String>> = sorted_gpus(gpus)
         .into_iter()
         .map(|(index, uuid, model, total, used, health, reason, cordoned)| {
+            let (mode, util, in_use) = activity_of(activity, *index);
             vec![
                 index.to_string(),
                 uuid.clone(),
@@ -585,24 +597,46 @@ pub fn gpus_text(gpus: &[GpuRecord]) -> String {
                 total.to_string(),
                 used.to_string(),
                 total.saturating_sub(*used).to_string(),
+                mode,
+                dash(util.map(|u| u.to_string())),
+                dash(in_use.map(|m| m.to_string())),
                 health_cell(health, reason),
                 if *cordoned { "yes" } else { "no" }.to_owned(),
             ]
         })
         .collect();
-    render_table(&["INDEX", "UUID", "MODEL", "TOTAL(MiB)", "USED(MiB)", "FREE(MiB)", "HEALTH", "CORDONED"], &rows)
+    render_table(
+        &[
+            "INDEX",
+            "UUID",
+            "MODEL",
+            "TOTAL(MiB)",
+            "USED(MiB)",
+            "FREE(MiB)",
+            "MODE",
+            "UTIL(%)",
+            "IN-USE(MiB)",
+            "HEALTH",
+            "CORDONED",
+        ],
+        &rows,
+    )
 }
 
 /// `gpus` as a JSON array sorted by index; each object has `index`, `uuid`, `model`,
-/// `totalMiB`, `usedMiB`, `freeMiB`, `health`, `healthReason` (`null` when healthy) and
-/// `cordoned`.
+/// `totalMiB`, `usedMiB`, `freeMiB`, `mode`, `utilPercent` and `inUseMiB` (`null` when NVML gave
+/// no figure), `health`, `healthReason` (`null` when healthy) and `cordoned`.
 #[must_use]
-pub fn gpus_json(gpus: &[GpuRecord]) -> Value {
+pub fn gpus_json(gpus: &[GpuRecord], activity: &[ActivityRecord]) -> Value {
     Value::Array(
         sorted_gpus(gpus)
             .into_iter()
             .map(|(index, uuid, model, total, used, health, reason, cordoned)| {
+                let (mode, util, in_use) = activity_of(activity, *index);
                 json!({
+                    "mode": mode,
+                    "utilPercent": util,
+                    "inUseMiB": in_use,
                     "index": index,
                     "uuid": uuid,
                     "model": model,
@@ -964,14 +998,16 @@ mod tests {
 
     #[test]
     fn gpus_table_is_sorted_aligned_and_shows_reasons() {
-        let out = gpus_text(&[gpu(1, 81_920, 20_480, "Xid 79", true), gpu(0, 81_920, 0, "", false)]);
+        let activity: Vec<ActivityRecord> = vec![(1, "whole".into(), 87, 40_960), (0, "shared".into(), -1, -1)];
+        let out = gpus_text(&[gpu(1, 81_920, 20_480, "Xid 79", true), gpu(0, 81_920, 0, "", false)], &activity);
         let lines: Vec<&str> = out.lines().collect();
         assert_eq!(lines.len(), 3);
         assert!(lines[0].starts_with("INDEX   UUID       MODEL"), "{out}");
         assert!(lines[1].starts_with("0       GPU-0000"), "{out}");
         assert!(lines[2].contains("Unhealthy (Xid 79)"), "{out}");
         assert!(lines[2].ends_with("yes"), "{out}");
-        assert!(lines[2].contains("81920        20480       61440"), "{out}");
+        assert!(lines[2].contains("81920        20480       61440       whole    87        40960         "), "{out}");
+        assert!(lines[1].contains("81920        0           81920       shared   -         -             "), "{out}");
         // Every column starts at the same offset on every line.
         let col = lines[0].find("HEALTH").unwrap();
         assert_eq!(lines[1].find("Healthy"), Some(col));
@@ -980,13 +1016,15 @@ mod tests {
 
     #[test]
     fn gpus_json_has_camel_case_keys_and_null_reason_when_healthy() {
-        let v = gpus_json(&[gpu(1, 100, 150, "Xid 79", true), gpu(0, 100, 40, "", false)]);
+        let v = gpus_json(&[gpu(1, 100, 150, "Xid 79", true), gpu(0, 100, 40, "", false)], &[(1, "mps".into(), 5, 90)]);
         assert_eq!(
             v[0],
             json!({"index": 0, "uuid": "GPU-0000", "model": "NVIDIA A100-SXM4-80GB", "totalMiB": 100, "usedMiB": 40,
-                   "freeMiB": 60, "health": "Healthy", "healthReason": null, "cordoned": false})
+                   "freeMiB": 60, "health": "Healthy", "healthReason": null, "cordoned": false,
+                   "mode": "shared", "utilPercent": null, "inUseMiB": null})
         );
         assert_eq!(v[1]["healthReason"], "Xid 79");
+        assert_eq!((&v[1]["mode"], &v[1]["utilPercent"], &v[1]["inUseMiB"]), (&json!("mps"), &json!(5), &json!(90)));
         assert_eq!(v[1]["freeMiB"], 0, "used over total saturates");
     }
 

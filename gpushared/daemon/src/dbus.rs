@@ -29,6 +29,11 @@ pub type GpuRecord = (u32, String, String, u64, u64, String, String, bool);
 /// allocated at (Unix ms).
 pub type AllocationRecord = (String, String, String, String, String, String, u32, u64, i64);
 
+/// What one GPU is doing: index, sharing mode (`shared`, `mps`, `whole`), NVML's utilisation
+/// in percent at the last sample (-1: not reported), memory in use by every process at that
+/// sample in MiB (-1: not sampled).
+pub type ActivityRecord = (u32, String, i32, i64);
+
 /// One container over its budget: namespace, pod, pod UID, container (empty: not tied to one),
 /// GPU index, MiB in use, budget MiB, over since (Unix ms).
 pub type OverBudgetRecord = (String, String, String, String, u32, u64, u64, i64);
@@ -122,6 +127,21 @@ impl StatusApi {
             .collect()
     }
 
+    /// Each GPU's sharing mode and what it is doing (see [`ActivityRecord`]).
+    #[zbus(property)]
+    fn gpu_activity(&self) -> Vec<ActivityRecord> {
+        self.alloc
+            .current_inventory()
+            .gpus()
+            .iter()
+            .map(|g| {
+                let util = g.activity.and_then(|a| a.utilization).map_or(-1, i32::from);
+                let in_use = g.activity.map_or(-1, |a| i64::try_from(a.in_use.get()).unwrap_or(i64::MAX));
+                (g.index, g.mode.as_str().to_owned(), util, in_use)
+            })
+            .collect()
+    }
+
     /// Live allocations in the ledger.
     #[zbus(property)]
     fn allocation_count(&self) -> u32 {
@@ -211,6 +231,9 @@ pub trait Gpushare1 {
     /// Containers over their budget.
     #[zbus(property)]
     fn over_budget(&self) -> zbus::Result<Vec<OverBudgetRecord>>;
+    /// Each GPU's mode and activity.
+    #[zbus(property)]
+    fn gpu_activity(&self) -> zbus::Result<Vec<ActivityRecord>>;
     /// Live allocations, of one pod if `pod` is not empty.
     fn list_allocations(&self, pod: &str) -> zbus::Result<Vec<AllocationRecord>>;
     /// Where a pod is and why.

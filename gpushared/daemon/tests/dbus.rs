@@ -258,6 +258,9 @@ fn gpu_json(index: u32, used: u64, cordoned: bool) -> Value {
         "health": "Healthy",
         "healthReason": null,
         "cordoned": cordoned,
+        "mode": "shared",
+        "utilPercent": null,
+        "inUseMiB": null,
     })
 }
 
