@@ -163,7 +163,7 @@ pub struct GpuReport {
     pub health_reason: Option<String>,
     /// Cordoned by an operator.
     pub cordoned: bool,
-    /// How it is shared: `shared` or `mps`.
+    /// How it is shared: `shared`, `mps` or `whole`.
     #[serde(default)]
     pub mode: String,
     /// Its utilisation at the daemon's last published sample, percent.
@@ -174,6 +174,26 @@ pub struct GpuReport {
     pub in_use_mib: Option<u64>,
     /// Who holds it.
     pub pods: Vec<PodShare>,
+    /// Containers whose processes use more of it than their budget, as its daemon last saw.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub over_budget: Vec<OverBudgetShare>,
+}
+
+/// A container over its budget on one GPU, as its node's daemon reported it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct OverBudgetShare {
+    /// `namespace/name`.
+    pub pod: String,
+    /// The container (empty when not tied to one).
+    #[serde(default)]
+    pub container: String,
+    /// Memory its processes use on the GPU.
+    #[serde(rename = "inUseMiB")]
+    pub in_use_mib: u64,
+    /// Its budget there (0: none).
+    #[serde(rename = "budgetMiB")]
+    pub budget_mib: u64,
 }
 
 /// A pod's memory on one GPU (or, for pending pods, its request).
@@ -201,14 +221,14 @@ impl ClusterReport {
         for name in names {
             let Some(entry) = view.node(&name) else { continue };
             let address = entry.address.clone();
-            match &entry.gpus {
+            let over_budget = match &entry.gpus {
                 NodeGpus::NotSharing => continue,
                 NodeGpus::Invalid(why) => {
                     report.unreadable.push((name, why.clone()));
                     continue;
                 }
-                NodeGpus::Reported(_) => {}
-            }
+                NodeGpus::Reported(state) => state.over_budget.clone(),
+            };
             let Ok(inventory) = view.inventory(&name).cloned() else { continue };
             let Ok(usage) = view.usage(&name).cloned() else { continue };
             let used = usage.total();
@@ -231,6 +251,16 @@ impl ClusterReport {
                     mode: g.mode.as_str().to_owned(),
                     util_percent: g.activity.and_then(|a| a.utilization),
                     in_use_mib: g.activity.map(|a| a.in_use.get()),
+                    over_budget: over_budget
+                        .iter()
+                        .filter(|o| o.gpu == g.index)
+                        .map(|o| OverBudgetShare {
+                            pod: format!("{}/{}", o.pod.namespace, o.pod.name),
+                            container: o.container.clone(),
+                            in_use_mib: o.in_use.get(),
+                            budget_mib: o.budget.get(),
+                        })
+                        .collect(),
                     pods: usage
                         .pods
                         .iter()
@@ -327,6 +357,17 @@ impl ClusterReport {
             let total: u64 = n.gpus.iter().map(|g| units(g.total_mib)).sum();
             let _ = writeln!(out, "Allocated :  {used} ({}%)", percent(used, total));
             let _ = writeln!(out, "Total :  {total}");
+            for g in &n.gpus {
+                for o in &g.over_budget {
+                    let who =
+                        if o.container.is_empty() { o.pod.clone() } else { format!("{} {:?}", o.pod, o.container) };
+                    let _ = writeln!(
+                        out,
+                        "Over budget :  {who} on GPU{}: {} MiB in use, budget {} MiB",
+                        g.index, o.in_use_mib, o.budget_mib
+                    );
+                }
+            }
             out.push_str("--------------------------------------------------------------------------------------\n");
             cluster_used += used;
             cluster_total += total;
@@ -351,7 +392,17 @@ impl ClusterReport {
                     uuid: g.uuid.clone(),
                     used_mib: g.used_mib,
                     total_mib: g.total_mib,
-                    schedulable: g.healthy && !g.cordoned,
+                    schedulable: g.healthy && !g.cordoned && g.mode != "whole",
+                    over_budget: g
+                        .over_budget
+                        .iter()
+                        .map(|o| crate::metrics::OverBudgetSample {
+                            pod: o.pod.clone(),
+                            container: o.container.clone(),
+                            in_use_mib: o.in_use_mib,
+                            budget_mib: o.budget_mib,
+                        })
+                        .collect(),
                 })
             })
             .collect()
@@ -395,6 +446,43 @@ Allocated/Total GPU Memory In Cluster:
         assert!(out.ends_with("3500/15360 (22%)\n"), "{out}");
         let empty = summary(&[], MemoryUnit::Mib);
         assert!(empty.ends_with("0/0 (0%)\n"), "{empty}");
+    }
+
+    #[test]
+    fn details_name_containers_over_budget() {
+        let gpu = |index: u32, over: Vec<OverBudgetShare>| GpuReport {
+            index,
+            total_mib: 15_360,
+            used_mib: 4096,
+            healthy: true,
+            mode: "shared".into(),
+            pods: vec![PodShare { pod: "ml/train".into(), uid: "u".into(), mib: 4096, in_flight: false }],
+            over_budget: over,
+            ..GpuReport::default()
+        };
+        let over = vec![
+            OverBudgetShare { pod: "ml/train".into(), container: "main".into(), in_use_mib: 5200, budget_mib: 4096 },
+            OverBudgetShare { pod: "ml/rogue".into(), container: String::new(), in_use_mib: 800, budget_mib: 0 },
+        ];
+        let report = ClusterReport {
+            unit: MemoryUnit::Mib,
+            nodes: vec![NodeReport {
+                name: "n".into(),
+                address: "10.0.0.1".into(),
+                unit: MemoryUnit::Mib,
+                gpus: vec![gpu(0, vec![]), gpu(1, over)],
+                pending: vec![],
+            }],
+            unreadable: vec![],
+        };
+        let out = report.details();
+        assert!(out.contains("Over budget :  ml/train \"main\" on GPU1: 5200 MiB in use, budget 4096 MiB\n"), "{out}");
+        assert!(out.contains("Over budget :  ml/rogue on GPU1: 800 MiB in use, budget 0 MiB\n"), "{out}");
+        let clean = ClusterReport {
+            nodes: vec![NodeReport { gpus: vec![gpu(0, vec![])], ..report.nodes[0].clone() }],
+            ..report.clone()
+        };
+        assert!(!clean.details().contains("Over budget"), "nothing when nobody is over");
     }
 
     #[test]

@@ -75,8 +75,23 @@ pub struct GpuSample {
     pub used_mib: u64,
     /// Capacity in MiB.
     pub total_mib: u64,
-    /// Healthy and not cordoned.
+    /// Healthy, not cordoned, and not handed out whole.
     pub schedulable: bool,
+    /// Containers over their budget on it, as its daemon reported.
+    pub over_budget: Vec<OverBudgetSample>,
+}
+
+/// A container over its budget on a GPU, for the scrape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OverBudgetSample {
+    /// `namespace/name`.
+    pub pod: String,
+    /// The container (empty when not tied to one).
+    pub container: String,
+    /// Memory its processes use on the GPU.
+    pub in_use_mib: u64,
+    /// Its budget there.
+    pub budget_mib: u64,
 }
 
 /// All counters.
@@ -173,6 +188,42 @@ impl Metrics {
             gpus,
             |g| u64::from(g.schedulable),
         );
+        per_gpu(
+            &mut out,
+            "gpushare_gpu_containers_over_budget",
+            "Containers whose processes use more of the GPU than their budget, as its daemon last sampled.",
+            gpus,
+            |g| u64::try_from(g.over_budget.len()).unwrap_or(u64::MAX),
+        );
+        for (name, help, value) in [
+            (
+                "gpushare_container_gpu_memory_in_use_mib",
+                "GPU memory the processes of a container over its budget use (only containers over budget).",
+                (|o: &OverBudgetSample| o.in_use_mib) as fn(&OverBudgetSample) -> u64,
+            ),
+            (
+                "gpushare_container_gpu_memory_budget_mib",
+                "The budget of a container over it (only containers over budget; 0: no budget on the GPU).",
+                |o: &OverBudgetSample| o.budget_mib,
+            ),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+            for g in gpus {
+                for o in &g.over_budget {
+                    let (namespace, pod) = o.pod.split_once('/').unwrap_or(("", &o.pod));
+                    let _ = writeln!(
+                        out,
+                        "{name}{{node=\"{}\",gpu=\"{}\",namespace=\"{}\",pod=\"{}\",container=\"{}\"}} {}",
+                        escape(&g.node),
+                        g.index,
+                        escape(namespace),
+                        escape(pod),
+                        escape(&o.container),
+                        value(o)
+                    );
+                }
+            }
+        }
         out
     }
 }
@@ -214,8 +265,22 @@ mod tests {
             used_mib: 100,
             total_mib: 200,
             schedulable: true,
+            over_budget: vec![OverBudgetSample {
+                pod: "ml/train".into(),
+                container: "main".into(),
+                in_use_mib: 450,
+                budget_mib: 300,
+            }],
         };
         let text = m.render(&[gpu], 2, (1, 2, 0), true);
+        assert!(
+            text.contains("gpushare_gpu_containers_over_budget{node=\"n\\\"1\",gpu=\"0\",uuid=\"GPU-a\"} 1\n"),
+            "{text}"
+        );
+        assert!(text.contains(
+            "gpushare_container_gpu_memory_in_use_mib{node=\"n\\\"1\",gpu=\"0\",namespace=\"ml\",pod=\"train\",container=\"main\"} 450\n"
+        ), "{text}");
+        assert!(text.contains("# TYPE gpushare_container_gpu_memory_budget_mib gauge\ngpushare_container_gpu_memory_budget_mib{node=\"n\\\"1\",gpu=\"0\",namespace=\"ml\",pod=\"train\",container=\"main\"} 300\n"), "{text}");
         assert!(text.contains("gpushare_extender_request_duration_seconds_bucket{verb=\"filter\",le=\"0.0005\"} 0\n"));
         assert!(text.contains("gpushare_extender_request_duration_seconds_bucket{verb=\"filter\",le=\"0.001\"} 1\n"));
         assert!(text.contains("gpushare_extender_request_duration_seconds_bucket{verb=\"filter\",le=\"0.05\"} 2\n"));

@@ -203,3 +203,88 @@ async fn a_cluster_switches_over_from_alibabas_extender() {
     assert_eq!(annotations[alibaba::POD], "8000");
     assert_eq!(annotations[alibaba::ASSIGNED], "false");
 }
+
+/// A node whose daemon hands GPU1 out whole and reports a container over its budget on GPU0:
+/// the extender places shares only on GPU0, and the over-budget container reaches the inspect
+/// view and the metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_gpus_take_no_share_and_over_budget_containers_are_reported() {
+    use gpushare_core::codec::node::OverBudget;
+    use gpushare_core::{Gpu, GpuUuid, MemoryUnit, NodeInventory, SharingMode};
+
+    let h = start(1024 * 1024).await;
+    let gpus: Vec<Gpu> = (0..2)
+        .map(|i| {
+            let mut g = Gpu::new(i, GpuUuid::new(format!("GPU-w-{i}")).unwrap(), "A100", Mib::new(16_000));
+            if i == 1 {
+                g.mode = SharingMode::Whole;
+            }
+            g
+        })
+        .collect();
+    let state = NodeState {
+        generation: 1,
+        daemon_version: "0.1.0".into(),
+        inventory: NodeInventory::new(MemoryUnit::Mib, gpus).unwrap(),
+        used: vec![Mib::ZERO; 2],
+        allocations: vec![],
+        over_budget: vec![OverBudget {
+            pod: PodRef { namespace: "ml".into(), name: "train".into(), uid: "u-train".into() },
+            container: "main".into(),
+            gpu: 0,
+            in_use: Mib::new(5200),
+            budget: Mib::new(4096),
+            since_ms: 1_763_892_000_000,
+        }],
+    };
+    h.api
+        .create_node(json!({"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": "gpu-w", "annotations": {NODE_STATE_KEY: state.encode().unwrap()}}}))
+        .unwrap();
+    let one = h.api.create_pod("default", pod_object("one", 12_000)).unwrap();
+    let mut two = pod_object("two", 16_000);
+    two["spec"]["containers"][0]["resources"]["limits"]["gpushare.io/gpu-count"] = json!("2");
+    let two = h.api.create_pod("default", two).unwrap();
+    let uids =
+        [one["metadata"]["uid"].as_str().unwrap().to_owned(), two["metadata"]["uid"].as_str().unwrap().to_owned()];
+    until("the node and pods in the view", async || {
+        h.ext.with_view(|v| v.inventory("gpu-w").is_ok() && uids.iter().all(|u| v.pod(u).is_some()))
+    })
+    .await;
+
+    let filter = |pod: &Value| json!({"Pod": pod, "Nodes": null, "NodeNames": ["gpu-w"]}).to_string();
+    let (_, body) = http(h.addr, "POST", "/gpushare-scheduler/filter", &filter(&one)).await;
+    let result: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(result["NodeNames"], json!(["gpu-w"]), "12 000 MiB fit GPU0: {body}");
+    let (_, body) = http(h.addr, "POST", "/gpushare-scheduler/filter", &filter(&two)).await;
+    let result: Value = serde_json::from_str(&body).unwrap();
+    let why = result["FailedAndUnresolvableNodes"]["gpu-w"].as_str().unwrap_or_else(|| panic!("{body}"));
+    assert!(why.contains("needs 2 GPUs, node has 1 that take allocations"), "the whole GPU is no second GPU: {why}");
+    let bind = json!({"PodName": "one", "PodNamespace": "default", "PodUID": uids[0], "Node": "gpu-w"}).to_string();
+    assert_eq!(http(h.addr, "POST", "/gpushare-scheduler/bind", &bind).await.1, r#"{"Error":""}"#);
+    let stored = h.api.pod("default", "one").unwrap();
+    let a = Assignment::decode(stored["metadata"]["annotations"][ASSIGNMENT_KEY].as_str().unwrap()).unwrap();
+    assert_eq!(a.containers[0].gpus[0].index, 0, "never on the whole GPU");
+
+    let (_, body) = http(h.addr, "GET", "/gpushare-scheduler/inspect/gpu-w", "").await;
+    let report: Value = serde_json::from_str(&body).unwrap();
+    let gpus = report["nodes"][0]["gpus"].as_array().unwrap();
+    assert_eq!((gpus[1]["mode"].as_str(), gpus[1]["totalMiB"].as_u64()), (Some("whole"), Some(0)), "{body}");
+    assert_eq!(
+        gpus[0]["overBudget"],
+        json!([{"pod": "ml/train", "container": "main", "inUseMiB": 5200, "budgetMiB": 4096}]),
+        "{body}"
+    );
+    let (_, metrics) = http(h.addr, "GET", "/metrics", "").await;
+    assert!(
+        metrics.contains("gpushare_gpu_containers_over_budget{node=\"gpu-w\",gpu=\"0\",uuid=\"GPU-w-0\"} 1\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(
+            "gpushare_container_gpu_memory_in_use_mib{node=\"gpu-w\",gpu=\"0\",namespace=\"ml\",pod=\"train\",container=\"main\"} 5200\n"
+        ),
+        "{metrics}"
+    );
+    assert!(metrics.contains("gpushare_gpu_schedulable{node=\"gpu-w\",gpu=\"1\",uuid=\"GPU-w-1\"} 0\n"), "{metrics}");
+}
