@@ -24,7 +24,8 @@ use thiserror::Error;
 use crate::inspect::ClusterReport;
 use crate::metrics::{BindOutcome, Metrics};
 use crate::objects::PodObject;
-use crate::view::{Assumed, ClusterView, Evicted, Holding, NodeRefusal};
+use crate::view::summary::Shape;
+use crate::view::{Assumed, ClusterView, Evicted, Holding};
 use crate::wire::{
     BindingArgs, BindingResult, ExtenderArgs, FilterResult, HostPriority, MetaPod, MetaVictims, Name, NodeList,
     PreemptionArgs, PreemptionResult,
@@ -234,9 +235,15 @@ impl<C: Cluster> Extender<C> {
                 Ok(request) => {
                     let gone = view.evicted(&[args.pod.uid()]);
                     let uid = args.pod.uid();
+                    let shape = Shape::of(&request);
                     for n in &candidates {
-                        // Most nodes of a healthy cluster fit the common shape outright; only
-                        // the others go through the placer, which also says why not.
+                        // Most nodes of a healthy cluster take the common shape outright, as
+                        // their summary shows; only the others go through the placer, which
+                        // also says why not.
+                        if shape.as_ref().is_some_and(|s| view.passes_at_a_glance(n, s, &gone)) {
+                            passing.push(*n);
+                            continue;
+                        }
                         let fits = view.surely_fits(n, &request, &gone) == Some(true)
                             || match view.score(placer, n, &request, self.policies, self.busy_weight, &gone) {
                                 Ok(_) => true,
@@ -288,29 +295,31 @@ impl<C: Cluster> Extender<C> {
         let State { view, placer } = &mut *s;
         let request = view.request_of(&args.pod).ok().filter(|r| !r.is_empty());
         let gone = view.evicted(&[args.pod.uid()]);
-        let scores: Vec<u8> = match &request {
-            Some(r) if self.is_ready() => {
-                self.verdicts(view, placer, &candidates, r, &gone).into_iter().map(|v| v.unwrap_or(0)).collect()
-            }
-            _ => vec![0; candidates.len()],
-        };
+        let request = request.filter(|_| self.is_ready());
+        let shape = request.as_ref().and_then(Shape::of);
         candidates
             .into_iter()
-            .zip(scores)
-            .map(|(host, score)| HostPriority { host: Name::from(host), score: i64::from(score) })
+            .map(|host| {
+                let score = request.as_ref().map_or(0, |r| self.score_of(view, placer, host, r, shape.as_ref(), &gone));
+                HostPriority { host: Name::from(host), score: i64::from(score) }
+            })
             .collect()
     }
 
-    /// Each candidate's score or refusal, in order.
-    fn verdicts(
+    /// A candidate's score, 0 where the pod does not fit: from its summary when that can say,
+    /// else from the placer.
+    fn score_of(
         &self,
         view: &ClusterView,
         placer: &mut Placer,
-        names: &[&str],
+        node: &str,
         request: &PodRequest,
+        shape: Option<&Shape>,
         gone: &Evicted<'_>,
-    ) -> Vec<Result<u8, NodeRefusal>> {
-        names.iter().map(|n| view.score(placer, n, request, self.policies, self.busy_weight, gone)).collect()
+    ) -> u8 {
+        shape
+            .and_then(|s| view.score_at_a_glance(node, s, self.policies, self.busy_weight, gone))
+            .unwrap_or_else(|| view.score(placer, node, request, self.policies, self.busy_weight, gone).unwrap_or(0))
     }
 
     fn node_lock(&self, node: &str) -> Arc<tokio::sync::Mutex<()>> {

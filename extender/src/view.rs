@@ -19,11 +19,15 @@ use std::time::{Duration, Instant};
 use gpushare_core::codec::alibaba::AlibabaAnnotations;
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
-use gpushare_core::placement::{GpuPolicy, NodeView, Placer, Rejection};
+use gpushare_core::placement::{GpuPolicy, NodePolicy, NodeView, Placer, Rejection};
 use gpushare_core::schedule::Policies;
 use gpushare_core::{MemoryUnit, Mib, NodeInventory, PodRequest, ResourceNames};
 
 use crate::objects::{NodeObject, PodObject};
+
+pub mod summary;
+
+use summary::{NodeTable, Shape, Summary};
 
 /// `FxHash`: a fast hash for the view's short keys (node names, UIDs). They come from the API
 /// server, not from anyone who could choose colliding keys, so `SipHash`'s flood resistance is
@@ -278,6 +282,9 @@ pub struct ClusterView {
     pods: FxMap<String, PodEntry>,
     assumed: FxMap<String, Assumed>,
     disagreements: u64,
+    /// Every node's [`Summary`] while its usage is cached: kept in step by [`Self::sync`]
+    /// wherever a node or its cached usage changes.
+    table: NodeTable,
 }
 
 impl ClusterView {
@@ -293,6 +300,7 @@ impl ClusterView {
             pods: FxMap::default(),
             assumed: FxMap::default(),
             disagreements: 0,
+            table: NodeTable::default(),
         }
     }
 
@@ -334,7 +342,38 @@ impl ClusterView {
         {
             entry.cache = None;
             self.dirty.push(n.to_owned());
+            self.table.set(n, None);
         }
+    }
+
+    /// Rewrites `node`'s [`Summary`] from its entry (or drops it with the node).
+    fn sync(&mut self, node: &str) {
+        match self.nodes.get(node) {
+            None => self.table.remove(node),
+            Some(entry) => self.table.set(node, Self::summary_of(entry)),
+        }
+    }
+
+    /// What a node's [`Summary`] is: from its inventory and cached usage, `None` without them.
+    fn summary_of(entry: &NodeEntry) -> Option<Summary> {
+        let (NodeGpus::Reported(state), Some(usage)) = (&entry.gpus, &entry.cache) else { return None };
+        let inventory = &state.inventory;
+        if inventory.gpus().is_empty() || usage.total.len() != inventory.gpus().len() {
+            return None;
+        }
+        let unit = inventory.unit();
+        summary::summarize(
+            unit,
+            inventory.gpus().iter().zip(&usage.total).map(|(g, used)| (g.is_schedulable(), g.capacity(unit), *used)),
+            usage.admitting.iter().map(|a| a.assignment.first_request()),
+        )
+    }
+
+    /// The summary of every node that has one and what it should be, for tests.
+    #[cfg(test)]
+    pub(crate) fn summaries_in_step(&self) -> bool {
+        self.table.len() == self.nodes.len()
+            && self.nodes.iter().all(|(name, e)| self.table.get(name) == Self::summary_of(e).as_ref())
     }
 
     /// Recomputes the usage of every node changed since the last call, so that readers find
@@ -346,6 +385,7 @@ impl ClusterView {
                 if let Some(e) = self.nodes.get_mut(&name) {
                     e.cache = Some(usage);
                 }
+                self.sync(&name);
             }
         }
     }
@@ -375,6 +415,7 @@ impl ClusterView {
         entry.gpus = gpus;
         entry.cache = None;
         self.dirty.push(name.clone());
+        self.table.set(&name, None);
         let Some(entry) = self.nodes.get(&name) else { return Vec::new() };
         match &entry.gpus {
             NodeGpus::Reported(s) if old_generation != Some(s.generation) => {
@@ -412,6 +453,7 @@ impl ClusterView {
     pub fn delete_node(&mut self, name: &str) {
         self.index_reports(name, &NodeGpus::NotSharing);
         self.nodes.remove(name);
+        self.table.remove(name);
     }
 
     /// The pods in `uids` as gone, with the nodes where they hold memory.
@@ -628,11 +670,11 @@ impl ClusterView {
             Some(_) => None,
             None => Some(self.compute_usage(node)),
         };
-        let entry = self.nodes.get_mut(node).ok_or(NodeRefusal::Unknown)?;
         if let Some(u) = fresh {
-            entry.cache = Some(u);
+            self.nodes.get_mut(node).ok_or(NodeRefusal::Unknown)?.cache = Some(u);
+            self.sync(node);
         }
-        entry.cache.as_ref().ok_or(NodeRefusal::Unknown)
+        self.nodes.get(node).and_then(|e| e.cache.as_ref()).ok_or(NodeRefusal::Unknown)
     }
 
     /// A pod's footprint per GPU position of `inventory`, from its holding.
@@ -827,29 +869,45 @@ impl ClusterView {
         .flatten()
     }
 
-    /// Whether `node` certainly takes `pod`, decided without the placer: for the common shape
-    /// (one container on one GPU, the pod's unit) it is enough that one schedulable GPU has the
-    /// room. `None` when the shortcut does not apply or the answer is no (the caller then asks
-    /// [`Self::score`], which also says why).
+    /// Whether `node` certainly takes `pod`, decided from its [`Summary`] without the placer:
+    /// for the common shape (one container on one or more GPUs, the node's unit) it is enough
+    /// that enough schedulable GPUs have the room. `None` when the shortcut does not apply or
+    /// the answer is no (the caller then asks [`Self::score`], which also says why).
     #[must_use]
     pub fn surely_fits(&self, node: &str, pod: &PodRequest, evicted: &Evicted<'_>) -> Option<bool> {
-        let [c] = pod.containers() else { return None };
-        if c.gpus != 1 || evicted.touches(node) {
+        let shape = Shape::of(pod)?;
+        if evicted.touches(node) {
             return None;
         }
-        let entry = self.nodes.get(node)?;
-        let (NodeGpus::Reported(s), Some(usage)) = (&entry.gpus, &entry.cache) else { return None };
-        let inventory = &s.inventory;
-        if inventory.unit() != pod.unit() || usage.total.len() != inventory.gpus().len() {
+        self.table.get(node)?.fits(&shape)
+    }
+
+    /// filter's answer from `node`'s [`Summary`] alone: `true` when the node certainly takes
+    /// a pod of `shape` and admits no pod that could be its look-alike, so that it passes with
+    /// no further look; `false` when the long way must decide (and say why not).
+    #[must_use]
+    pub fn passes_at_a_glance(&self, node: &str, shape: &Shape, evicted: &Evicted<'_>) -> bool {
+        self.table.get(node).is_some_and(|s| s.fits(shape) == Some(true) && !s.may_admit_lookalike(shape.first))
+            && !evicted.touches(node)
+    }
+
+    /// prioritize's score from `node`'s [`Summary`] alone: what [`Self::score`] answers when
+    /// the pod fits, `None` when the long way must decide (no fit, GPU activity weighed, an
+    /// evicted pod on the node, no summary).
+    #[must_use]
+    pub fn score_at_a_glance(
+        &self,
+        node: &str,
+        shape: &Shape,
+        policies: Policies,
+        busy_weight: u8,
+        evicted: &Evicted<'_>,
+    ) -> Option<u8> {
+        if busy_weight != 0 {
             return None;
         }
-        let unit = inventory.unit();
-        inventory
-            .gpus()
-            .iter()
-            .zip(&usage.total)
-            .any(|(g, used)| g.is_schedulable() && g.capacity(unit).saturating_sub(*used) >= c.memory)
-            .then_some(true)
+        let score = self.table.get(node)?.score(shape, policies.node == NodePolicy::Binpack)?;
+        (!evicted.touches(node)).then_some(score)
     }
 
     /// Scores `node` for `pod` (0–10) with the `evicted` pods gone (the pod itself, so an

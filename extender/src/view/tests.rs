@@ -308,3 +308,162 @@ fn a_relist_applied_as_it_comes_forgets_the_pods_it_did_not_see() {
     v.retain_pods(&HashSet::from(["uid-a".to_owned()]));
     assert_eq!(used(&mut v, "n1"), [300, 0]);
 }
+
+/// A pod of one container asking for `mib` over `gpus` GPUs.
+fn pod_on_gpus(name: &str, mib: u64, gpus: u32) -> PodObject {
+    serde_json::from_value(json!({
+        "metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}")},
+        "spec": {"containers": [{"name": "main", "resources": {"limits": {
+            "gpushare.io/gpu-mem": mib.to_string(), "gpushare.io/gpu-count": gpus.to_string()}}}]},
+        "status": {"phase": "Pending"}
+    }))
+    .unwrap()
+}
+
+#[test]
+fn the_summary_scores_and_filters_as_the_placer() {
+    // The nodes of the shortcut test above: every mix of usage, sick and cordoned GPUs.
+    let mut v = ClusterView::new(config(false));
+    let mut names = Vec::new();
+    for n in 0..24u64 {
+        let name = format!("n{n}");
+        let allocations = (0..4u32)
+            .filter(|g| (n + u64::from(*g)) % 3 != 0)
+            .map(|g| holding(&format!("p{n}-{g}"), "main", g, 100 + ((n * 37 + u64::from(g) * 211) % 900)))
+            .collect();
+        let mut object = node(&name, 4, 1000, 1, allocations);
+        if n % 5 == 0 {
+            let key = object.metadata.annotations.as_mut().unwrap();
+            let mut state = NodeState::decode(&key[NODE_STATE_KEY]).unwrap();
+            state.inventory.gpu_mut(0).unwrap().health = gpushare_core::Health::Unhealthy { reason: "Xid 79".into() };
+            state.inventory.gpu_mut(1).unwrap().cordoned = true;
+            key.insert(NODE_STATE_KEY.into(), state.encode().unwrap());
+        }
+        v.apply_node(&object);
+        names.push(name);
+    }
+    v.refresh();
+    assert!(v.summaries_in_step());
+    let none = Evicted::default();
+    let mut placer = Placer::new();
+    let mut glances = 0;
+    for gpus in 1..=3u32 {
+        for mib in (50..=1000).step_by(50).map(|m| m * u64::from(gpus)) {
+            let req = v.request_of(&pod_on_gpus("x", mib, gpus)).unwrap();
+            let shape = Shape::of(&req).unwrap();
+            assert_eq!(shape.gpus, gpus as usize);
+            for node_policy in [NodePolicy::Binpack, NodePolicy::Spread] {
+                for gpu_policy in [GpuPolicy::Binpack, GpuPolicy::Spread] {
+                    let policies = Policies { gpu: gpu_policy, node: node_policy };
+                    for n in &names {
+                        let full = v.score(&mut placer, n, &req, policies, 0, &none).ok();
+                        let glance = v.score_at_a_glance(n, &shape, policies, 0, &none);
+                        assert_eq!(glance, full, "{n}, {mib} MiB on {gpus} GPUs, {policies:?}");
+                        assert_eq!(v.passes_at_a_glance(n, &shape, &none), full.is_some(), "{n}, {mib} MiB");
+                        assert_eq!(v.surely_fits(n, &req, &none), full.map(|_| true), "{n}, {mib} MiB");
+                        glances += usize::from(glance.is_some());
+                    }
+                }
+            }
+        }
+    }
+    assert!(glances > 500, "the summary decides most: {glances}");
+    // Not with GPU activity weighed, nor for a node an evicted pod touches, nor an unknown one.
+    let small = v.request_of(&pod("x", 50, None, "Pending")).unwrap();
+    let shape = Shape::of(&small).unwrap();
+    assert_eq!(v.score_at_a_glance("n1", &shape, Policies::default(), 30, &none), None);
+    assert_eq!(v.score_at_a_glance("n1", &shape, Policies::default(), 0, &v.evicted(&["uid-p1-1"])), None);
+    assert!(!v.passes_at_a_glance("n1", &shape, &v.evicted(&["uid-p1-1"])));
+    assert!(!v.passes_at_a_glance("nowhere", &shape, &none));
+}
+
+#[test]
+fn a_node_admitting_a_pod_of_the_same_first_request_is_left_to_the_long_way() {
+    let mut v = ClusterView::new(config(false));
+    v.apply_node(&node("n1", 2, 1000, 1, vec![]));
+    // Bound with its assignment, not reported by the daemon yet: in admission.
+    v.apply_pod(&pod("a", 300, Some(("n1", assignment("n1", &[("main", &[(0, 300)])]))), "Pending"));
+    v.refresh();
+    let none = Evicted::default();
+    let same = Shape::of(&v.request_of(&pod("b", 300, None, "Pending")).unwrap()).unwrap();
+    let other = Shape::of(&v.request_of(&pod("c", 200, None, "Pending")).unwrap()).unwrap();
+    assert!(!v.passes_at_a_glance("n1", &same, &none));
+    assert!(v.passes_at_a_glance("n1", &other, &none));
+    // Once the daemon reports it allocated, no longer.
+    v.apply_node(&node("n1", 2, 1000, 2, vec![holding("a", "main", 0, 300)]));
+    v.refresh();
+    assert!(v.passes_at_a_glance("n1", &same, &none));
+    assert!(v.summaries_in_step());
+}
+
+#[test]
+fn summaries_stay_in_step_as_pods_and_nodes_change() {
+    let mut v = ClusterView::new(config(false));
+    let check = |v: &mut ClusterView, what: &str| {
+        assert!(v.summaries_in_step(), "before refresh, after {what}");
+        v.refresh();
+        assert!(v.summaries_in_step(), "after {what}");
+    };
+    let none = Evicted::default();
+    let shape = |v: &ClusterView, mib: u64| Shape::of(&v.request_of(&pod("x", mib, None, "Pending")).unwrap()).unwrap();
+    for i in 0..40 {
+        v.apply_node(&node(&format!("n{i}"), 2, 1000, 1, vec![]));
+    }
+    check(&mut v, "nodes");
+    for i in 0..40 {
+        let n = format!("n{i}");
+        v.apply_pod(&pod(&format!("a{i}"), 700, Some((&n, assignment(&n, &[("main", &[(0, 700)])]))), "Running"));
+        v.apply_pod(&pod(&format!("b{i}"), 800, Some((&n, assignment(&n, &[("main", &[(1, 800)])]))), "Running"));
+    }
+    check(&mut v, "pods");
+    assert!(!v.passes_at_a_glance("n3", &shape(&v, 400), &none), "GPUs hold 300 and 200 free");
+    assert!(v.passes_at_a_glance("n3", &shape(&v, 250), &none));
+    // A pod deleted frees its GPU at once.
+    v.delete_pod("uid-a3");
+    check(&mut v, "a delete");
+    assert!(v.passes_at_a_glance("n3", &shape(&v, 400), &none));
+    // An in-flight bind counts, and is rolled back.
+    v.assume(
+        "uid-z",
+        Assumed {
+            namespace: "default".into(),
+            name: "z".into(),
+            node: "n3".into(),
+            assignment: assignment("n3", &[("main", &[(0, 900)])]),
+            bound: false,
+            since: Instant::now(),
+        },
+    );
+    check(&mut v, "an assumption");
+    assert!(!v.passes_at_a_glance("n3", &shape(&v, 400), &none));
+    v.forget("uid-z");
+    check(&mut v, "a forgotten assumption");
+    assert!(v.passes_at_a_glance("n3", &shape(&v, 400), &none));
+    // The node's daemon republishes: GPU0 cordoned.
+    let mut object = node("n3", 2, 1000, 2, vec![holding("b3", "main", 1, 800)]);
+    let key = object.metadata.annotations.as_mut().unwrap();
+    let mut state = NodeState::decode(&key[NODE_STATE_KEY]).unwrap();
+    state.inventory.gpu_mut(0).unwrap().cordoned = true;
+    key.insert(NODE_STATE_KEY.into(), state.encode().unwrap());
+    v.apply_node(&object);
+    check(&mut v, "a cordon");
+    assert!(!v.passes_at_a_glance("n3", &shape(&v, 300), &none), "GPU0 cordoned, GPU1 has 200 free");
+    // Nodes deleted, and a relist that drops half of them and brings new ones.
+    v.delete_node("n4");
+    check(&mut v, "a node delete");
+    assert!(!v.passes_at_a_glance("n4", &shape(&v, 100), &none));
+    let relist: Vec<NodeObject> = (20..60).map(|i| node(&format!("n{i}"), 2, 1000, 3, vec![])).collect();
+    v.replace_nodes(&relist);
+    check(&mut v, "a node relist");
+    assert!(!v.passes_at_a_glance("n5", &shape(&v, 100), &none));
+    assert!(v.passes_at_a_glance("n55", &shape(&v, 900), &none));
+    assert!(!v.passes_at_a_glance("n25", &shape(&v, 900), &none), "its pods still count");
+    v.retain_pods(&HashSet::new());
+    check(&mut v, "a pod relist");
+    assert!(v.passes_at_a_glance("n25", &shape(&v, 900), &none));
+    // Read through usage() before any refresh: the summary follows.
+    v.apply_pod(&pod("late", 600, Some(("n30", assignment("n30", &[("main", &[(0, 600)])]))), "Running"));
+    assert!(v.usage("n30").is_ok());
+    assert!(v.summaries_in_step());
+    assert!(!v.passes_at_a_glance("n30", &shape(&v, 600), &none), "in admission, and GPU0 holds it");
+}
