@@ -75,6 +75,40 @@ fn pod(name: &str, mib: u64, bound: Option<(usize, u32)>) -> Value {
     p
 }
 
+/// Plays `node`'s daemon after pod `name` was bound there: its assignment is reported
+/// allocated in the node state, as the daemon does once the kubelet admitted the pod.
+fn report_allocated(api: &ApiServer, daemon: &std::sync::Mutex<NodeState>, node: &str, name: &str) {
+    let pod = api.pod("bench", name).unwrap();
+    let a = Assignment::decode(pod["metadata"]["annotations"][ASSIGNMENT_KEY].as_str().unwrap()).unwrap();
+    let pod_ref = gpushare_core::codec::node::PodRef {
+        namespace: "bench".into(),
+        name: name.to_owned(),
+        uid: pod["metadata"]["uid"].as_str().unwrap().to_owned(),
+    };
+    let mut state = daemon.lock().unwrap();
+    for c in a.containers {
+        for g in c.gpus {
+            let used = &mut state.used[g.index as usize];
+            *used = used.saturating_add(g.mib);
+            state.allocations.push(gpushare_core::codec::node::NodeAllocation {
+                pod: pod_ref.clone(),
+                container: c.name.clone(),
+                gpu: g.index,
+                mib: g.mib,
+            });
+        }
+    }
+    state.generation += 1;
+    let value = state.encode().unwrap();
+    api.patch(
+        gpushare_testkit::apiserver::Kind::Node,
+        "",
+        node,
+        &json!({"metadata": {"annotations": {NODE_STATE_KEY: value}}}),
+    )
+    .unwrap();
+}
+
 /// A keep-alive HTTP/1.1 connection.
 struct Conn {
     reader: BufReader<TcpStream>,
@@ -181,7 +215,7 @@ async fn main() {
     let seconds = env("LOAD_SECONDS", 5);
     let connections = env("LOAD_CONNECTIONS", 4);
     let dir = tempfile::tempdir().unwrap();
-    let api = ApiServer::start().await.unwrap();
+    let api = std::sync::Arc::new(ApiServer::start().await.unwrap());
     let kubeconfig = dir.path().join("kubeconfig");
     api.write_kubeconfig(&kubeconfig).unwrap();
     let t = Instant::now();
@@ -264,31 +298,41 @@ async fn main() {
         }
     }
 
-    // Binds into one node, 8 at a time, as kube-scheduler's parallel binding would.
+    // Binds into one node, 8 at a time, as kube-scheduler's parallel binding would. The bench
+    // plays that node's daemon: each bound pod is reported allocated right after its bind (a
+    // real kubelet admits it within tens of ms), so a later pod of the same size is not held
+    // back as its look-alike in admission.
     let target_name = format!("node-{target:05}");
     let pods = api.list(gpushare_testkit::apiserver::Kind::Pod);
-    let mut bodies: Vec<Vec<u8>> = pods
+    let mut bodies: Vec<(String, Vec<u8>)> = pods
         .iter()
         .filter(|p| p["metadata"]["name"].as_str().is_some_and(|n| n.starts_with("new-")))
         .map(|p| {
-            serde_json::to_vec(&json!({"PodName": p["metadata"]["name"], "PodNamespace": "bench",
-                                        "PodUID": p["metadata"]["uid"], "Node": target_name}))
-            .unwrap()
+            let body = serde_json::to_vec(&json!({"PodName": p["metadata"]["name"], "PodNamespace": "bench",
+                                                  "PodUID": p["metadata"]["uid"], "Node": target_name}))
+            .unwrap();
+            (p["metadata"]["name"].as_str().unwrap().to_owned(), body)
         })
         .collect();
+    let daemon = std::sync::Arc::new(std::sync::Mutex::new(
+        NodeState::decode(api.node(&target_name).unwrap()["metadata"]["annotations"][NODE_STATE_KEY].as_str().unwrap())
+            .unwrap(),
+    ));
     let t = Instant::now();
     let chunk = bodies.len().div_ceil(8);
     let tasks: Vec<_> = (0..8)
         .map(|_| {
-            let mine: Vec<Vec<u8>> = bodies.drain(..chunk.min(bodies.len())).collect();
+            let mine: Vec<(String, Vec<u8>)> = bodies.drain(..chunk.min(bodies.len())).collect();
+            let (api, daemon, target_name) = (api.clone(), daemon.clone(), target_name.clone());
             tokio::spawn(async move {
                 let mut conn = Conn::open(addr).await;
                 let mut ok = 0;
-                for b in mine {
+                for (name, b) in mine {
                     let (status, reply) = conn.request("POST", "/gpushare-scheduler/bind", &b).await;
                     assert_eq!(status, 200);
                     if reply == br#"{"Error":""}"# {
                         ok += 1;
+                        report_allocated(&api, &daemon, &target_name, &name);
                     }
                 }
                 ok
