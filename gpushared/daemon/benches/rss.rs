@@ -184,6 +184,10 @@ async fn main() {
             println!("  {kb:>6} kB  {map}");
         }
     }
+    if let Some(s) = std::env::var("RSS_HOLD").ok().and_then(|v| v.parse().ok()) {
+        println!("holding pid {} for {s} s", child.id());
+        std::thread::sleep(Duration::from_secs(s));
+    }
     let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
     let _ = child.wait();
     latencies.sort();
