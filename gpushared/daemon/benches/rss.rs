@@ -163,6 +163,9 @@ async fn main() {
         trips.push(t.elapsed());
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
+    let busy = status_kib(child.id(), "VmRSS:");
+    // Settled: the daemon returns a burst's freed pages once it has been quiet for 1 s.
+    tokio::time::sleep(gpushared::memory::QUIET + Duration::from_millis(500)).await;
     let rss = status_kib(child.id(), "VmRSS:");
     let peak = status_kib(child.id(), "VmHWM:");
     let anon = status_kib(child.id(), "RssAnon:");
@@ -200,8 +203,9 @@ async fn main() {
     );
     println!("serving, idle, no allocation yet  {:>6.1} MiB", idle as f64 / 1024.0);
     println!(
-        "after {PODS} allocations           {:>6.1} MiB (peak {:.1} MiB)",
+        "after {PODS} allocations           {:>6.1} MiB settled, {:.1} MiB right after the burst (peak {:.1} MiB)",
         rss as f64 / 1024.0,
+        busy as f64 / 1024.0,
         peak as f64 / 1024.0
     );
     println!(

@@ -237,14 +237,9 @@ async fn run(config: Config) -> anyhow::Result<()> {
     // The kubelet's device list follows the GPUs' health.
     let (devices_tx, devices_rx) = watch::channel(plugin::DeviceSnapshot { inventory: Arc::new(inventory), numa });
     tasks.spawn(follow_health(Arc::clone(&alloc), devices_tx));
-    // The device list sent to the kubelet is built only while it is sent; hand its pages back.
-    tasks.spawn(async {
-        let mut every = tokio::time::interval(Duration::from_secs(10));
-        loop {
-            every.tick().await;
-            let _ = tokio::task::spawn_blocking(gpushared::memory::release_free_memory).await;
-        }
-    });
+    // Free pages go back to the kernel every 10 s, and once a burst of allocations has been
+    // quiet for 1 s (the device lists and requests it passed through are gone by then).
+    tasks.spawn(gpushared::memory::trim_after_bursts(alloc.subscribe()));
 
     let socket = config.socket_path();
     let dir = config.kubelet.device_plugin_dir.path().to_owned();

@@ -11,7 +11,9 @@
 //!   returned to the kernel when freed (glibc otherwise raises that threshold after the first
 //!   large buffer is freed, and later ones then fragment the heap); smaller working buffers stay
 //!   in the heap, where reusing them is cheaper than mapping fresh pages on every request;
-//! - [`release_free_memory`] after each burst: free pages go back to the kernel.
+//! - [`release_free_memory`] after each burst: free pages go back to the kernel, after a large
+//!   list at once, and ([`trim_after_bursts`]) once a burst of allocations has been quiet for a
+//!   second, and every 10 s.
 //!
 //! Both are no-ops on C libraries other than glibc.
 
@@ -58,3 +60,50 @@ pub fn release_free_memory() {
 /// Gives free memory back (no-op here).
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 pub fn release_free_memory() {}
+
+/// How long a burst of allocations must be quiet before its freed pages are returned.
+pub const QUIET: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Returns free pages every 10 s, and [`QUIET`] after the last of a burst of changes seen on
+/// `changes` (the allocator's): the steady state of a node holds no pages its last burst freed.
+/// Runs until the sender is gone.
+pub async fn trim_after_bursts(mut changes: tokio::sync::watch::Receiver<u64>) {
+    let mut every = tokio::time::interval(std::time::Duration::from_secs(10));
+    loop {
+        tokio::select! {
+            _ = every.tick() => {}
+            changed = changes.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                loop {
+                    match tokio::time::timeout(QUIET, changes.changed()).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(_)) => return,
+                        Err(_) => break,
+                    }
+                }
+            }
+        }
+        let _ = tokio::task::spawn_blocking(release_free_memory).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn trims_after_a_quiet_second_and_stops_with_the_allocator() {
+        let (tx, rx) = tokio::sync::watch::channel(0u64);
+        let task = tokio::spawn(trim_after_bursts(rx));
+        for i in 1..=3 {
+            tx.send_replace(i);
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        tokio::time::sleep(QUIET + std::time::Duration::from_millis(300)).await;
+        assert!(!task.is_finished(), "it keeps going while the allocator lives");
+        drop(tx);
+        tokio::time::timeout(std::time::Duration::from_secs(15), task).await.unwrap().unwrap();
+    }
+}
