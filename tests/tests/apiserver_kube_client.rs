@@ -602,6 +602,62 @@ async fn a_streaming_list_watcher_works_too() {
     .await;
 }
 
+/// `pods/eviction` as kube's `Api::evict` and gpushared send it: the pod goes (no disruption
+/// budgets here); a UID precondition that does not hold, a name that is not the URL's, or
+/// another kind is refused and the pod stays.
+#[tokio::test]
+async fn eviction_deletes_the_pod_or_says_why_not() {
+    within(async {
+        let server = ApiServer::start().await.unwrap();
+        let client = client(&server).await;
+        let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+        for name in ["a", "b"] {
+            server
+                .create_pod("default", json!({"metadata": {"name": name}, "spec": {"containers": [{"name": "c"}]}}))
+                .unwrap();
+        }
+        pods.evict("a", &kube::api::EvictParams::default()).await.unwrap();
+        assert!(server.pod("default", "a").is_none());
+        let raw = |name: &str, body: Value| {
+            http::Request::post(format!("/api/v1/namespaces/default/pods/{name}/eviction"))
+                .header(http::header::CONTENT_TYPE, "application/json")
+                .body(body.to_string().into_bytes())
+                .unwrap()
+        };
+        let refused = |body: Value| {
+            let client = client.clone();
+            async move {
+                match client.request::<Value>(raw("b", body)).await {
+                    Err(kube::Error::Api(s)) => (s.code, s.message),
+                    other => panic!("{other:?}"),
+                }
+            }
+        };
+        let (code, message) = refused(json!({"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": "b"},
+                                             "deleteOptions": {"preconditions": {"uid": "not-b"}}}))
+        .await;
+        assert_eq!(code, 409, "{message}");
+        assert!(message.contains("UID in precondition: not-b"), "{message}");
+        let (code, message) =
+            refused(json!({"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": "a"}})).await;
+        assert_eq!((code, message.as_str()), (400, "name in URL does not match name in Eviction object"));
+        let (code, _) = refused(json!({"apiVersion": "policy/v1", "kind": "Binding", "metadata": {"name": "b"}})).await;
+        assert_eq!(code, 400);
+        assert!(server.pod("default", "b").is_some(), "refused evictions leave the pod");
+        let uid = server.pod("default", "b").unwrap()["metadata"]["uid"].as_str().unwrap().to_owned();
+        client
+            .request::<Value>(raw(
+                "b",
+                json!({"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": "b"},
+                                               "deleteOptions": {"preconditions": {"uid": uid}}}),
+            ))
+            .await
+            .unwrap();
+        assert!(server.pod("default", "b").is_none());
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn discovery_and_version() {
     within(async {
@@ -610,7 +666,7 @@ async fn discovery_and_version() {
         assert_eq!(client.list_core_api_versions().await.unwrap().versions, ["v1"]);
         let resources = client.list_core_api_resources("v1").await.unwrap();
         let names: BTreeSet<_> = resources.resources.iter().map(|r| r.name.as_str()).collect();
-        assert_eq!(names, ["nodes", "nodes/status", "pods", "pods/binding", "pods/status"].into());
+        assert_eq!(names, ["nodes", "nodes/status", "pods", "pods/binding", "pods/eviction", "pods/status"].into());
         assert!(
             resources.resources.iter().any(|r| r.name == "pods" && r.namespaced && r.verbs.contains(&"watch".into()))
         );
