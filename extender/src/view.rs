@@ -785,6 +785,13 @@ impl ClusterView {
         }
         let mut out = Vec::new();
         for (uid, (pod, gpus)) in by_pod {
+            // The extender's own bind to this node, which its pod watch has not shown yet: the
+            // daemon agrees with it.
+            if self.assumed.get(uid).is_some_and(|a| a.node == node)
+                && self.pods.get(uid).is_none_or(|p| p.node.is_none())
+            {
+                continue;
+            }
             let who = format!("{}/{} (uid {uid})", pod.namespace, pod.name);
             match self.pods.get(uid) {
                 None => out

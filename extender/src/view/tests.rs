@@ -178,6 +178,33 @@ fn in_flight_binds_count_until_the_watch_shows_them_and_roll_back_on_failure() {
 }
 
 #[test]
+fn a_daemon_reporting_the_extenders_own_bind_before_the_watch_shows_it_agrees() {
+    let mut v = ClusterView::new(config(false));
+    v.apply_node(&node("n1", 1, 1000, 1, vec![]));
+    v.apply_pod(&pod("a", 600, None, "Pending"));
+    let a = assignment("n1", &[("main", &[(0, 600)])]);
+    v.assume(
+        "uid-a",
+        Assumed {
+            namespace: "default".into(),
+            name: "a".into(),
+            node: "n1".into(),
+            assignment: a,
+            bound: true,
+            since: Instant::now(),
+        },
+    );
+    // The daemon (fast kubelet) reports it before the extender's pod watch shows the binding.
+    let found = v.apply_node(&node("n1", 1, 1000, 2, vec![holding("a", "main", 0, 600)]));
+    assert!(found.is_empty(), "{found:?}");
+    assert_eq!(v.disagreements(), 0);
+    assert_eq!(used(&mut v, "n1"), [600], "counted once");
+    // The same report about a pod bound elsewhere by this extender is still a disagreement.
+    let found = v.apply_node(&node("n2", 1, 1000, 1, vec![holding("a", "main", 0, 600)]));
+    assert_eq!(found.len(), 1, "{found:?}");
+}
+
+#[test]
 fn pods_placed_by_alibabas_extender_count_with_compatibility_on() {
     let alibaba_pod = |name: &str| -> PodObject {
         serde_json::from_value(json!({
