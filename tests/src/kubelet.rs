@@ -778,16 +778,8 @@ impl Kubelet {
     /// No plugin of that resource is registered, or the plugin refused, with its message.
     pub async fn allocate_of(&self, resource: &str, devices: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
         let client = self.shared().others.get(resource).and_then(|o| o.client.clone());
-        let response = client
-            .with_context(|| format!("no plugin of {resource} has registered"))?
-            .allocate(AllocateRequest {
-                container_requests: vec![ContainerAllocateRequest { devices_ids: devices.to_vec() }],
-            })
-            .await
-            .map_err(|s| anyhow::anyhow!("Allocate: {}: {}", code(&s), s.message()))?
-            .into_inner();
-        let answer = response.container_responses.into_iter().next().context("empty Allocate response")?;
-        Ok(answer.envs.into_iter().collect())
+        let client = client.with_context(|| format!("no plugin of {resource} has registered"))?;
+        Ok(allocate_with(client, devices).await?.0)
     }
 
     /// The resource of the newest registration, kept across restarts.
@@ -1079,21 +1071,7 @@ impl Kubelet {
 
     /// `Allocate` for one container: the environment and the mounts it answered.
     async fn allocate_rpc(&self, devices: &[String]) -> anyhow::Result<(BTreeMap<String, String>, Vec<String>)> {
-        let response = self
-            .client()?
-            .allocate(AllocateRequest {
-                container_requests: vec![ContainerAllocateRequest { devices_ids: devices.to_vec() }],
-            })
-            .await
-            .map_err(|s| anyhow::anyhow!("Allocate: {}: {}", code(&s), s.message()))?
-            .into_inner();
-        let answer = response.container_responses.into_iter().next().context("empty Allocate response")?;
-        let mounts = answer
-            .mounts
-            .iter()
-            .map(|m| format!("{}:{}{}", m.host_path, m.container_path, if m.read_only { ":ro" } else { "" }))
-            .collect();
-        Ok((answer.envs.into_iter().collect(), mounts))
+        allocate_with(self.client()?, devices).await
     }
 
     /// Stops serving, cuts the connections and removes `kubelet.sock` and the PodResources
@@ -1135,6 +1113,27 @@ fn check_preferred(answer: &[String], offer: &[String], must_include: &[String],
 
 fn code(s: &Status) -> String {
     format!("{:?}", s.code())
+}
+
+/// `Allocate` for one container on `client`: the environment and the mounts it answered.
+async fn allocate_with(
+    mut client: DevicePluginClient<Channel>,
+    devices: &[String],
+) -> anyhow::Result<(BTreeMap<String, String>, Vec<String>)> {
+    let response = client
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest { devices_ids: devices.to_vec() }],
+        })
+        .await
+        .map_err(|s| anyhow::anyhow!("Allocate: {}: {}", code(&s), s.message()))?
+        .into_inner();
+    let answer = response.container_responses.into_iter().next().context("empty Allocate response")?;
+    let mounts = answer
+        .mounts
+        .iter()
+        .map(|m| format!("{}:{}{}", m.host_path, m.container_path, if m.read_only { ":ro" } else { "" }))
+        .collect();
+    Ok((answer.envs.into_iter().collect(), mounts))
 }
 
 #[cfg(test)]

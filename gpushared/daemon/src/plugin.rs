@@ -107,7 +107,7 @@ impl Plugin {
 }
 
 /// Resolves once `stop` turns `true`; never if its sender is gone without doing so.
-async fn stopped(mut stop: watch::Receiver<bool>) {
+pub(crate) async fn stopped(mut stop: watch::Receiver<bool>) {
     if stop.wait_for(|s| *s).await.is_err() {
         std::future::pending::<()>().await;
     }

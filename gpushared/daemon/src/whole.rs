@@ -29,6 +29,7 @@ use tonic::{Request, Response, Status};
 
 use crate::allocator::Allocator;
 use crate::kubelet_watch::KubeletWatch;
+use crate::plugin::stopped;
 
 /// The whole GPUs' devices as the kubelet sees them now: each whole-mode GPU, by UUID,
 /// `Healthy` only while it is healthy, not cordoned, and holds no share.
@@ -160,13 +161,6 @@ impl DevicePlugin for WholePlugin {
         _: Request<PreStartContainerRequest>,
     ) -> Result<Response<PreStartContainerResponse>, Status> {
         Ok(Response::new(PreStartContainerResponse {}))
-    }
-}
-
-/// Resolves once `stop` turns `true`; never if its sender is gone without doing so.
-async fn stopped(mut stop: watch::Receiver<bool>) {
-    if stop.wait_for(|s| *s).await.is_err() {
-        std::future::pending::<()>().await;
     }
 }
 
