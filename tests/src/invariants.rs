@@ -37,6 +37,15 @@ pub struct Report {
     pub bound: usize,
     /// Pods admitted by a kubelet.
     pub admitted: usize,
+    /// Live pods `Running`, in the same read.
+    pub running: usize,
+    /// Pods `Failed` (admission refused, say), in the same read.
+    pub failed: usize,
+    /// Pods no node has room for (unbound, `Unschedulable`), in the same read.
+    pub unplaced: usize,
+    /// Pods still on their way (not [`is_settled`](crate::cluster::is_settled)), in the same
+    /// read: a settled check waits for none.
+    pub moving: usize,
     /// Containers whose environment was compared with their assignment.
     pub containers_checked: usize,
     /// GPUs checked for overcommit.
@@ -94,8 +103,17 @@ pub fn check(pods: &[Pod], nodes: &[Node], admissions: &BTreeMap<String, BTreeMa
     // 1. Assigned memory per GPU, from the API server's pods.
     let mut assigned: BTreeMap<(String, String), u64> = BTreeMap::new();
     let mut assignments: BTreeMap<String, Assignment> = BTreeMap::new();
+    r.moving = pods.iter().filter(|p| !crate::cluster::is_settled(p)).count();
+    r.failed = pods.iter().filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed")).count();
+    r.unplaced = pods
+        .iter()
+        .filter(|p| crate::cluster::is_settled(p) && p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_none())
+        .count();
     for pod in pods.iter().filter(|p| is_live(p)) {
         r.pods += 1;
+        if pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running") {
+            r.running += 1;
+        }
         let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.clone()) else { continue };
         r.bound += 1;
         let Some(value) = pod.metadata.annotations.as_ref().and_then(|a| a.get(ASSIGNMENT_KEY)) else { continue };

@@ -17,7 +17,7 @@ use std::collections::{BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use gpushare_testkit::cluster::{Cluster, Options, is_settled, pod_key, uniform_cluster};
+use gpushare_testkit::cluster::{Cluster, Options, pod_key, uniform_cluster};
 use gpushare_testkit::rng::XorShift;
 use serde_json::json;
 
@@ -284,10 +284,10 @@ async fn churn_under_faults(started: Instant, shared: Shared) {
     publish(&shared, "settling", &counts);
     let pods = box_.settle(Duration::from_secs(120)).await.unwrap();
     let report = box_.check_settled(Duration::from_secs(30)).await.unwrap();
-    let running = pods.iter().filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")).count();
-    let failed = pods.iter().filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed")).count();
-    let waiting =
-        pods.iter().filter(|p| is_settled(p) && p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_none()).count();
+    // Counted on the report's own read: a pod that was waiting for room at `settle` may have
+    // been placed and admitted since.
+    let running = report.running;
+    let (failed, waiting) = (report.failed, report.unplaced);
     eprintln!(
         "fault suite: {} pods created, {} deleted in {:.1} s of churn; faults injected: {} gpushared SIGKILLs, {} extender \
          SIGKILLs, {} kubelet restarts ({restarted} logged), {} API-server outages ({outages} logged), {} GPU Xid 79s on {} \

@@ -3,8 +3,8 @@
 //! real SQLite ledger in a temporary directory (on the build machine's disk).
 //!
 //! 8 GPUs of 16 384 MiB (131 072 devices), 500 single-container pods of 200 MiB spread over
-//! them, each admitted the kubelet's way: GetPreferredAllocation over every free device, then
-//! Allocate. Prints p50/p90/p99/max latency of each call and the admissions per second.
+//! them, bound one at a time, each admitted the kubelet's way: GetPreferredAllocation over every
+//! free device, then Allocate. Prints p50/p90/p99/max latency of each call and the admissions per second.
 //!
 //! Run: `cargo bench -p gpushared --bench allocate`. Results: BENCHMARKS.md.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::cast_precision_loss)]
@@ -49,32 +49,38 @@ fn uuid(i: u32) -> GpuUuid {
     GpuUuid::new(format!("GPU-bench-{i}")).unwrap()
 }
 
-/// An allocator for 8 GPUs with 500 assigned pods waiting, its ledger in `dir`.
-fn setup(dir: &std::path::Path) -> (NodeInventory, Arc<Allocator>) {
+/// Pod `p`'s view: one container of 200 MiB, on GPU `p % 8`.
+fn pod(p: usize) -> PodView {
+    let gpu = u32::try_from(p).unwrap() % GPUS;
+    let assignment = Assignment {
+        node: "bench-node".into(),
+        unit: MemoryUnit::Mib,
+        containers: vec![ContainerAssignment {
+            name: "main".into(),
+            role: ContainerRole::App,
+            gpus: vec![GpuShare { index: gpu, uuid: uuid(gpu), mib: Mib::new(POD_MIB) }],
+        }],
+    };
+    PodView {
+        pod: PodRef { namespace: "bench".into(), name: format!("pod-{p:04}"), uid: format!("uid-{p:04}") },
+        node: Some("bench-node".into()),
+        created: format!("2026-01-01T00:{:02}:{:02}Z", p / 60, p % 60),
+        terminal: false,
+        spec: gpushare_core::PodSpec::default(),
+        annotations: BTreeMap::from([(ASSIGNMENT_KEY.to_owned(), assignment.encode().unwrap())]),
+        container_ids: Vec::new(),
+    }
+}
+
+/// An allocator for 8 GPUs, its ledger in `dir`, and its pod store. Pods are added one at a
+/// time just before their admission ([`pod`]), as gpushare-extender binds pods that look alike
+/// to the kubelet (same size, other GPUs): the next once the node reports the previous one
+/// allocated. With all 500 bound at once every call would be ambiguous, and the daemon would
+/// wait out its 5 s for the pod watch before serving the oldest.
+fn setup(dir: &std::path::Path) -> (NodeInventory, Arc<Allocator>, PodStore) {
     let gpus = (0..GPUS).map(|i| Gpu::new(i, uuid(i), "Tesla T4", Mib::new(GPU_MIB))).collect();
     let inventory = NodeInventory::new(MemoryUnit::Mib, gpus).unwrap();
     let pods = PodStore::new();
-    for p in 0..PODS {
-        let gpu = u32::try_from(p).unwrap() % GPUS;
-        let assignment = Assignment {
-            node: "bench-node".into(),
-            unit: MemoryUnit::Mib,
-            containers: vec![ContainerAssignment {
-                name: "main".into(),
-                role: ContainerRole::App,
-                gpus: vec![GpuShare { index: gpu, uuid: uuid(gpu), mib: Mib::new(POD_MIB) }],
-            }],
-        };
-        pods.upsert(PodView {
-            pod: PodRef { namespace: "bench".into(), name: format!("pod-{p:04}"), uid: format!("uid-{p:04}") },
-            node: Some("bench-node".into()),
-            created: format!("2026-01-01T00:{:02}:{:02}Z", p / 60, p % 60),
-            terminal: false,
-            spec: gpushare_core::PodSpec::default(),
-            annotations: BTreeMap::from([(ASSIGNMENT_KEY.to_owned(), assignment.encode().unwrap())]),
-            container_ids: Vec::new(),
-        });
-    }
     let ledger = Ledger::open(&dir.join("ledger.db")).unwrap().ledger;
     let alloc = Arc::new(
         Allocator::new(
@@ -82,23 +88,24 @@ fn setup(dir: &std::path::Path) -> (NodeInventory, Arc<Allocator>) {
             ResourceNames::gpushare(),
             Compatibility::Gpushare,
             inventory.clone(),
-            pods,
+            pods.clone(),
             ledger,
         )
         .unwrap(),
     );
-    (inventory, alloc)
+    (inventory, alloc, pods)
 }
 
 /// The allocator alone, no gRPC: the service's own cost per call.
 fn direct(dir: &std::path::Path) {
-    let (_, alloc) = setup(dir);
+    let (_, alloc, pods) = setup(dir);
     let mut in_use = std::collections::HashSet::new();
     let all: Vec<String> =
         (0..usize::try_from(GPUS).unwrap()).flat_map(|g| alloc.devices().ids(g).collect::<Vec<_>>()).collect();
     let mut preferred = Vec::with_capacity(PODS);
     let mut allocate = Vec::with_capacity(PODS);
-    for _ in 0..PODS {
+    for p in 0..PODS {
+        pods.upsert(pod(p));
         let available: Vec<String> = all.iter().filter(|d| !in_use.contains(*d)).cloned().collect();
         let t = Instant::now();
         let ids =
@@ -118,7 +125,7 @@ fn direct(dir: &std::path::Path) {
 async fn main() {
     let base = std::env::var("BENCH_DIR").unwrap_or_else(|_| env!("CARGO_TARGET_TMPDIR").into());
     let dir = tempfile::tempdir_in(&base).unwrap();
-    let (inventory, alloc) = setup(dir.path());
+    let (inventory, alloc, pods) = setup(dir.path());
     let plugin_dir = dir.path().join("device-plugins");
     std::fs::create_dir_all(&plugin_dir).unwrap();
     let kubelet = Kubelet::start(&plugin_dir).await.unwrap();
@@ -134,7 +141,8 @@ async fn main() {
     let mut preferred = Vec::with_capacity(PODS);
     let mut allocate = Vec::with_capacity(PODS);
     let started = Instant::now();
-    for _ in 0..PODS {
+    for p in 0..PODS {
+        pods.upsert(pod(p));
         let t = Instant::now();
         let ids = kubelet.preferred(usize::try_from(POD_MIB).unwrap()).await.unwrap();
         preferred.push(t.elapsed());
