@@ -14,6 +14,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::{BTreeSet, VecDeque};
+use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -75,6 +76,36 @@ type Shared = Arc<Mutex<Progress>>;
 
 fn publish(shared: &Shared, stage: &'static str, counts: &Counts) {
     *shared.lock().unwrap_or_else(PoisonError::into_inner) = Progress { stage, counts: counts.clone() };
+}
+
+/// What the box's processes logged about the pods named in `violations`, and every time a
+/// daemon guessed or took back an allocation: printed with a failure, so that a run in CI (whose
+/// box is gone with its machine) can still be read.
+fn evidence(box_: &mut Cluster, violations: &[String]) -> String {
+    const MAX_LINES: usize = 300;
+    let pods: BTreeSet<String> = violations
+        .iter()
+        .flat_map(|v| v.split(|c: char| c.is_whitespace() || c == ':' || c == ','))
+        .filter(|w| w.starts_with("churn/p"))
+        .map(|w| w.trim_start_matches("churn/").to_owned())
+        .collect();
+    let telling = ["ambiguous", "serving the oldest", "doubtful", "offers these devices as free"];
+    let mut out = String::from("what the processes logged about it:\n");
+    let mut lines = 0;
+    for p in box_.processes_mut() {
+        for line in p.log().lines() {
+            if (pods.iter().any(|pod| line.contains(pod.as_str())) || telling.iter().any(|t| line.contains(t)))
+                && lines < MAX_LINES
+            {
+                let _ = writeln!(out, "  [{}] {line}", p.name);
+                lines += 1;
+            }
+        }
+    }
+    if lines >= MAX_LINES {
+        out.push_str("  (more left out)\n");
+    }
+    out
 }
 
 /// How many lines of `log` contain `needle`.
@@ -215,7 +246,12 @@ async fn churn_under_faults(started: Instant, shared: Shared) {
                 && let Ok(Ok(report)) = tokio::time::timeout(CALL, box_.check()).await
             {
                 counts.checks += 1;
-                assert!(report.violations.is_empty(), "after {counts:?}:\n{}", report.describe());
+                assert!(
+                    report.violations.is_empty(),
+                    "after {counts:?} (seed {seed}):\n{}\n{}",
+                    report.describe(),
+                    evidence(&mut box_, &report.violations)
+                );
             }
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -315,7 +351,13 @@ async fn churn_under_faults(started: Instant, shared: Shared) {
         started.elapsed().as_secs_f64(),
         env("GPUSHARE_FAULT_DEADLINE_SECS", 600),
     );
-    assert!(report.is_clean(), "invariants violated at the end:\n{}", report.describe());
+    let all: Vec<String> = report.violations.iter().chain(&report.settled_violations).cloned().collect();
+    assert!(
+        report.is_clean(),
+        "invariants violated at the end (seed {seed}):\n{}\n{}",
+        report.describe(),
+        evidence(&mut box_, &all)
+    );
     assert!(running > 0, "nothing runs: {:?}", pods.iter().map(pod_key).collect::<Vec<_>>());
     // Every running pod was checked against its kubelet's record: one GPU container each.
     assert_eq!(report.admitted, running, "running pods the kubelets recorded as admitted");
