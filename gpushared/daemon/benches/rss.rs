@@ -131,6 +131,11 @@ async fn main() {
             }
             Err(e) => panic!("{e}"),
         };
+        // RSS_GAP_MS=N waits between the two calls, which the kubelet makes back to back: it
+        // tells the cost of Allocate itself from the after-effects of the large call before it.
+        if let Some(ms) = std::env::var("RSS_GAP_MS").ok().and_then(|v| v.parse().ok()) {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
         let t = Instant::now();
         let result = kubelet.allocate(&ids).await;
         latencies.push(t.elapsed());
