@@ -876,12 +876,16 @@ fn start_node(
     Ok(BoxNode { spec: node.clone(), dir: ndir, kubelet, daemon, bus, bus_address, events, record })
 }
 
+/// A pod's phase (`Pending` until the API server has one).
+#[must_use]
+pub fn phase(pod: &Pod) -> &str {
+    pod.status.as_ref().and_then(|s| s.phase.as_deref()).unwrap_or("Pending")
+}
+
 /// Whether a pod is where it will stay for now.
 #[must_use]
 pub fn is_settled(pod: &Pod) -> bool {
-    let status = pod.status.as_ref();
-    let phase = status.and_then(|s| s.phase.as_deref()).unwrap_or("Pending");
-    if matches!(phase, "Running" | "Failed" | "Succeeded") {
+    if matches!(phase(pod), "Running" | "Failed" | "Succeeded") {
         return true;
     }
     let bound = pod.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some();

@@ -25,7 +25,7 @@ use gpushare_core::devices::device_set_ids;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde::Serialize;
 
-use crate::cluster::pod_key as key;
+use crate::cluster::{is_settled, phase, pod_key as key};
 use crate::node::Record;
 
 /// What a check found.
@@ -43,7 +43,7 @@ pub struct Report {
     pub failed: usize,
     /// Pods no node has room for (unbound, `Unschedulable`), in the same read.
     pub unplaced: usize,
-    /// Pods still on their way (not [`is_settled`](crate::cluster::is_settled)), in the same
+    /// Pods still on their way (not [`is_settled`]), in the same
     /// read: a settled check waits for none.
     pub moving: usize,
     /// Containers whose environment was compared with their assignment.
@@ -75,8 +75,7 @@ impl Report {
 }
 
 fn is_live(pod: &Pod) -> bool {
-    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref()).unwrap_or("Pending");
-    !matches!(phase, "Succeeded" | "Failed")
+    !matches!(phase(pod), "Succeeded" | "Failed")
 }
 
 /// Checks the invariants over `pods` and `nodes` (as listed from the API server) and the
@@ -103,17 +102,18 @@ pub fn check(pods: &[Pod], nodes: &[Node], admissions: &BTreeMap<String, BTreeMa
     // 1. Assigned memory per GPU, from the API server's pods.
     let mut assigned: BTreeMap<(String, String), u64> = BTreeMap::new();
     let mut assignments: BTreeMap<String, Assignment> = BTreeMap::new();
-    r.moving = pods.iter().filter(|p| !crate::cluster::is_settled(p)).count();
-    r.failed = pods.iter().filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed")).count();
-    r.unplaced = pods
-        .iter()
-        .filter(|p| crate::cluster::is_settled(p) && p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_none())
-        .count();
+    for pod in pods {
+        let bound = pod.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some();
+        match (is_settled(pod), phase(pod)) {
+            (false, _) => r.moving += 1,
+            (true, "Failed") => r.failed += 1,
+            (true, "Running") => r.running += 1,
+            (true, _) if !bound => r.unplaced += 1,
+            _ => {}
+        }
+    }
     for pod in pods.iter().filter(|p| is_live(p)) {
         r.pods += 1;
-        if pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running") {
-            r.running += 1;
-        }
         let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.clone()) else { continue };
         r.bound += 1;
         let Some(value) = pod.metadata.annotations.as_ref().and_then(|a| a.get(ASSIGNMENT_KEY)) else { continue };
@@ -222,7 +222,7 @@ pub fn check(pods: &[Pod], nodes: &[Node], admissions: &BTreeMap<String, BTreeMa
     // Settled: every running pod was admitted on its node, as its kubelet recorded (a pod
     // admitted after the records were read is running without one for a moment).
     for pod in pods.iter().filter(|p| is_live(p)) {
-        let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+        let running = phase(pod) == "Running";
         let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) else { continue };
         let Some(live) = admissions.get(node) else { continue };
         if running && !pod.metadata.uid.as_ref().is_some_and(|uid| live.contains_key(uid)) {

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
-use gpushare_testkit::cluster::{self, Cluster, ClusterSpec, GpuSpec, NodeSpec, Options};
+use gpushare_testkit::cluster::{self, Cluster, ClusterSpec, GpuSpec, NodeSpec, Options, phase};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
 
@@ -86,10 +86,6 @@ async fn settle_and_check(box_: &Cluster, step: &str, running: &[(&str, &str)], 
 
 fn find<'a>(pods: &'a [Pod], key: &str) -> &'a Pod {
     pods.iter().find(|p| cluster::pod_key(p) == key).unwrap_or_else(|| panic!("no pod {key}"))
-}
-
-fn phase(p: &Pod) -> &str {
-    p.status.as_ref().and_then(|s| s.phase.as_deref()).unwrap_or("Pending")
 }
 
 fn assignment(p: &Pod) -> Assignment {

@@ -89,6 +89,18 @@ pub(crate) fn holding(pod: &str, container: &str, gpu: u32, mib: u64) -> NodeAll
     }
 }
 
+/// An in-flight bind of pod `name` (`default`, UID `uid-<name>`) to `node`, not yet bound.
+fn assumed(name: &str, node: &str, assignment: Assignment) -> Assumed {
+    Assumed {
+        namespace: "default".into(),
+        name: name.into(),
+        node: node.into(),
+        assignment,
+        bound: false,
+        since: Instant::now(),
+    }
+}
+
 fn used(view: &mut ClusterView, node: &str) -> Vec<u64> {
     view.usage(node).unwrap().total().iter().map(|m| m.get()).collect()
 }
@@ -145,15 +157,7 @@ fn in_flight_binds_count_until_the_watch_shows_them_and_roll_back_on_failure() {
     v.apply_node(&node("n1", 1, 1000, 1, vec![]));
     v.apply_pod(&pod("a", 600, None, "Pending"));
     let a = assignment("n1", &[("main", &[(0, 600)])]);
-    let assumed = |a: &Assignment| Assumed {
-        namespace: "default".into(),
-        name: "a".into(),
-        node: "n1".into(),
-        assignment: a.clone(),
-        bound: false,
-        since: Instant::now(),
-    };
-    v.assume("uid-a", assumed(&a));
+    v.assume("uid-a", assumed("a", "n1", a.clone()));
     assert_eq!(used(&mut v, "n1"), [600]);
     let mut placer = Placer::new();
     let req = v.request_of(&pod("b", 600, None, "Pending")).unwrap();
@@ -164,13 +168,13 @@ fn in_flight_binds_count_until_the_watch_shows_them_and_roll_back_on_failure() {
     v.forget("uid-a");
     assert_eq!(used(&mut v, "n1"), [0]);
     // Bound: the watch's update replaces the assumption, counted once.
-    v.assume("uid-a", assumed(&a));
+    v.assume("uid-a", assumed("a", "n1", a.clone()));
     v.confirm("uid-a");
     v.apply_pod(&pod("a", 600, Some(("n1", a.clone())), "Pending"));
     assert!(v.assumption("uid-a").is_none());
     assert_eq!(used(&mut v, "n1"), [600]);
     // Expiry.
-    v.assume("uid-x", Assumed { name: "x".into(), since: Instant::now() - Duration::from_secs(301), ..assumed(&a) });
+    v.assume("uid-x", Assumed { since: Instant::now() - Duration::from_secs(301), ..assumed("x", "n1", a.clone()) });
     assert_eq!(used(&mut v, "n1"), [1200]);
     let expired = v.expire(Instant::now());
     assert_eq!(expired.len(), 1);
@@ -183,17 +187,7 @@ fn a_daemon_reporting_the_extenders_own_bind_before_the_watch_shows_it_agrees() 
     v.apply_node(&node("n1", 1, 1000, 1, vec![]));
     v.apply_pod(&pod("a", 600, None, "Pending"));
     let a = assignment("n1", &[("main", &[(0, 600)])]);
-    v.assume(
-        "uid-a",
-        Assumed {
-            namespace: "default".into(),
-            name: "a".into(),
-            node: "n1".into(),
-            assignment: a,
-            bound: true,
-            since: Instant::now(),
-        },
-    );
+    v.assume("uid-a", Assumed { bound: true, ..assumed("a", "n1", a) });
     // The daemon (fast kubelet) reports it before the extender's pod watch shows the binding.
     let found = v.apply_node(&node("n1", 1, 1000, 2, vec![holding("a", "main", 0, 600)]));
     assert!(found.is_empty(), "{found:?}");
@@ -450,17 +444,7 @@ fn summaries_stay_in_step_as_pods_and_nodes_change() {
     check(&mut v, "a delete");
     assert!(v.passes_at_a_glance("n3", &shape(&v, 400), &none));
     // An in-flight bind counts, and is rolled back.
-    v.assume(
-        "uid-z",
-        Assumed {
-            namespace: "default".into(),
-            name: "z".into(),
-            node: "n3".into(),
-            assignment: assignment("n3", &[("main", &[(0, 900)])]),
-            bound: false,
-            since: Instant::now(),
-        },
-    );
+    v.assume("uid-z", assumed("z", "n3", assignment("n3", &[("main", &[(0, 900)])])));
     check(&mut v, "an assumption");
     assert!(!v.passes_at_a_glance("n3", &shape(&v, 400), &none));
     v.forget("uid-z");

@@ -118,6 +118,12 @@ async fn main() {
     let mut admitted = 0;
     let mut latencies = Vec::with_capacity(PODS);
     let mut bound = 0;
+    // RSS_GAP_MS=N waits between the two calls, which the kubelet makes back to back: it tells
+    // the cost of Allocate itself from the after-effects of the large call before it.
+    let gap = std::env::var("RSS_GAP_MS").ok().and_then(|v| v.parse().ok()).map(Duration::from_millis);
+    // RSS_SLOW=MS prints each Allocate slower than that, with the wall clock, to match with the
+    // daemon's log (RSS_DAEMON_LOG).
+    let slow = std::env::var("RSS_SLOW").ok().and_then(|v| v.parse().ok()).map(Duration::from_millis);
     while admitted < PODS {
         if bound == admitted {
             bind_pod(admitted);
@@ -131,18 +137,14 @@ async fn main() {
             }
             Err(e) => panic!("{e}"),
         };
-        // RSS_GAP_MS=N waits between the two calls, which the kubelet makes back to back: it
-        // tells the cost of Allocate itself from the after-effects of the large call before it.
-        if let Some(ms) = std::env::var("RSS_GAP_MS").ok().and_then(|v| v.parse().ok()) {
-            tokio::time::sleep(Duration::from_millis(ms)).await;
+        if let Some(gap) = gap {
+            tokio::time::sleep(gap).await;
         }
         let t = Instant::now();
         let result = kubelet.allocate(&ids).await;
         latencies.push(t.elapsed());
-        // RSS_SLOW=MS prints each Allocate slower than that, with the wall clock, to match with
-        // the daemon's log (RSS_DAEMON_LOG).
-        if let Some(ms) = std::env::var("RSS_SLOW").ok().and_then(|v| v.parse::<u64>().ok())
-            && t.elapsed() > Duration::from_millis(ms)
+        if let Some(slow) = slow
+            && t.elapsed() > slow
         {
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
             println!(
