@@ -265,6 +265,10 @@ pub struct Allocator {
     /// Bumped when a GPU's sampled activity changes meaningfully: only the node annotation
     /// follows it (not reconciliation, the kubelet's device list or the D-Bus signals).
     activity: watch::Sender<u64>,
+    /// `true` while the kubelet admits a container: from the start of its
+    /// `GetPreferredAllocation` (or of an `Allocate` without one) until that `Allocate` is
+    /// answered or a call fails. Work that can wait (the node annotation) holds back meanwhile.
+    admission: watch::Sender<bool>,
     /// The containers over their budget, as the over-use detector last saw them.
     over_budget: Mutex<Vec<OverBudget>>,
 }
@@ -309,6 +313,7 @@ impl Allocator {
             }),
             changes: watch::Sender::new(0),
             activity: watch::Sender::new(0),
+            admission: watch::Sender::new(false),
             over_budget: Mutex::new(Vec::new()),
         })
     }
@@ -938,6 +943,34 @@ impl Allocator {
     #[must_use]
     pub fn subscribe_activity(&self) -> watch::Receiver<u64> {
         self.activity.subscribe()
+    }
+
+    /// Forgets the proposals the kubelet has not followed with `Allocate`, and the admission
+    /// under way: the kubelet restarted, so the admissions it had started are over. It admits
+    /// those pods again, oldest first, asking for new proposals; a stale one would sort its pod
+    /// behind look-alikes as if another admission were still under way for it, and a look-alike
+    /// would be served in its place. Returns how many were forgotten.
+    pub fn kubelet_restarted(&self) -> usize {
+        let forgotten = std::mem::take(&mut self.lock().proposals).len();
+        self.admission_ended();
+        forgotten
+    }
+
+    /// The kubelet started an admission call (`GetPreferredAllocation` or `Allocate`).
+    pub fn admission_started(&self) {
+        self.admission.send_if_modified(|busy| !std::mem::replace(busy, true));
+    }
+
+    /// The kubelet's admission of a container is over: its `Allocate` was answered, or a call
+    /// failed (the kubelet then fails the pod's admission and moves on).
+    pub fn admission_ended(&self) {
+        self.admission.send_if_modified(|busy| std::mem::replace(busy, false));
+    }
+
+    /// A receiver of whether the kubelet is admitting a container ([`Self::admission_started`]).
+    #[must_use]
+    pub fn subscribe_admission(&self) -> watch::Receiver<bool> {
+        self.admission.subscribe()
     }
 
     /// The GPUs with their current health and cordon.

@@ -75,6 +75,33 @@ fn status(e: &AllocError) -> Status {
     }
 }
 
+/// The kubelet admitting a container, from its first call: ends the admission when dropped
+/// (the call answered, refused or cancelled), unless kept open for the `Allocate` that follows
+/// a `GetPreferredAllocation`.
+struct Admission<'a> {
+    alloc: &'a Allocator,
+    open: bool,
+}
+
+impl<'a> Admission<'a> {
+    fn start(alloc: &'a Allocator) -> Self {
+        alloc.admission_started();
+        Admission { alloc, open: false }
+    }
+
+    fn keep_open(mut self) {
+        self.open = true;
+    }
+}
+
+impl Drop for Admission<'_> {
+    fn drop(&mut self) {
+        if !self.open {
+            self.alloc.admission_ended();
+        }
+    }
+}
+
 /// The tonic service.
 #[derive(Debug, Clone)]
 pub struct Plugin {
@@ -176,6 +203,7 @@ impl DevicePlugin for Plugin {
         &self,
         request: Request<PreferredAllocationRequest>,
     ) -> Result<Response<PreferredAllocationResponse>, Status> {
+        let admission = Admission::start(&self.alloc);
         let requests = Arc::new(request.into_inner().container_requests);
         let mut sizes = Vec::with_capacity(requests.len());
         for r in requests.iter() {
@@ -207,10 +235,14 @@ impl DevicePlugin for Plugin {
         // The kubelet lists every free device (131 072 IDs for 8 x 16 GiB in MiB mode); the
         // list is dropped by now.
         tokio::task::spawn_blocking(move || crate::memory::after_list(listed)).await.ok();
-        Ok(Response::new(PreferredAllocationResponse { container_responses: responses? }))
+        let container_responses = responses?;
+        // Its Allocate follows.
+        admission.keep_open();
+        Ok(Response::new(PreferredAllocationResponse { container_responses }))
     }
 
     async fn allocate(&self, request: Request<AllocateRequest>) -> Result<Response<AllocateResponse>, Status> {
+        let _admission = Admission::start(&self.alloc);
         let requests = Arc::new(request.into_inner().container_requests);
         let responses = self
             .waiting_for_the_pod(move |alloc, patient| {
@@ -357,5 +389,97 @@ pub async fn register(
             }
             Err(s) => return Err(s),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment, GpuShare};
+    use gpushare_core::codec::node::PodRef;
+    use gpushare_core::{ContainerRole, Gpu, GpuUuid, MemoryUnit, Mib};
+    use gpushare_proto::compact::{ContainerPreferredAllocationRequest, DeviceIds};
+    use gpushare_proto::deviceplugin::ContainerAllocateRequest;
+
+    use super::*;
+    use crate::pods::{PodStore, PodView};
+
+    /// The plugin of node-a, one 1000 MiB GPU in MiB mode, with one pod waiting for 100 MiB.
+    fn plugin(dir: &Path) -> (Plugin, Arc<Allocator>) {
+        let ledger = crate::ledger::Ledger::open(&dir.join("ledger.db")).unwrap().ledger;
+        let uuid = GpuUuid::new("GPU-0").unwrap();
+        let inventory =
+            NodeInventory::new(MemoryUnit::Mib, vec![Gpu::new(0, uuid.clone(), "Tesla T4", Mib::new(1000))]).unwrap();
+        let pods = PodStore::new();
+        let assignment = Assignment {
+            node: "node-a".into(),
+            unit: MemoryUnit::Mib,
+            containers: vec![ContainerAssignment {
+                name: "main".into(),
+                role: ContainerRole::App,
+                gpus: vec![GpuShare { index: 0, uuid, mib: Mib::new(100) }],
+            }],
+        };
+        pods.upsert(PodView {
+            pod: PodRef { namespace: "default".into(), name: "pod-a".into(), uid: "uid-a".into() },
+            node: Some("node-a".into()),
+            created: "2026-11-24T10:00:00Z".into(),
+            terminal: false,
+            spec: gpushare_core::PodSpec::default(),
+            annotations: BTreeMap::from([(ASSIGNMENT_KEY.to_owned(), assignment.encode().unwrap())]),
+            container_ids: Vec::new(),
+        });
+        let alloc = Arc::new(
+            Allocator::new(
+                "node-a".into(),
+                gpushare_core::ResourceNames::gpushare(),
+                crate::config::Compatibility::Gpushare,
+                inventory,
+                pods,
+                ledger,
+            )
+            .unwrap(),
+        );
+        let snapshot = DeviceSnapshot { inventory: Arc::new(alloc.inventory().clone()), numa: false };
+        (Plugin::new(Arc::clone(&alloc), watch::Sender::new(snapshot).subscribe()), alloc)
+    }
+
+    fn preferred(available: DeviceIds, size: i32) -> Request<PreferredAllocationRequest> {
+        Request::new(PreferredAllocationRequest {
+            container_requests: vec![ContainerPreferredAllocationRequest {
+                available_device_i_ds: available,
+                must_include_device_i_ds: DeviceIds::new(),
+                allocation_size: size,
+            }],
+        })
+    }
+
+    fn allocate(ids: Vec<String>) -> Request<AllocateRequest> {
+        Request::new(AllocateRequest { container_requests: vec![ContainerAllocateRequest { devices_ids: ids }] })
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_admission_is_open_from_the_preferred_allocation_until_its_allocate_is_answered() {
+        let dir = tempfile::tempdir().unwrap();
+        let (plugin, alloc) = plugin(dir.path());
+        let admission = alloc.subscribe_admission();
+        let free: DeviceIds = alloc.devices().ids(0).collect();
+        let ids = plugin.get_preferred_allocation(preferred(free, 100)).await.unwrap().into_inner().container_responses
+            [0]
+        .device_i_ds
+        .clone();
+        assert!(*admission.borrow(), "its Allocate is on its way");
+        let answer = plugin.allocate(allocate(ids)).await.unwrap().into_inner();
+        assert!(answer.container_responses[0].envs.contains_key("NVIDIA_VISIBLE_DEVICES"));
+        assert!(!*admission.borrow(), "answered");
+
+        // Refused calls end the admission too: the kubelet fails it and moves on.
+        let refused = plugin.get_preferred_allocation(preferred(DeviceIds::new(), -1)).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+        assert!(!*admission.borrow(), "a refused GetPreferredAllocation");
+        let refused = plugin.allocate(allocate(vec!["no-such-device".into()])).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+        assert!(!*admission.borrow(), "a refused Allocate");
     }
 }

@@ -205,6 +205,11 @@ pub struct Timing {
     pub max_backoff: Duration,
     /// Republish this often even without changes.
     pub resync: Duration,
+    /// A publication waits until the kubelet has admitted no container for this long (the
+    /// answer to its `Allocate` on its way), so the two never compete for the host's cores.
+    pub quiet: Duration,
+    /// ... but never holds back longer than this, however busy the kubelet.
+    pub max_hold: Duration,
 }
 
 impl Default for Timing {
@@ -215,21 +220,45 @@ impl Default for Timing {
             backoff: Duration::from_millis(200),
             max_backoff: Duration::from_secs(10),
             resync: Duration::from_secs(600),
+            quiet: Duration::from_millis(3),
+            max_hold: Duration::from_millis(250),
         }
     }
+}
+
+/// Returns once the kubelet has been admitting no container for `timing.quiet` (see
+/// [`Allocator::admission_started`]), or after `timing.max_hold`; at once once the allocator is
+/// gone. Returns how long it held back.
+async fn kubelet_quiet(admission: &mut watch::Receiver<bool>, timing: Timing) -> Duration {
+    let start = tokio::time::Instant::now();
+    let until = start + timing.max_hold;
+    loop {
+        match tokio::time::timeout_at(until, admission.wait_for(|busy| !busy)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(_)) | Err(_) => break,
+        }
+        tokio::time::sleep(timing.quiet.min(until.saturating_duration_since(tokio::time::Instant::now()))).await;
+        // Quiet throughout: no admission started (or ended) meanwhile.
+        if !admission.has_changed().unwrap_or(false) || tokio::time::Instant::now() >= until {
+            break;
+        }
+    }
+    start.elapsed()
 }
 
 /// Publishes `alloc`'s state to `node` now and after every change, forever.
 pub async fn run<N: NodeApi>(node: N, alloc: std::sync::Arc<Allocator>, timing: Timing) {
     let mut changes: watch::Receiver<u64> = alloc.subscribe();
     let mut activity: watch::Receiver<u64> = alloc.subscribe_activity();
+    let mut admission = alloc.subscribe_admission();
     let mut publisher = Publisher::default();
     loop {
         changes.borrow_and_update();
         activity.borrow_and_update();
         let mut delay = timing.backoff;
         loop {
-            match publisher.publish_once(&node, &alloc).await {
+            let held = kubelet_quiet(&mut admission, timing).await;
+            match publisher.publish_once(&node, &alloc, held).await {
                 Ok(()) => break,
                 Err(e @ PublishError::DoesNotFit { .. }) => {
                     // Retrying sooner would not help: the other annotations must change first.
@@ -288,7 +317,14 @@ struct Publisher {
 }
 
 impl Publisher {
-    async fn publish_once<N: NodeApi>(&mut self, node: &N, alloc: &Allocator) -> Result<(), PublishError> {
+    /// Publishes the state now; `held` is how long it waited for the kubelet (for the log).
+    async fn publish_once<N: NodeApi>(
+        &mut self,
+        node: &N,
+        alloc: &Allocator,
+        held: Duration,
+    ) -> Result<(), PublishError> {
+        let start = tokio::time::Instant::now();
         let (previous, others) = match (self.last, self.others) {
             (Some(last), Some(others)) => (last, others),
             (last, _) => {
@@ -341,7 +377,7 @@ impl Publisher {
         }
         self.reduced = reduced;
         self.last = Some(generation);
-        tracing::debug!(generation, bytes = value.len(), reduced, "published the node state");
+        tracing::debug!(generation, bytes = value.len(), reduced, held = ?held, took = ?start.elapsed(), "published the node state");
         Ok(())
     }
 }
@@ -537,6 +573,8 @@ mod tests {
         backoff: Duration::from_millis(1),
         max_backoff: Duration::from_millis(300),
         resync: Duration::from_secs(600),
+        quiet: Duration::from_millis(5),
+        max_hold: Duration::from_millis(400),
     };
 
     async fn eventually(what: &str, ok: impl Fn() -> bool) {
@@ -590,6 +628,33 @@ mod tests {
         let published = node.get(|f| NodeState::decode(&f.stored[1]).unwrap());
         assert_eq!(published.generation, 2);
         assert!(matches!(published.inventory.gpus()[0].health, gpushare_core::Health::Unhealthy { .. }));
+        task.abort();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_publication_waits_for_the_kubelets_admission_to_end_but_not_for_ever() {
+        let dir = tempfile::tempdir().unwrap();
+        let alloc = allocator(dir.path());
+        let node = FakeNode::default();
+        node.with(|f| f.others = 100);
+        let task = tokio::spawn(run(node.clone(), Arc::clone(&alloc), QUICK));
+        eventually("the first publication", || node.get(|f| f.stored.len() == 1)).await;
+        // The kubelet is admitting a container (its Allocate on its way) when the state changes.
+        alloc.admission_started();
+        alloc.set_health(0, gpushare_core::Health::Unhealthy { reason: "Xid 79".into() }).unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(node.get(|f| f.stored.len()), 1, "held back while the kubelet admits");
+        alloc.admission_ended();
+        eventually("the publication once the Allocate is answered", || node.get(|f| f.stored.len() == 2)).await;
+        // An admission that never ends (the kubelet gone between its two calls) holds a
+        // publication back for max_hold, no longer.
+        alloc.admission_started();
+        let changed = std::time::Instant::now();
+        alloc.set_health(0, gpushare_core::Health::Healthy).unwrap();
+        eventually("the publication despite the open admission", || node.get(|f| f.stored.len() == 3)).await;
+        assert!(changed.elapsed() >= QUICK.max_hold, "published after {:?}", changed.elapsed());
+        let published = node.get(|f| NodeState::decode(&f.stored[2]).unwrap());
+        assert!(published.inventory.gpus()[0].health.is_healthy());
         task.abort();
     }
 }

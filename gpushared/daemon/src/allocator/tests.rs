@@ -139,6 +139,22 @@ fn two_equal_pods_admitted_together_each_get_their_own_gpu() {
 }
 
 #[test]
+fn an_admission_cut_by_a_kubelet_restart_is_served_again_to_its_own_pod() {
+    let f = fixture(Compatibility::Gpushare);
+    // Same size, different GPUs; b was created first, so the kubelet admits b first.
+    pod(&f, "a", "2026-01-01T00:00:02Z", &[("main", ContainerRole::App, &[(0, 400)])]);
+    pod(&f, "b", "2026-01-01T00:00:01Z", &[("main", ContainerRole::App, &[(2, 400)])]);
+    let cut = f.alloc.preferred(all_devices(&f).iter().map(String::as_str), &[], 400).unwrap();
+    assert_eq!(gpus_of(&f, &cut), BTreeSet::from([2]));
+    // The kubelet stops before its Allocate; once back it admits b again.
+    assert_eq!(f.alloc.kubelet_restarted(), 1);
+    let b = admit(&f, 400).unwrap();
+    assert_eq!((b.pod.uid.as_str(), b.envs["NVIDIA_VISIBLE_DEVICES"].as_str()), ("b", "GPU-2"));
+    let a = admit(&f, 400).unwrap();
+    assert_eq!((a.pod.uid.as_str(), a.envs["NVIDIA_VISIBLE_DEVICES"].as_str()), ("a", "GPU-0"));
+}
+
+#[test]
 fn a_multi_container_pod_is_served_container_by_container() {
     let f = fixture(Compatibility::Gpushare);
     pod(
