@@ -146,9 +146,8 @@ async fn main() {
         let t = Instant::now();
         let ids = kubelet.preferred(usize::try_from(POD_MIB).unwrap()).await.unwrap();
         preferred.push(t.elapsed());
-        let t = Instant::now();
-        kubelet.allocate(&ids).await.unwrap();
-        allocate.push(t.elapsed());
+        let (_, took) = kubelet.allocate_timed(&ids).await.unwrap();
+        allocate.push(took);
     }
     let elapsed = started.elapsed();
     println!("Allocate through the socket: {GPUS} GPUs x {GPU_MIB} MiB, {PODS} pods x {POD_MIB} MiB, durable ledger");

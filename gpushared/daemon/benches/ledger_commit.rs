@@ -45,6 +45,13 @@ fn run(base: &std::path::Path, devices: &DeviceMap, name: &str, before_each: &dy
         ledger.allocate(&new).unwrap();
         samples.push(t.elapsed());
     }
+    // LEDGER_SLOWEST=N prints the N slowest commits with their place in the run.
+    if let Some(n) = std::env::var("LEDGER_SLOWEST").ok().and_then(|v| v.parse::<usize>().ok()) {
+        let mut slowest: Vec<(Duration, usize)> = samples.iter().copied().zip(1..).collect();
+        slowest.sort_by(|a, b| b.cmp(a));
+        let list: Vec<String> = slowest.iter().take(n).map(|(d, i)| format!("#{i} {d:.3?}")).collect();
+        println!("  slowest: {}", list.join(", "));
+    }
     samples.sort();
     let at = |per_mille: usize| samples[(samples.len() - 1) * per_mille / 1000];
     println!("{name:<40} p50 {:>9.3?}  p90 {:>9.3?}  p99 {:>9.3?}", at(500), at(900), at(990));
