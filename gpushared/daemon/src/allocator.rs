@@ -265,7 +265,8 @@ pub struct Allocator {
     /// Bumped when a GPU's sampled activity changes meaningfully: only the node annotation
     /// follows it (not reconciliation, the kubelet's device list or the D-Bus signals).
     activity: watch::Sender<u64>,
-    /// `true` while the kubelet admits a container: from the start of its
+    /// `true` while the kubelet admits a container through the shared-memory resource (the
+    /// whole-GPU resource's `Allocate` changes no allocation and is not tracked): from the start of its
     /// `GetPreferredAllocation` (or of an `Allocate` without one) until that `Allocate` is
     /// answered or a call fails. Work that can wait (the node annotation) holds back meanwhile.
     admission: watch::Sender<bool>,
@@ -945,8 +946,9 @@ impl Allocator {
         self.activity.subscribe()
     }
 
-    /// Forgets the proposals the kubelet has not followed with `Allocate`, and the admission
-    /// under way: the kubelet restarted, so the admissions it had started are over. It admits
+    /// Forgets the proposals the kubelet has not followed with `Allocate`, and ends the
+    /// admission under way ([`Self::admission_ended`]): the kubelet restarted, so the admissions
+    /// it had started are over. It admits
     /// those pods again, oldest first, asking for new proposals; a stale one would sort its pod
     /// behind look-alikes as if another admission were still under way for it, and a look-alike
     /// would be served in its place. Returns how many were forgotten.

@@ -360,9 +360,10 @@ async fn run(config: Config) -> anyhow::Result<()> {
                     kubelet.acknowledge_plugin_socket();
                 }
                 if change.kubelet_restarted || change.plugin_socket_lost {
-                    // Either way the kubelet restarted: the admissions it had under way are over.
-                    let forgotten = alloc.kubelet_restarted();
                     if change.kubelet_restarted {
+                        // Once per new kubelet.sock (a restart often removes the plugin socket
+                        // first, in an event of its own): the new kubelet's own proposals stay.
+                        let forgotten = alloc.kubelet_restarted();
                         tracing::warn!(kubelet = %config.kubelet_socket().display(), forgotten_proposals = forgotten, "the kubelet restarted; registering again");
                     }
                     kubelet.acknowledge_kubelet();

@@ -482,4 +482,22 @@ mod tests {
         assert_eq!(refused.code(), tonic::Code::InvalidArgument);
         assert!(!*admission.borrow(), "a refused Allocate");
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cancelled_call_ends_its_admission() {
+        let dir = tempfile::tempdir().unwrap();
+        let (plugin, alloc) = plugin(dir.path());
+        let mut admission = alloc.subscribe_admission();
+        // No pod waits for 999 devices: the call waits for the pod watch until the kubelet gives up.
+        let free: DeviceIds = alloc.devices().ids(0).collect();
+        let p = plugin.clone();
+        let call = tokio::spawn(async move { p.get_preferred_allocation(preferred(free, 999)).await });
+        tokio::time::timeout(Duration::from_secs(5), admission.wait_for(|busy| *busy))
+            .await
+            .expect("the admission opens")
+            .unwrap();
+        call.abort();
+        assert!(call.await.unwrap_err().is_cancelled());
+        assert!(!*admission.borrow(), "the cancelled call ended it");
+    }
 }

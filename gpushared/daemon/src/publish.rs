@@ -5,6 +5,9 @@
 //! - A change (allocation, release, repair, health) starts a debounce window (100 ms); a burst
 //!   of changes becomes one publication, and publications are at least 500 ms apart, so a node
 //!   in heavy churn writes its Node at most twice a second.
+//! - A publication waits while the kubelet admits a container through the shared-memory
+//!   resource (from its `GetPreferredAllocation` until its `Allocate` is answered) and 3 ms
+//!   after, at most 250 ms: the patch is work that can wait, the kubelet's admission is not.
 //! - Each publication carries a generation one above the last: the first continues from the
 //!   value already on the Node, so generations grow across daemon restarts.
 //! - Only this node's annotation is written, with a JSON merge patch (nothing else on the Node
@@ -206,7 +209,8 @@ pub struct Timing {
     /// Republish this often even without changes.
     pub resync: Duration,
     /// A publication waits until the kubelet has admitted no container for this long (the
-    /// answer to its `Allocate` on its way), so the two never compete for the host's cores.
+    /// answer to its `Allocate` on its way), so that a publication does not start while an
+    /// admission is under way (one already running, or released by `max_hold`, still does).
     pub quiet: Duration,
     /// ... but never holds back longer than this, however busy the kubelet.
     pub max_hold: Duration,
@@ -227,13 +231,12 @@ impl Default for Timing {
 }
 
 /// Returns once the kubelet has been admitting no container for `timing.quiet` (see
-/// [`Allocator::admission_started`]), or after `timing.max_hold`; at once once the allocator is
-/// gone. Returns how long it held back.
+/// [`Allocator::admission_started`]), or after `timing.max_hold`. Returns how long it held back.
 async fn kubelet_quiet(admission: &mut watch::Receiver<bool>, timing: Timing) -> Duration {
     let start = tokio::time::Instant::now();
     let until = start + timing.max_hold;
     loop {
-        match tokio::time::timeout_at(until, admission.wait_for(|busy| !busy)).await {
+        match tokio::time::timeout_at(until, async { admission.wait_for(|busy| !busy).await.map(|_| ()) }).await {
             Ok(Ok(_)) => {}
             Ok(Err(_)) | Err(_) => break,
         }
@@ -632,12 +635,14 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_publication_waits_for_the_kubelets_admission_to_end_but_not_for_ever() {
+    async fn a_publication_waits_for_the_kubelets_admission_to_end() {
         let dir = tempfile::tempdir().unwrap();
         let alloc = allocator(dir.path());
         let node = FakeNode::default();
         node.with(|f| f.others = 100);
-        let task = tokio::spawn(run(node.clone(), Arc::clone(&alloc), QUICK));
+        // Held back for as long as it takes: only the end of the admission releases it.
+        let timing = Timing { max_hold: Duration::from_secs(60), ..QUICK };
+        let task = tokio::spawn(run(node.clone(), Arc::clone(&alloc), timing));
         eventually("the first publication", || node.get(|f| f.stored.len() == 1)).await;
         // The kubelet is admitting a container (its Allocate on its way) when the state changes.
         alloc.admission_started();
@@ -646,15 +651,25 @@ mod tests {
         assert_eq!(node.get(|f| f.stored.len()), 1, "held back while the kubelet admits");
         alloc.admission_ended();
         eventually("the publication once the Allocate is answered", || node.get(|f| f.stored.len() == 2)).await;
-        // An admission that never ends (the kubelet gone between its two calls) holds a
-        // publication back for max_hold, no longer.
+        task.abort();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_admission_that_never_ends_holds_a_publication_back_for_max_hold_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let alloc = allocator(dir.path());
+        let node = FakeNode::default();
+        node.with(|f| f.others = 100);
+        let task = tokio::spawn(run(node.clone(), Arc::clone(&alloc), QUICK));
+        eventually("the first publication", || node.get(|f| f.stored.len() == 1)).await;
+        // The kubelet gone between its two calls: no Allocate ends the admission.
         alloc.admission_started();
         let changed = std::time::Instant::now();
-        alloc.set_health(0, gpushare_core::Health::Healthy).unwrap();
-        eventually("the publication despite the open admission", || node.get(|f| f.stored.len() == 3)).await;
+        alloc.set_health(0, gpushare_core::Health::Unhealthy { reason: "Xid 79".into() }).unwrap();
+        eventually("the publication despite the open admission", || node.get(|f| f.stored.len() == 2)).await;
         assert!(changed.elapsed() >= QUICK.max_hold, "published after {:?}", changed.elapsed());
-        let published = node.get(|f| NodeState::decode(&f.stored[2]).unwrap());
-        assert!(published.inventory.gpus()[0].health.is_healthy());
+        let published = node.get(|f| NodeState::decode(&f.stored[1]).unwrap());
+        assert!(!published.inventory.gpus()[0].health.is_healthy());
         task.abort();
     }
 }
