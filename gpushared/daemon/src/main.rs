@@ -163,8 +163,10 @@ async fn run(config: Config) -> anyhow::Result<()> {
         .spawn(move || {
             loop {
                 std::thread::sleep(Duration::from_secs(10));
-                if let Err(e) = checkpointer.checkpoint() {
-                    tracing::warn!(error = %e, "ledger checkpoint failed; will retry");
+                let start = std::time::Instant::now();
+                match checkpointer.checkpoint() {
+                    Ok(frames) => tracing::debug!(frames, took = ?start.elapsed(), "ledger checkpoint"),
+                    Err(e) => tracing::warn!(error = %e, "ledger checkpoint failed; will retry"),
                 }
             }
         })
