@@ -85,16 +85,32 @@ impl DeviceIds {
         self.iter().map(|id| key + encoded_len_varint(id.len() as u64) + id.len()).sum()
     }
 
-    /// Decodes one occurrence of the repeated string field (prost's own string decoding:
-    /// the same checks and errors as the generated code).
-    fn merge_one(&mut self, wire_type: WireType, buf: &mut impl Buf, ctx: DecodeContext) -> Result<(), DecodeError> {
-        let mut id = String::new();
-        prost::encoding::string::merge(wire_type, &mut id, buf, ctx)?;
-        if self.push(&id) {
+    /// Decodes one occurrence of the repeated string field with the checks and errors of
+    /// prost's string decoding (wire type, length, UTF-8), copying the ID straight into the
+    /// list: a short ID passes through the stack, not a `String` of its own (the kubelet sends
+    /// 131 072 of them in a MiB-mode `GetPreferredAllocation`).
+    #[allow(deprecated)] // DecodeError::new: prost offers no other way to make one.
+    fn merge_one(&mut self, wire_type: WireType, buf: &mut impl Buf, _: DecodeContext) -> Result<(), DecodeError> {
+        const SHORT: usize = 64;
+        prost::encoding::check_wire_type(WireType::LengthDelimited, wire_type)?;
+        let len = prost::encoding::decode_varint(buf)?;
+        let Some(len) = usize::try_from(len).ok().filter(|&len| len <= buf.remaining()) else {
+            return Err(DecodeError::new("buffer underflow"));
+        };
+        let not_utf8 = |_| DecodeError::new("invalid string value: data is not UTF-8 encoded");
+        let pushed = if len <= SHORT {
+            let mut bytes = [0u8; SHORT];
+            buf.copy_to_slice(&mut bytes[..len]);
+            self.push(std::str::from_utf8(&bytes[..len]).map_err(not_utf8)?)
+        } else {
+            let mut bytes = vec![0u8; len];
+            buf.copy_to_slice(&mut bytes);
+            self.push(&String::from_utf8(bytes).map_err(|e| not_utf8(e.utf8_error()))?)
+        };
+        if pushed {
             Ok(())
         } else {
             // Unreachable through gRPC, whose messages are far smaller.
-            #[allow(deprecated)]
             Err(DecodeError::new("device ID list over 4 GiB"))
         }
     }
@@ -329,6 +345,15 @@ mod tests {
         assert!(ContainerPreferredAllocationRequest::decode(&[0x0a, 0x01, 0xff][..]).is_err());
         assert!(ContainerPreferredAllocationRequest::decode(&[0x08, 0x01][..]).is_err(), "wrong wire type");
         assert_eq!(format!("{:?}", compact.available_device_i_ds), r#"["Q30", "Q31", "ünï"]"#);
+        // IDs longer than the stack buffer take the other path, with the same checks.
+        let long =
+            GeneratedRequest { available: vec!["x".repeat(65), "ü".repeat(40), "y".into()], must: vec![], size: 1 };
+        let compact = ContainerPreferredAllocationRequest::decode(long.encode_to_vec().as_slice()).unwrap();
+        assert_eq!(compact.available_device_i_ds.to_vec(), long.available);
+        let mut bad = vec![0x0a, 65];
+        bad.extend(std::iter::repeat_n(b'x', 64));
+        bad.push(0xff);
+        assert!(ContainerPreferredAllocationRequest::decode(bad.as_slice()).is_err(), "a long ID that is not UTF-8");
     }
 
     #[derive(Debug)]
