@@ -97,17 +97,17 @@ impl DeviceIds {
         let Some(len) = usize::try_from(len).ok().filter(|&len| len <= buf.remaining()) else {
             return Err(DecodeError::new("buffer underflow"));
         };
-        let not_utf8 = |_| DecodeError::new("invalid string value: data is not UTF-8 encoded");
-        let pushed = if len <= SHORT {
-            let mut bytes = [0u8; SHORT];
-            buf.copy_to_slice(&mut bytes[..len]);
-            self.push(std::str::from_utf8(&bytes[..len]).map_err(not_utf8)?)
+        let (mut short, mut long) = ([0u8; SHORT], Vec::new());
+        let bytes = if len <= SHORT {
+            &mut short[..len]
         } else {
-            let mut bytes = vec![0u8; len];
-            buf.copy_to_slice(&mut bytes);
-            self.push(&String::from_utf8(bytes).map_err(|e| not_utf8(e.utf8_error()))?)
+            long.resize(len, 0);
+            &mut long[..]
         };
-        if pushed {
+        buf.copy_to_slice(bytes);
+        let id = std::str::from_utf8(bytes)
+            .map_err(|_| DecodeError::new("invalid string value: data is not UTF-8 encoded"))?;
+        if self.push(id) {
             Ok(())
         } else {
             // Unreachable through gRPC, whose messages are far smaller.

@@ -1339,4 +1339,4 @@ impl Allocator {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

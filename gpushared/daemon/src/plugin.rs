@@ -394,55 +394,21 @@ pub async fn register(
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
-
-    use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment, GpuShare};
-    use gpushare_core::codec::node::PodRef;
-    use gpushare_core::{ContainerRole, Gpu, GpuUuid, MemoryUnit, Mib};
+    use gpushare_core::ContainerRole;
     use gpushare_proto::compact::{ContainerPreferredAllocationRequest, DeviceIds};
     use gpushare_proto::deviceplugin::ContainerAllocateRequest;
 
     use super::*;
-    use crate::pods::{PodStore, PodView};
+    use crate::allocator::tests::{Fixture, fixture, pod};
+    use crate::config::Compatibility;
 
-    /// The plugin of node-a, one 1000 MiB GPU in MiB mode, with one pod waiting for 100 MiB.
-    fn plugin(dir: &Path) -> (Plugin, Arc<Allocator>) {
-        let ledger = crate::ledger::Ledger::open(&dir.join("ledger.db")).unwrap().ledger;
-        let uuid = GpuUuid::new("GPU-0").unwrap();
-        let inventory =
-            NodeInventory::new(MemoryUnit::Mib, vec![Gpu::new(0, uuid.clone(), "Tesla T4", Mib::new(1000))]).unwrap();
-        let pods = PodStore::new();
-        let assignment = Assignment {
-            node: "node-a".into(),
-            unit: MemoryUnit::Mib,
-            containers: vec![ContainerAssignment {
-                name: "main".into(),
-                role: ContainerRole::App,
-                gpus: vec![GpuShare { index: 0, uuid, mib: Mib::new(100) }],
-            }],
-        };
-        pods.upsert(PodView {
-            pod: PodRef { namespace: "default".into(), name: "pod-a".into(), uid: "uid-a".into() },
-            node: Some("node-a".into()),
-            created: "2026-11-24T10:00:00Z".into(),
-            terminal: false,
-            spec: gpushare_core::PodSpec::default(),
-            annotations: BTreeMap::from([(ASSIGNMENT_KEY.to_owned(), assignment.encode().unwrap())]),
-            container_ids: Vec::new(),
-        });
-        let alloc = Arc::new(
-            Allocator::new(
-                "node-a".into(),
-                gpushare_core::ResourceNames::gpushare(),
-                crate::config::Compatibility::Gpushare,
-                inventory,
-                pods,
-                ledger,
-            )
-            .unwrap(),
-        );
-        let snapshot = DeviceSnapshot { inventory: Arc::new(alloc.inventory().clone()), numa: false };
-        (Plugin::new(Arc::clone(&alloc), watch::Sender::new(snapshot).subscribe()), alloc)
+    /// The plugin over the allocator tests' node (three GPUs of 1000 MiB in MiB mode), with one
+    /// pod waiting for 100 MiB on GPU 0.
+    fn plugin() -> (Plugin, Fixture) {
+        let f = fixture(Compatibility::Gpushare);
+        pod(&f, "a", "2026-11-24T10:00:00Z", &[("main", ContainerRole::App, &[(0, 100)])]);
+        let snapshot = DeviceSnapshot { inventory: Arc::new(f.alloc.inventory().clone()), numa: false };
+        (Plugin::new(Arc::clone(&f.alloc), watch::Sender::new(snapshot).subscribe()), f)
     }
 
     fn preferred(available: DeviceIds, size: i32) -> Request<PreferredAllocationRequest> {
@@ -461,10 +427,9 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_admission_is_open_from_the_preferred_allocation_until_its_allocate_is_answered() {
-        let dir = tempfile::tempdir().unwrap();
-        let (plugin, alloc) = plugin(dir.path());
-        let admission = alloc.subscribe_admission();
-        let free: DeviceIds = alloc.devices().ids(0).collect();
+        let (plugin, f) = plugin();
+        let admission = f.alloc.subscribe_admission();
+        let free: DeviceIds = f.alloc.devices().ids(0).collect();
         let ids = plugin.get_preferred_allocation(preferred(free, 100)).await.unwrap().into_inner().container_responses
             [0]
         .device_i_ds
@@ -485,11 +450,10 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_cancelled_call_ends_its_admission() {
-        let dir = tempfile::tempdir().unwrap();
-        let (plugin, alloc) = plugin(dir.path());
-        let mut admission = alloc.subscribe_admission();
+        let (plugin, f) = plugin();
+        let mut admission = f.alloc.subscribe_admission();
         // No pod waits for 999 devices: the call waits for the pod watch until the kubelet gives up.
-        let free: DeviceIds = alloc.devices().ids(0).collect();
+        let free: DeviceIds = f.alloc.devices().ids(0).collect();
         let p = plugin.clone();
         let call = tokio::spawn(async move { p.get_preferred_allocation(preferred(free, 999)).await });
         tokio::time::timeout(Duration::from_secs(5), admission.wait_for(|busy| *busy))

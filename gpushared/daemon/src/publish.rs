@@ -588,6 +588,17 @@ mod tests {
         }
     }
 
+    /// A publisher with `timing` on a Node with room, once its first publication is stored.
+    async fn publishing(timing: Timing) -> (tempfile::TempDir, Arc<Allocator>, FakeNode, tokio::task::JoinHandle<()>) {
+        let dir = tempfile::tempdir().unwrap();
+        let alloc = allocator(dir.path());
+        let node = FakeNode::default();
+        node.with(|f| f.others = 100);
+        let task = tokio::spawn(run(node.clone(), Arc::clone(&alloc), timing));
+        eventually("the first publication", || node.get(|f| f.stored.len() == 1)).await;
+        (dir, alloc, node, task)
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_node_without_room_gets_nothing_and_is_read_again_at_the_longest_backoff() {
         let dir = tempfile::tempdir().unwrap();
@@ -611,12 +622,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_refused_patch_reads_the_node_again_and_learns_it_has_no_room() {
-        let dir = tempfile::tempdir().unwrap();
-        let alloc = allocator(dir.path());
-        let node = FakeNode::default();
-        node.with(|f| f.others = 100);
-        let task = tokio::spawn(run(node.clone(), Arc::clone(&alloc), QUICK));
-        eventually("the first publication", || node.get(|f| f.stored.len() == 1)).await;
+        let (_dir, alloc, node, task) = publishing(QUICK).await;
         assert_eq!(node.get(|f| f.reads), 1, "the patch's answer says how big the rest is");
         // Someone else annotates the Node; the publisher learns of it when its patch is refused.
         node.with(|f| f.others = MAX_TOTAL_ANNOTATION_BYTES - 10);
@@ -636,14 +642,8 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_publication_waits_for_the_kubelets_admission_to_end() {
-        let dir = tempfile::tempdir().unwrap();
-        let alloc = allocator(dir.path());
-        let node = FakeNode::default();
-        node.with(|f| f.others = 100);
         // Held back for as long as it takes: only the end of the admission releases it.
-        let timing = Timing { max_hold: Duration::from_secs(60), ..QUICK };
-        let task = tokio::spawn(run(node.clone(), Arc::clone(&alloc), timing));
-        eventually("the first publication", || node.get(|f| f.stored.len() == 1)).await;
+        let (_dir, alloc, node, task) = publishing(Timing { max_hold: Duration::from_secs(60), ..QUICK }).await;
         // The kubelet is admitting a container (its Allocate on its way) when the state changes.
         alloc.admission_started();
         alloc.set_health(0, gpushare_core::Health::Unhealthy { reason: "Xid 79".into() }).unwrap();
@@ -656,12 +656,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_admission_that_never_ends_holds_a_publication_back_for_max_hold_only() {
-        let dir = tempfile::tempdir().unwrap();
-        let alloc = allocator(dir.path());
-        let node = FakeNode::default();
-        node.with(|f| f.others = 100);
-        let task = tokio::spawn(run(node.clone(), Arc::clone(&alloc), QUICK));
-        eventually("the first publication", || node.get(|f| f.stored.len() == 1)).await;
+        let (_dir, alloc, node, task) = publishing(QUICK).await;
         // The kubelet gone between its two calls: no Allocate ends the admission.
         alloc.admission_started();
         let changed = std::time::Instant::now();

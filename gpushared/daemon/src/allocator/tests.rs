@@ -12,15 +12,17 @@ fn uuid(i: u32) -> GpuUuid {
     GpuUuid::new(format!("GPU-{i}")).unwrap()
 }
 
-struct Fixture {
+/// An allocator for node-a with three 1000 MiB GPUs (minor numbers 4-6), its ledger in a
+/// temporary directory; also the plugin's tests' (`crate::plugin`).
+pub(crate) struct Fixture {
     _dir: tempfile::TempDir,
     pods: PodStore,
-    alloc: Allocator,
+    pub(crate) alloc: Arc<Allocator>,
     /// Devices the kubelet has handed out, as it tracks them.
     in_use: std::cell::RefCell<BTreeSet<String>>,
 }
 
-fn fixture(compat: Compatibility) -> Fixture {
+pub(crate) fn fixture(compat: Compatibility) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let ledger = Ledger::open(&dir.path().join("ledger.db")).unwrap().ledger;
     let gpus = (0..3)
@@ -37,14 +39,14 @@ fn fixture(compat: Compatibility) -> Fixture {
         Compatibility::Alibaba => ResourceNames::alibaba(),
     };
     let alloc = Allocator::new("node-a".into(), names, compat, inventory, pods.clone(), ledger).unwrap();
-    Fixture { _dir: dir, pods, alloc, in_use: std::cell::RefCell::default() }
+    Fixture { _dir: dir, pods, alloc: Arc::new(alloc), in_use: std::cell::RefCell::default() }
 }
 
 /// A container of a test pod: name, role, and its (GPU index, MiB) shares.
-type ContainerSpec<'a> = (&'a str, ContainerRole, &'a [(u32, u64)]);
+pub(crate) type ContainerSpec<'a> = (&'a str, ContainerRole, &'a [(u32, u64)]);
 
 /// A pod bound to node-a with an assignment.
-fn pod(f: &Fixture, uid: &str, created: &str, containers: &[ContainerSpec<'_>]) {
+pub(crate) fn pod(f: &Fixture, uid: &str, created: &str, containers: &[ContainerSpec<'_>]) {
     let assignment = Assignment {
         node: "node-a".into(),
         unit: MemoryUnit::Mib,
@@ -296,7 +298,7 @@ fn an_unhealthy_assigned_gpu_fails_admission_readably() {
         ledger,
     )
     .unwrap();
-    let f = Fixture { _dir: dir, pods, alloc, in_use: std::cell::RefCell::default() };
+    let f = Fixture { _dir: dir, pods, alloc: Arc::new(alloc), in_use: std::cell::RefCell::default() };
     pod(&f, "u1", "t", &[("main", ContainerRole::App, &[(0, 10)])]);
     let ids: Vec<String> = f.alloc.devices().ids(0).take(10).collect();
     let err = f.alloc.allocate(&ids).unwrap_err().to_string();
