@@ -88,16 +88,16 @@ fn report_allocated(api: &ApiServer, daemon: &std::sync::Mutex<NodeState>, node:
     let mut state = daemon.lock().unwrap();
     for c in a.containers {
         for g in c.gpus {
-            let used = &mut state.used[g.index as usize];
-            *used = used.saturating_add(g.mib);
             state.allocations.push(gpushare_core::codec::node::NodeAllocation {
                 pod: pod_ref.clone(),
                 container: c.name.clone(),
+                role: c.role,
                 gpu: g.index,
                 mib: g.mib,
             });
         }
     }
+    state.used = gpushare_core::codec::node::used_per_gpu(&state.inventory, &state.allocations);
     state.generation += 1;
     let value = state.encode().unwrap();
     api.patch(

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use gpushare_core::codec::alibaba::AlibabaAnnotations;
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
-use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
+use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState, pod_footprints};
 use gpushare_core::placement::{GpuPolicy, NodePolicy, NodeView, Placer, Rejection};
 use gpushare_core::schedule::Policies;
 use gpushare_core::{MemoryUnit, Mib, NodeInventory, PodRequest, ResourceNames};
@@ -701,15 +701,14 @@ impl ClusterView {
         let NodeGpus::Reported(state) = &entry.gpus else { return Usage::default() };
         let inventory = &state.inventory;
         let n = inventory.gpus().len();
-        // What the daemon attributes to each pod.
+        // What the daemon attributes to each pod, by the rule its `usedMiB` follows.
         let mut reported: BTreeMap<&str, (String, Vec<Mib>)> = BTreeMap::new();
         let mut attributed = vec![Mib::ZERO; n];
-        for a in &state.allocations {
-            let Some(p) = inventory.gpus().iter().position(|g| g.index == a.gpu) else { continue };
-            let key = format!("{}/{}", a.pod.namespace, a.pod.name);
-            let e = reported.entry(a.pod.uid.as_str()).or_insert_with(|| (key, vec![Mib::ZERO; n]));
-            e.1[p] = e.1[p].saturating_add(a.mib);
-            attributed[p] = attributed[p].saturating_add(a.mib);
+        for (uid, f) in pod_footprints(inventory, &state.allocations) {
+            for (t, m) in attributed.iter_mut().zip(&f.mib) {
+                *t = t.saturating_add(*m);
+            }
+            reported.insert(uid, (format!("{}/{}", f.pod.namespace, f.pod.name), f.mib));
         }
         let base = state.used.iter().zip(&attributed).map(|(u, a)| u.saturating_sub(*a)).collect();
         let mut usage = Usage { base, pods: Vec::new(), admitting: Vec::new(), pending: Vec::new(), total: Vec::new() };

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use gpushare_core::Mib;
 use gpushare_core::codec::alibaba;
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
-use gpushare_core::codec::node::{NODE_STATE_KEY, NodeAllocation, NodeState, PodRef};
+use gpushare_core::codec::node::{NODE_STATE_KEY, NodeAllocation, NodeState, PodRef, used_per_gpu};
 use serde_json::{Value, json};
 
 mod common;
@@ -26,14 +26,12 @@ fn publish_allocations(api: &gpushare_testkit::apiserver::ApiServer, generation:
         NodeState::decode(api.node("gpu-a").unwrap()["metadata"]["annotations"][NODE_STATE_KEY].as_str().unwrap())
             .unwrap();
     state.allocations.clear();
-    state.used = vec![Mib::ZERO; state.inventory.gpus().len()];
     for p in api.list(gpushare_testkit::apiserver::Kind::Pod) {
         let Some(a) = p.pointer(&format!("/metadata/annotations/{}", ASSIGNMENT_KEY.replace('/', "~1"))) else {
             continue;
         };
         for c in Assignment::decode(a.as_str().unwrap()).unwrap().containers {
             for g in c.gpus {
-                state.used[g.index as usize] = state.used[g.index as usize].saturating_add(g.mib);
                 state.allocations.push(NodeAllocation {
                     pod: PodRef {
                         namespace: "default".into(),
@@ -41,12 +39,14 @@ fn publish_allocations(api: &gpushare_testkit::apiserver::ApiServer, generation:
                         uid: p["metadata"]["uid"].as_str().unwrap().into(),
                     },
                     container: c.name.clone(),
+                    role: c.role,
                     gpu: g.index,
                     mib: g.mib,
                 });
             }
         }
     }
+    state.used = used_per_gpu(&state.inventory, &state.allocations);
     state.generation = generation;
     let n = state.allocations.len();
     api.patch(
@@ -287,4 +287,61 @@ async fn whole_gpus_take_no_share_and_over_budget_containers_are_reported() {
         "{metrics}"
     );
     assert!(metrics.contains("gpushare_gpu_schedulable{node=\"gpu-w\",gpu=\"1\",uuid=\"GPU-w-1\"} 0\n"), "{metrics}");
+}
+
+/// A T4 holding one pod whose init container (10 000 MiB) ran before its app container
+/// (8 000 MiB): the daemon publishes 10 000 used, and inspect, metrics and filter agree with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_init_container_is_not_added_to_the_app_containers() {
+    let h = start(1 << 20).await;
+    h.api.create_node(node_object("gpu-a", 1, 15_360)).unwrap();
+    let limits = |mib: u64| json!({"limits": {"gpushare.io/gpu-mem": mib.to_string()}});
+    let pod = h
+        .api
+        .create_pod(
+            "default",
+            json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "chat", "namespace": "default"},
+                   "spec": {"initContainers": [{"name": "fetch", "image": "cuda", "resources": limits(10_000)}],
+                            "containers": [{"name": "main", "image": "cuda", "resources": limits(8000)}]}}),
+        )
+        .unwrap();
+    until("ready", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().0 == 1 && v.counts().1 == 1)).await;
+    let (_, body) = http(h.addr, "POST", "/gpushare-scheduler/bind", &bind_body(&pod, "gpu-a")).await;
+    assert_eq!(body, r#"{"Error":""}"#);
+    until("no bind in flight", async || h.ext.with_view(|v| v.counts().2) == 0).await;
+    // The daemon's report, both rows with their roles: usedMiB 10 000.
+    assert_eq!(publish_allocations(&h.api, 2), 2);
+    let mut state =
+        NodeState::decode(h.api.node("gpu-a").unwrap()["metadata"]["annotations"][NODE_STATE_KEY].as_str().unwrap())
+            .unwrap();
+    assert_eq!(state.used, vec![Mib::new(10_000)]);
+    // A sample of NVML's in-use figure marks this publication, to wait for it in the view.
+    let mut gpus = state.inventory.gpus().to_vec();
+    gpus[0].activity = Some(gpushare_core::Activity { utilization: Some(5), in_use: Mib::new(9000) });
+    state.inventory = gpushare_core::NodeInventory::new(state.inventory.unit(), gpus).unwrap();
+    state.generation = 3;
+    let value = state.encode().unwrap();
+    h.api
+        .patch(
+            gpushare_testkit::apiserver::Kind::Node,
+            "",
+            "gpu-a",
+            &json!({"metadata": {"annotations": {NODE_STATE_KEY: value}}}),
+        )
+        .unwrap();
+    until("the daemon's report in the view", async || h.ext.report().nodes[0].gpus[0].in_use_mib == Some(9000)).await;
+    let (status, body) = http(h.addr, "GET", "/gpushare-scheduler/inspect/gpu-a", "").await;
+    assert_eq!(status, 200, "{body}");
+    let inspect: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(inspect["nodes"][0]["gpus"][0]["usedMiB"], 10_000, "{body}");
+    assert_eq!(inspect["nodes"][0]["gpus"][0]["pods"][0]["mib"], 10_000, "{body}");
+    let (_, metrics) = http(h.addr, "GET", "/metrics", "").await;
+    assert!(metrics.contains("gpushare_gpu_memory_used_mib{node=\"gpu-a\",gpu=\"0\",uuid=\"GPU-gpu-a-0\"} 10000\n"));
+    // 5 360 MiB are free: a 5 000 MiB pod fits.
+    let q = h.api.create_pod("default", pod_object("q", 5000)).unwrap();
+    until("q", async || h.ext.with_view(|v| v.counts().1) == 2).await;
+    let filter = json!({"Pod": q, "Nodes": null, "NodeNames": ["gpu-a"]}).to_string();
+    let (_, body) = http(h.addr, "POST", "/gpushare-scheduler/filter", &filter).await;
+    let result: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(result["NodeNames"], json!(["gpu-a"]), "{body}");
 }

@@ -344,6 +344,7 @@ mod tests {
                 .map(|(pod, container, gpu, mib)| NodeAllocation {
                     pod: PodRef { namespace: "default".into(), name: (*pod).into(), uid: format!("{pod}-uid") },
                     container: (*container).into(),
+                    role: ContainerRole::App,
                     gpu: *gpu,
                     mib: Mib::new(*mib),
                 })

@@ -84,6 +84,7 @@ pub(crate) fn holding(pod: &str, container: &str, gpu: u32, mib: u64) -> NodeAll
     NodeAllocation {
         pod: PodRef { namespace: "default".into(), name: pod.into(), uid: format!("uid-{pod}") },
         container: container.into(),
+        role: ContainerRole::App,
         gpu,
         mib: Mib::new(mib),
     }

@@ -163,15 +163,16 @@ proptest! {
     fn node_state_round_trips(
         (inv, used) in arb_node(),
         generation in any::<u64>(),
-        holders in proptest::collection::vec(("[a-z][a-z0-9-]{0,20}", "[a-z0-9-]{1,36}", "[a-z]{1,8}", 1u64..100_000), 0..20),
+        holders in proptest::collection::vec(("[a-z][a-z0-9-]{0,20}", "[a-z0-9-]{1,36}", "[a-z]{1,8}", 0u8..3, 1u64..100_000), 0..20),
     ) {
         let n = inv.gpus().len();
         let allocations = holders
             .into_iter()
             .enumerate()
-            .map(|(i, (name, uid, container, mib))| NodeAllocation {
+            .map(|(i, (name, uid, container, role, mib))| NodeAllocation {
                 pod: PodRef { namespace: "ns".into(), name, uid },
                 container,
+                role: [ContainerRole::Init, ContainerRole::Sidecar, ContainerRole::App][usize::from(role)],
                 gpu: u32::try_from(i % n).unwrap(),
                 mib: Mib::new(mib),
             })

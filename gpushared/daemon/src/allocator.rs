@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use gpushare_core::codec::alibaba;
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment};
-use gpushare_core::codec::node::{NodeAllocation, NodeState, OverBudget, PodRef};
+use gpushare_core::codec::node::{NodeAllocation, NodeState, OverBudget, PodRef, used_per_gpu};
 use gpushare_core::devices::DeviceMap;
 use gpushare_core::placement::footprint;
 use gpushare_core::{Activity, ContainerRole, GpuUuid, Health, Mib, NodeInventory, PodRequest, ResourceNames};
@@ -1314,25 +1314,20 @@ impl Allocator {
             let state = self.lock();
             (state.inventory.clone(), state.held.clone())
         };
-        let mut per_pod: BTreeMap<&str, Vec<&Held>> = BTreeMap::new();
-        for h in &held {
-            per_pod.entry(h.pod.uid.as_str()).or_default().push(h);
-        }
-        let mut used = vec![Mib::ZERO; inventory.gpus().len()];
-        for rows in per_pod.values() {
-            for (gpu, mib) in footprint(rows.iter().map(|h| (h.role, [(h.gpu.clone(), h.mib)]))) {
-                if let Some(pos) = inventory.position_of(&gpu) {
-                    used[pos] = used[pos].saturating_add(mib);
-                }
-            }
-        }
-        let allocations = held
+        let allocations: Vec<NodeAllocation> = held
             .iter()
             .filter_map(|h| {
                 let gpu = inventory.gpus().iter().find(|g| g.uuid == h.gpu)?;
-                Some(NodeAllocation { pod: h.pod.clone(), container: h.container.clone(), gpu: gpu.index, mib: h.mib })
+                Some(NodeAllocation {
+                    pod: h.pod.clone(),
+                    container: h.container.clone(),
+                    role: h.role,
+                    gpu: gpu.index,
+                    mib: h.mib,
+                })
             })
             .collect();
+        let used = used_per_gpu(&inventory, &allocations);
         let over_budget = self.over_budget();
         NodeState { generation, daemon_version: daemon_version.to_owned(), inventory, used, allocations, over_budget }
     }

@@ -419,6 +419,7 @@ mod tests {
                     uid: format!("3f1c2b4a-9e8d-4c7b-a6f5-{p:012}"),
                 },
                 container: "model-server".into(),
+                role: gpushare_core::ContainerRole::App,
                 gpu: u32::try_from(p % 8).unwrap(),
                 mib: Mib::new(1024),
             })

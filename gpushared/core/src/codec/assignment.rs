@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use super::{CodecError, decode_versioned, encode_checked};
+use super::{CodecError, app_role, decode_versioned, encode_checked, is_app_role};
 use crate::inventory::{GpuUuid, NodeInventory};
 use crate::placement::{Placement, footprint};
 use crate::request::{ContainerRole, PodRequest};
@@ -42,19 +42,10 @@ pub struct ContainerAssignment {
     /// Container name.
     pub name: String,
     /// How it runs.
-    #[serde(default = "app", skip_serializing_if = "is_app")]
+    #[serde(default = "app_role", skip_serializing_if = "is_app_role")]
     pub role: ContainerRole,
     /// Its GPUs.
     pub gpus: Vec<GpuShare>,
-}
-
-fn app() -> ContainerRole {
-    ContainerRole::App
-}
-
-#[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference
-fn is_app(role: &ContainerRole) -> bool {
-    *role == ContainerRole::App
 }
 
 /// A pod's placement on a node, as carried by the pod annotation.

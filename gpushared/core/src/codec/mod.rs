@@ -17,6 +17,8 @@ pub mod node;
 
 use thiserror::Error;
 
+use crate::request::ContainerRole;
+
 /// Kubernetes' limit on the total size of an object's annotations; no single value of ours may
 /// be larger.
 pub const MAX_ANNOTATION_BYTES: usize = 256 * 1024;
@@ -101,4 +103,14 @@ fn encode_checked<T: serde::Serialize>(key: &'static str, value: &T) -> Result<S
         return Err(CodecError::TooLarge { key, len: text.len(), max: MAX_ANNOTATION_BYTES });
     }
     Ok(text)
+}
+
+/// serde's default for an omitted `role`: an app container.
+fn app_role() -> ContainerRole {
+    ContainerRole::App
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference
+fn is_app_role(role: &ContainerRole) -> bool {
+    *role == ContainerRole::App
 }

@@ -9,14 +9,20 @@
 //!
 //! `usedMiB` is the daemon's own figure (what its ledger holds on the GPU, by the init-container
 //! rule of [`crate::placement`]); the extender trusts it over its own assumptions. `pods` lists
-//! the holders for people and for reconciliation. `generation` grows with every publication so a
+//! the holders per container for people and for reconciliation; a holder's `role` (`init` or
+//! `sidecar`; omitted for app containers) lets every reader charge each pod by the same rule,
+//! [`pod_footprints`], so no view adds an init container to the app containers it ran before. `generation` grows with every publication so a
 //! reader can ignore a stale value. `overBudget` (absent when empty) lists the containers whose
 //! processes use more of the GPU's memory than their budget, as the daemon last sampled them.
 
 use serde::{Deserialize, Serialize};
 
-use super::{CodecError, decode_versioned, encode_checked};
+use std::collections::BTreeMap;
+
+use super::{CodecError, app_role, decode_versioned, encode_checked, is_app_role};
 use crate::inventory::{Activity, Gpu, GpuUuid, Health, NodeInventory, SharingMode};
+use crate::placement::footprint;
+use crate::request::ContainerRole;
 use crate::units::{MemoryUnit, Mib};
 
 /// The Node annotation key.
@@ -42,10 +48,60 @@ pub struct NodeAllocation {
     pub pod: PodRef,
     /// The container.
     pub container: String,
+    /// How the container runs, which decides how its memory counts (see [`pod_footprints`]).
+    pub role: ContainerRole,
     /// The GPU's NVML index.
     pub gpu: u32,
     /// Memory held.
     pub mib: Mib,
+}
+
+/// What one pod occupies on a node, from its allocations.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodFootprint<'a> {
+    /// The pod.
+    pub pod: &'a PodRef,
+    /// Memory per GPU position of the inventory, by the init-container rule.
+    pub mib: Vec<Mib>,
+}
+
+/// Each pod's footprint on `inventory`, keyed by UID, from its containers' `allocations` (in
+/// admission order): the largest init container (plus the sidecars started before it) or the sum
+/// of app containers and sidecars, whichever is more, per GPU ([`crate::placement::footprint`]).
+/// This is the one rule behind the daemon's `usedMiB` and every view of it in the extender.
+/// Allocations on a GPU the inventory lacks are left out.
+#[must_use]
+pub fn pod_footprints<'a>(
+    inventory: &NodeInventory,
+    allocations: &'a [NodeAllocation],
+) -> BTreeMap<&'a str, PodFootprint<'a>> {
+    let mut rows: BTreeMap<&'a str, (&'a PodRef, Vec<(ContainerRole, usize, Mib)>)> = BTreeMap::new();
+    for a in allocations {
+        let Some(p) = inventory.gpus().iter().position(|g| g.index == a.gpu) else { continue };
+        rows.entry(a.pod.uid.as_str()).or_insert_with(|| (&a.pod, Vec::new())).1.push((a.role, p, a.mib));
+    }
+    let n = inventory.gpus().len();
+    rows.into_iter()
+        .map(|(uid, (pod, rows))| {
+            let mut mib = vec![Mib::ZERO; n];
+            for (p, m) in footprint(rows.into_iter().map(|(role, p, m)| (role, [(p, m)]))) {
+                mib[p] = m;
+            }
+            (uid, PodFootprint { pod, mib })
+        })
+        .collect()
+}
+
+/// Memory used per GPU position of `inventory`: the sum of every pod's [`pod_footprints`].
+#[must_use]
+pub fn used_per_gpu(inventory: &NodeInventory, allocations: &[NodeAllocation]) -> Vec<Mib> {
+    let mut used = vec![Mib::ZERO; inventory.gpus().len()];
+    for f in pod_footprints(inventory, allocations).values() {
+        for (u, m) in used.iter_mut().zip(&f.mib) {
+            *u = u.saturating_add(*m);
+        }
+    }
+    used
 }
 
 /// A container whose processes use more of a GPU's memory than its budget (or use a GPU it has
@@ -171,6 +227,8 @@ struct WireHolder {
     name: String,
     uid: String,
     container: String,
+    #[serde(default = "app_role", skip_serializing_if = "is_app_role")]
+    role: ContainerRole,
     mib: Mib,
 }
 
@@ -234,6 +292,7 @@ impl NodeState {
                             name: a.pod.name.clone(),
                             uid: a.pod.uid.clone(),
                             container: a.container.clone(),
+                            role: a.role,
                             mib: a.mib,
                         })
                         .collect(),
@@ -285,6 +344,7 @@ impl NodeState {
                 allocations.push(NodeAllocation {
                     pod: PodRef { namespace: h.namespace, name: h.name, uid: h.uid },
                     container: h.container,
+                    role: h.role,
                     gpu: g.index,
                     mib: h.mib,
                 });
@@ -367,6 +427,7 @@ mod tests {
             allocations: vec![NodeAllocation {
                 pod: PodRef { namespace: "default".into(), name: "infer-1".into(), uid: "u1".into() },
                 container: "main".into(),
+                role: ContainerRole::App,
                 gpu: 0,
                 mib: Mib::new(3500),
             }],
@@ -456,6 +517,49 @@ mod tests {
         }
         let huge = format!(r#"{{"v":1,"pad":"{}"}}"#, "x".repeat(super::super::MAX_ANNOTATION_BYTES));
         assert!(matches!(NodeState::decode(&huge), Err(CodecError::TooLarge { .. })));
+    }
+
+    #[test]
+    fn a_pod_is_charged_by_the_init_container_rule() {
+        let gpu = |i: u32| Gpu::new(i, GpuUuid::new(format!("GPU-{i}")).unwrap(), "Tesla T4", Mib::new(15_360));
+        let inventory = NodeInventory::new(MemoryUnit::Mib, vec![gpu(0), gpu(1)]).unwrap();
+        let pod = |uid: &str| PodRef { namespace: "ml".into(), name: uid.into(), uid: uid.into() };
+        let row = |uid: &str, container: &str, role, gpu, mib| NodeAllocation {
+            pod: pod(uid),
+            container: container.into(),
+            role,
+            gpu,
+            mib: Mib::new(mib),
+        };
+        let allocations = vec![
+            // init 10000 then app 8000 on GPU0: 10000, not 18000.
+            row("a", "fetch", ContainerRole::Init, 0, 10_000),
+            row("a", "main", ContainerRole::App, 0, 8000),
+            // A sidecar started before the init container runs beside it: 500 + 3000.
+            row("b", "proxy", ContainerRole::Sidecar, 1, 500),
+            row("b", "warm", ContainerRole::Init, 1, 3000),
+            row("b", "main", ContainerRole::App, 1, 2000),
+            // A GPU the inventory lacks is left out.
+            row("c", "main", ContainerRole::App, 7, 1000),
+        ];
+        let f = pod_footprints(&inventory, &allocations);
+        assert_eq!(f["a"].mib, vec![Mib::new(10_000), Mib::ZERO]);
+        assert_eq!(f["b"].mib, vec![Mib::ZERO, Mib::new(3500)]);
+        assert_eq!(f["c"].mib, vec![Mib::ZERO, Mib::ZERO]);
+        assert_eq!(used_per_gpu(&inventory, &allocations), vec![Mib::new(10_000), Mib::new(3500)]);
+        // The role travels in the annotation (omitted for app containers, as before).
+        let state = NodeState {
+            generation: 1,
+            daemon_version: "x".into(),
+            used: used_per_gpu(&inventory, &allocations[..5]),
+            inventory,
+            allocations: allocations[..5].to_vec(),
+            over_budget: Vec::new(),
+        };
+        let text = state.encode().unwrap();
+        assert!(text.contains(r#""container":"fetch","role":"init","mib":10000"#), "{text}");
+        assert!(text.contains(r#""container":"main","mib":8000"#), "{text}");
+        assert_eq!(NodeState::decode(&text).unwrap(), state);
     }
 
     #[test]

@@ -12,7 +12,13 @@ fn pod(uid: &str, name: &str) -> PodRef {
 }
 
 fn budget(uid: &str, name: &str, container: &str, gpu: u32, mib: u64) -> NodeAllocation {
-    NodeAllocation { pod: pod(uid, name), container: container.into(), gpu, mib: Mib::new(mib) }
+    NodeAllocation {
+        pod: pod(uid, name),
+        container: container.into(),
+        role: gpushare_core::ContainerRole::App,
+        gpu,
+        mib: Mib::new(mib),
+    }
 }
 
 fn known(uid: &str) -> Option<KnownPod> {
