@@ -271,39 +271,75 @@ async fn bind_refuses_clearly() {
 }
 
 #[test]
-fn preemption_frees_one_gpu_with_the_fewest_lowest_priority_victims() {
+fn preemption_keeps_the_schedulers_victims_and_adds_what_the_gpus_need() {
     let on = |name: &str, gpu: u32, mib: u64, prio: i32| {
         let mut p = pod(name, mib, Some(("n1", assignment("n1", &[("main", &[(gpu, mib)])]))), "Running");
         p.spec.priority = Some(prio);
         p
     };
-    // GPU0: a (400, prio 1), b (400, prio 5); GPU1: c (700, prio 0), d (300, prio 0).
+    // n1, GPUs of 1000: GPU0 a (400, prio 1), b (400, prio 5); GPU1 c (700, prio 0), d (300, prio 0).
+    // n2: its one GPU full with x, a pod the view does not know. n3: empty.
     let pods = [on("a", 0, 400, 1), on("b", 0, 400, 5), on("c", 1, 700, 0), on("d", 1, 300, 0)];
-    let ext =
-        extender(&[node("n1", 2, 1000, 1, vec![]), node("n2", 1, 1000, 1, vec![holding("x", "main", 0, 1000)])], &pods);
-    let mut want = pod("want", 600, None, "Pending");
-    want.spec.priority = Some(10);
-    let meta = |uids: &[&str]| MetaVictims {
-        pods: uids.iter().map(|u| MetaPod { uid: (*u).into() }).collect(),
-        num_pdb_violations: 1,
+    let ext = extender(
+        &[
+            node("n1", 2, 1000, 1, vec![]),
+            node("n2", 1, 1000, 1, vec![holding("x", "main", 0, 1000)]),
+            node("n3", 1, 1000, 1, vec![]),
+        ],
+        &pods,
+    );
+    let want = |prio: i32| {
+        let mut p = pod("want", 600, None, "Pending");
+        p.spec.priority = Some(prio);
+        p
     };
+    let meta = |uids: &[&str], pdb: i64| MetaVictims {
+        pods: uids.iter().map(|u| MetaPod { uid: (*u).into() }).collect(),
+        num_pdb_violations: pdb,
+    };
+    let preempt = |pod: PodObject, nodes: &[(&str, MetaVictims)]| {
+        let args = PreemptionArgs {
+            pod,
+            node_name_to_victims: None,
+            node_name_to_meta_victims: Some(nodes.iter().map(|(n, v)| ((*n).to_owned(), v.clone())).collect()),
+        };
+        ext.preempt(&args)
+            .node_name_to_meta_victims
+            .into_iter()
+            .map(|(n, v)| (n, (v.pods.into_iter().map(|p| p.uid).collect::<Vec<_>>(), v.num_pdb_violations)))
+            .collect::<BTreeMap<_, _>>()
+    };
+    let uids = |u: &[&str]| u.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+
+    // A victim kube-scheduler chose for CPU holds no GPU memory: it stays, and c (the largest
+    // of the lowest priority) is added for GPU1. A negative PDB count is not echoed.
+    let r = preempt(want(10), &[("n1", meta(&["uid-cpu"], -3)), ("n2", meta(&[], 0)), ("n3", meta(&[], 0))]);
+    assert_eq!(r["n1"], (uids(&["uid-cpu", "uid-c"]), 0));
+    // n2 (no lower-priority pod the view knows) and n3 (no victim needed) are left out, never
+    // answered with an empty list.
+    assert_eq!(r.len(), 1, "{r:?}");
+
+    // kube-scheduler's victims make room already: all kept, nothing added, in decreasing
+    // priority however they came; the PDB count is at most the number of victims.
+    let r = preempt(want(10), &[("n1", meta(&["uid-d", "uid-a"], 5))]);
+    assert_eq!(r["n1"], (uids(&["uid-a", "uid-d"]), 2));
+
+    // Only pods of lower priority than the preemptor are added: at priority 1, c or d; at 0, none.
+    assert_eq!(preempt(want(1), &[("n1", meta(&[], 0))])["n1"], (uids(&["uid-c"]), 0));
+    assert!(preempt(want(0), &[("n1", meta(&[], 0))]).is_empty());
+
+    // The full-pod form reads priorities from the pods themselves.
     let args = PreemptionArgs {
-        pod: want,
-        node_name_to_victims: None,
-        node_name_to_meta_victims: Some(BTreeMap::from([
-            ("n1".to_owned(), meta(&["uid-a", "uid-b", "uid-c", "uid-d", "uid-cpu"])),
-            ("n2".to_owned(), meta(&[])),
-        ])),
+        pod: want(10),
+        node_name_to_victims: Some(BTreeMap::from([(
+            "n1".to_owned(),
+            crate::wire::Victims { pods: vec![pods[3].clone(), pods[1].clone()], num_pdb_violations: 0 },
+        )])),
+        node_name_to_meta_victims: None,
     };
     let r = ext.preempt(&args);
-    // On n1, evicting c alone (700 on GPU1, priority 0) frees enough; a, b and d stay. The
-    // victim that holds no GPU memory stays as kube-scheduler chose it. n2 cannot be helped.
-    let n1 = &r.node_name_to_meta_victims["n1"];
-    let mut uids: Vec<&str> = n1.pods.iter().map(|p| p.uid.as_str()).collect();
-    uids.sort_unstable();
-    assert_eq!(uids, ["uid-c", "uid-cpu"]);
-    assert_eq!(n1.num_pdb_violations, 1);
-    assert!(!r.node_name_to_meta_victims.contains_key("n2"));
+    let got: Vec<&str> = r.node_name_to_meta_victims["n1"].pods.iter().map(|p| p.uid.as_str()).collect();
+    assert_eq!(got, ["uid-b", "uid-d"]);
 }
 
 #[tokio::test]
