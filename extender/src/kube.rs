@@ -17,6 +17,7 @@ use thiserror::Error;
 
 use crate::objects::{NodeObject, PodObject};
 use crate::service::{Binding, Cluster, ClusterError, Extender};
+use crate::view::ClusterView;
 
 /// The API server cannot be set up.
 #[derive(Debug, Error)]
@@ -102,12 +103,19 @@ impl Cluster for KubeCluster {
     }
 }
 
+fn log_disagreements(found: Vec<String>) {
+    for d in found {
+        tracing::warn!(disagreement = %d, "a daemon's report differs from the extender's view");
+    }
+}
+
 /// Keeps the extender's view current from the API server, forever: Nodes and Pods are
 /// watched; each watch (re)start's complete list replaces what the view had. The extender is
 /// ready once both first lists are in.
 pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
     let nodes_synced = Arc::new(AtomicBool::new(false));
     let pods_synced = Arc::new(AtomicBool::new(false));
+    extender.with_view(ClusterView::await_initial_lists);
     let ready = {
         let (n, p, e) = (nodes_synced.clone(), pods_synced.clone(), extender.clone());
         move || {
@@ -153,9 +161,7 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
                         Vec::new()
                     }
                 };
-                for d in found {
-                    tracing::warn!(disagreement = %d, "a daemon's report differs from the extender's view");
-                }
+                log_disagreements(found);
             }
         }
     };
@@ -182,7 +188,7 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
                     Ok(watcher::Event::Delete(p)) => ext.with_view(|v| v.delete_pod(p.uid())),
                     Ok(watcher::Event::Init) => seen.clear(),
                     Ok(watcher::Event::InitDone) => {
-                        ext.with_view_batched(|v| v.retain_pods(&seen));
+                        log_disagreements(ext.with_view_batched(|v| v.retain_pods(&seen)));
                         seen = HashSet::new();
                         // The pages of the list go back first, so the caches computed next
                         // (one per node, in one sweep) lie close together.

@@ -267,6 +267,13 @@ impl std::fmt::Display for NodeRefusal {
     }
 }
 
+/// Which initial lists a view fed by watches still waits for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct InitialLists {
+    nodes: bool,
+    pods: bool,
+}
+
 /// The whole view.
 #[derive(Debug)]
 pub struct ClusterView {
@@ -282,6 +289,9 @@ pub struct ClusterView {
     pods: FxMap<String, PodEntry>,
     assumed: FxMap<String, Assumed>,
     disagreements: u64,
+    /// The initial lists still to come before daemons' reports are compared with the view
+    /// (see [`Self::await_initial_lists`]).
+    awaiting: InitialLists,
     /// Every node's [`Summary`] while its usage is cached: kept in step by [`Self::sync`]
     /// wherever a node or its cached usage changes.
     table: NodeTable,
@@ -300,6 +310,7 @@ impl ClusterView {
             pods: FxMap::default(),
             assumed: FxMap::default(),
             disagreements: 0,
+            awaiting: InitialLists::default(),
             table: NodeTable::default(),
         }
     }
@@ -418,7 +429,7 @@ impl ClusterView {
         self.table.set(&name, None);
         let Some(entry) = self.nodes.get(&name) else { return Vec::new() };
         match &entry.gpus {
-            NodeGpus::Reported(s) if old_generation != Some(s.generation) => {
+            NodeGpus::Reported(s) if old_generation != Some(s.generation) && self.comparing() => {
                 let found = self.disagreements_on(&name);
                 self.disagreements += found.len() as u64;
                 found
@@ -485,6 +496,35 @@ impl ClusterView {
         for name in gone {
             self.delete_node(&name);
         }
+        found.extend(self.listed(InitialLists { nodes: true, pods: false }));
+        found
+    }
+
+    /// Holds back comparing daemons' reports with the view until both initial lists (Nodes
+    /// and Pods) are in: a report naming a pod the pod list has not delivered yet is no
+    /// disagreement. [`Self::replace_nodes`] and [`Self::retain_pods`] end each list; the one
+    /// that completes the pair compares every node once.
+    pub fn await_initial_lists(&mut self) {
+        self.awaiting = InitialLists { nodes: true, pods: true };
+    }
+
+    fn comparing(&self) -> bool {
+        self.awaiting == InitialLists::default()
+    }
+
+    /// Marks `done` lists as in; compares every node when that makes both.
+    fn listed(&mut self, done: InitialLists) -> Vec<String> {
+        if self.comparing() {
+            return Vec::new();
+        }
+        self.awaiting.nodes &= !done.nodes;
+        self.awaiting.pods &= !done.pods;
+        if !self.comparing() {
+            return Vec::new();
+        }
+        let names: Vec<String> = self.nodes.keys().cloned().collect();
+        let found: Vec<String> = names.iter().flat_map(|n| self.disagreements_on(n)).collect();
+        self.disagreements += found.len() as u64;
         found
     }
 
@@ -561,11 +601,12 @@ impl ClusterView {
     }
 
     /// Forgets every pod whose UID is not in `keep` (the end of a relist applied as it came).
-    pub fn retain_pods(&mut self, keep: &HashSet<String>) {
+    pub fn retain_pods(&mut self, keep: &HashSet<String>) -> Vec<String> {
         let gone: Vec<String> = self.pods.keys().filter(|uid| !keep.contains(*uid)).cloned().collect();
         for uid in gone {
             self.remove_pod(&uid);
         }
+        self.listed(InitialLists { nodes: false, pods: true })
     }
 
     /// Records an in-flight bind.

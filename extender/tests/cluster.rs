@@ -345,3 +345,26 @@ async fn an_init_container_is_not_added_to_the_app_containers() {
     let result: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(result["NodeNames"], json!(["gpu-a"]), "{body}");
 }
+
+/// A daemon's report naming pods that exist and are bound is no disagreement, whichever of the
+/// two initial lists (Nodes, Pods) a starting extender receives first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_starting_extender_finds_no_disagreement_with_an_agreeing_daemon() {
+    let mut h = start(1 << 20).await;
+    h.api.create_node(node_object("gpu-a", 2, 15_360)).unwrap();
+    let pods: Vec<Value> =
+        (0..20).map(|i| h.api.create_pod("default", pod_object(&format!("p{i:02}"), 500 + i * 10)).unwrap()).collect();
+    until("ready", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().1 == 20)).await;
+    for p in &pods {
+        let (_, body) = http(h.addr, "POST", "/gpushare-scheduler/bind", &bind_body(p, "gpu-a")).await;
+        assert_eq!(body, r#"{"Error":""}"#);
+    }
+    until("no bind in flight", async || h.ext.with_view(|v| v.counts().2) == 0).await;
+    assert_eq!(publish_allocations(&h.api, 2), 20);
+    for _ in 0..8 {
+        h.restart(false).await;
+        until("the new extender ready", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().1 == 20)).await;
+        let (_, metrics) = http(h.addr, "GET", "/metrics", "").await;
+        assert!(metrics.contains("gpushare_extender_view_disagreements_total 0\n"), "{metrics}");
+    }
+}

@@ -479,3 +479,27 @@ fn summaries_stay_in_step_as_pods_and_nodes_change() {
     assert!(v.summaries_in_step());
     assert!(!v.passes_at_a_glance("n30", &shape(&v, 600), &none), "in admission, and GPU0 holds it");
 }
+
+#[test]
+fn reports_are_compared_only_once_both_initial_lists_are_in() {
+    let mut v = ClusterView::new(config(false));
+    v.await_initial_lists();
+    // The node list comes first: its daemon holds pod a, which the pod list has not delivered.
+    let n1 = node("n1", 1, 1000, 1, vec![holding("a", "main", 0, 300), holding("ghost", "main", 0, 100)]);
+    assert!(v.replace_nodes([&n1]).is_empty());
+    assert_eq!(v.disagreements(), 0);
+    // A new generation before the pods are in is not compared either.
+    let n1 = node("n1", 1, 1000, 2, vec![holding("a", "main", 0, 300), holding("ghost", "main", 0, 100)]);
+    assert!(v.apply_node(&n1).is_empty());
+    // The pod list completes the pair: a is known and bound there; the ghost alone disagrees.
+    v.apply_pod(&pod("a", 300, Some(("n1", assignment("n1", &[("main", &[(0, 300)])]))), "Running"));
+    let found = v.retain_pods(&HashSet::from(["uid-a".to_owned()]));
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].contains("ghost"), "{found:?}");
+    assert_eq!(v.disagreements(), 1);
+    // From then on every new report is compared as it comes, and a relist compares nothing anew.
+    let n1 = node("n1", 1, 1000, 3, vec![holding("a", "main", 0, 300), holding("ghost2", "main", 0, 100)]);
+    assert_eq!(v.apply_node(&n1).len(), 1);
+    assert!(v.retain_pods(&HashSet::from(["uid-a".to_owned()])).is_empty());
+    assert_eq!(v.disagreements(), 2);
+}
