@@ -106,6 +106,7 @@ fn tabulate(table: &[Vec<String>]) -> String {
                 out.extend(std::iter::repeat_n(' ', pad));
             }
         }
+        out.truncate(out.trim_end_matches(' ').len());
         out.push('\n');
     }
     out
@@ -331,7 +332,12 @@ impl ClusterReport {
             let _ = writeln!(out, "IPADDRESS:  {}\n", n.address);
             let mut header = vec!["NAME".to_owned(), "NAMESPACE".to_owned()];
             header.extend(n.gpus.iter().map(|g| format!("GPU{}(Allocated)", g.index)));
-            header.push("Pending(Allocated)".to_owned());
+            // As Alibaba's: the pending column only on a node with pending pods.
+            let with_pending = !n.pending.is_empty();
+            if with_pending {
+                header.push("Pending(Allocated)".to_owned());
+            }
+            let rule = "-".repeat(header.iter().map(|h| h.chars().count() + 2).sum::<usize>() + 8);
             // pod -> (per-GPU units, pending units)
             let mut pods: std::collections::BTreeMap<&str, (Vec<u64>, u64)> = std::collections::BTreeMap::new();
             for (i, g) in n.gpus.iter().enumerate() {
@@ -348,15 +354,19 @@ impl ClusterReport {
                 let (namespace, name) = pod.split_once('/').unwrap_or(("", pod));
                 let mut row = vec![name.to_owned(), namespace.to_owned()];
                 row.extend(gpus.iter().map(u64::to_string));
-                row.push(pending.to_string());
+                if with_pending {
+                    row.push(pending.to_string());
+                }
                 table.push(row);
             }
-            out.push_str(&tabulate(&table));
             let used: u64 = n.gpus.iter().map(|g| units(g.used_mib)).sum::<u64>()
                 + n.pending.iter().map(|p| units(p.mib)).sum::<u64>();
             let total: u64 = n.gpus.iter().map(|g| units(g.total_mib)).sum();
-            let _ = writeln!(out, "Allocated :  {used} ({}%)", percent(used, total));
-            let _ = writeln!(out, "Total :  {total}");
+            // The totals are cells of the same table, aligned with its columns (as Alibaba's
+            // tabwriter aligns them); the empty last cell makes the figures a column too.
+            table.push(vec!["Allocated :".to_owned(), format!("{used} ({}%)", percent(used, total)), String::new()]);
+            table.push(vec!["Total :".to_owned(), total.to_string(), String::new()]);
+            out.push_str(&tabulate(&table));
             for g in &n.gpus {
                 for o in &g.over_budget {
                     let who =
@@ -368,7 +378,8 @@ impl ClusterReport {
                     );
                 }
             }
-            out.push_str("--------------------------------------------------------------------------------------\n");
+            out.push_str(&rule);
+            out.push('\n');
             cluster_used += used;
             cluster_total += total;
         }
@@ -483,6 +494,39 @@ Allocated/Total GPU Memory In Cluster:
             ..report.clone()
         };
         assert!(!clean.details().contains("Over budget"), "nothing when nobody is over");
+    }
+
+    #[test]
+    fn details_show_the_pending_column_only_on_a_node_with_pending_pods() {
+        let gpu = GpuReport {
+            index: 0,
+            total_mib: 15_360,
+            used_mib: 4096,
+            healthy: true,
+            pods: vec![PodShare { pod: "ml/train".into(), uid: "u".into(), mib: 4096, in_flight: false }],
+            ..GpuReport::default()
+        };
+        let node = |name: &str, pending: Vec<PodShare>| NodeReport {
+            name: name.into(),
+            address: "10.0.0.1".into(),
+            unit: MemoryUnit::Mib,
+            gpus: vec![gpu.clone()],
+            pending,
+        };
+        let waiting = PodShare { pod: "ml/next".into(), uid: String::new(), mib: 2000, in_flight: false };
+        let report = ClusterReport {
+            unit: MemoryUnit::Mib,
+            nodes: vec![node("a", vec![]), node("b", vec![waiting])],
+            unreadable: vec![],
+        };
+        let out = report.details();
+        let (a, b) = out.split_at(out.find("NAME:       b").unwrap());
+        assert!(a.contains("NAME         NAMESPACE   GPU0(Allocated)\ntrain        ml          4096\n"), "{a}");
+        assert!(a.contains("Allocated :  4096 (26%)\nTotal :      15360\n"), "{a}");
+        assert!(!a.contains("Pending"), "{a}");
+        assert!(b.contains("GPU0(Allocated)  Pending(Allocated)\n"), "{b}");
+        assert!(b.contains("next         ml          0                2000\n"), "{b}");
+        assert!(b.contains("Allocated :  6096 (39%)\n"), "{b}");
     }
 
     #[test]

@@ -166,7 +166,11 @@ async fn the_binaries_serve_check_configs_and_inspect() {
     assert!(table.ends_with("3500/46080 (7%)\n"), "{table}");
     let out = Command::new(inspect).args(["-d", "gpu-a"]).env("KUBECONFIG", &kubeconfig).output().unwrap();
     let details = String::from_utf8_lossy(&out.stdout);
-    assert!(details.contains("infer  default    0                3500             0\n"), "{details}");
+    // No pending pod there: no pending column, as Alibaba's; the totals align with the table.
+    assert!(details.contains("NAME         NAMESPACE   GPU0(Allocated)  GPU1(Allocated)\n"), "{details}");
+    assert!(details.contains("infer        default     0                3500\n"), "{details}");
+    assert!(details.contains("Allocated :  3500 (11%)\nTotal :      30720\n"), "{details}");
+    assert!(!details.contains("Pending"), "{details}");
     let out = Command::new(inspect).args(["-o", "json"]).env("KUBECONFIG", &kubeconfig).output().unwrap();
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["nodes"][0]["gpus"][1]["pods"][0]["pod"], "default/infer");
@@ -177,6 +181,23 @@ async fn the_binaries_serve_check_configs_and_inspect() {
     assert!(!out.status.success());
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.starts_with("kubectl-inspect-gpushare: "), "{err}");
+
+    // A node that does not exist, one that is no gpushare node, one whose annotation cannot
+    // be read: each is said, and the exit status is non-zero.
+    api.create_node(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "cpu-1"}})).unwrap();
+    api.create_node(json!({"apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": "broken", "annotations": {"gpushare.io/node-state": "{\"v\":9}"}}}))
+        .unwrap();
+    for (node, want) in [
+        ("nope", "node \"nope\" does not exist"),
+        ("cpu-1", "node \"cpu-1\" is not a gpushare node"),
+        ("broken", "node \"broken\": its gpushare.io/node-state annotation cannot be read: "),
+    ] {
+        let out = Command::new(inspect).arg(node).env("KUBECONFIG", &kubeconfig).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && out.stdout.is_empty(), "{node}: {err}");
+        assert!(err.contains(want), "{node}: {err}");
+    }
 
     // gpushare-extender --check-config.
     let extender = env!("CARGO_BIN_EXE_gpushare-extender");

@@ -72,8 +72,19 @@ async fn inspect(cli: &InspectCli) -> anyhow::Result<String> {
     let mut report = ClusterReport::from_view(&mut view);
     if let Some(node) = &cli.node {
         report = report.only(node);
-        if report.nodes.is_empty() && report.unreadable.is_empty() {
-            anyhow::bail!("node {node:?} is not a gpushare node (no {NODE_STATE_KEY} annotation)");
+        if let Some((_, why)) = report.unreadable.first() {
+            anyhow::bail!(
+                "node {node:?}: its {NODE_STATE_KEY} annotation cannot be read: {why}; check that its gpushared \
+                 runs the same gpushare version as this tool (journalctl -u gpushared on the node)"
+            );
+        }
+        if report.nodes.is_empty() {
+            if nodes.items.iter().any(|n| n.name() == node) {
+                anyhow::bail!(
+                    "node {node:?} is not a gpushare node (no {NODE_STATE_KEY} annotation: is gpushared running there?)"
+                );
+            }
+            anyhow::bail!("node {node:?} does not exist (kubectl get nodes lists the cluster's nodes)");
         }
     }
     let mut out = match (cli.output, cli.details) {
