@@ -11,7 +11,7 @@
 //! GPU and remembers the proposal, so the `Allocate` that follows is tied to the same container.
 //! A repeated `Allocate` of the same devices gets the same answer from the ledger.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use gpushare_core::codec::alibaba;
@@ -101,6 +101,17 @@ pub enum AllocError {
         pod: String,
         /// GPU index.
         index: u32,
+    },
+    /// The kubelet's call itself is wrong: no device, or one device twice.
+    #[error("{0}")]
+    BadRequest(String),
+    /// The pod the kubelet is admitting carries an assignment that does not fit its spec.
+    #[error("pod {pod}: {reason}; nothing was allocated: delete the pod so gpushare-extender places it again")]
+    BadAssignment {
+        /// namespace/name.
+        pod: String,
+        /// What is wrong with it.
+        reason: String,
     },
     /// An operator named a GPU this node does not have.
     #[error("no GPU {0:?} on this node; name it by its index or UUID (gpusharectl gpus lists them)")]
@@ -405,7 +416,15 @@ impl Allocator {
             }
             let name = || format!("{}/{}", view.pod.namespace, view.pod.name);
             let assignment = match &pod.assignment {
-                Some(Ok(a)) if a.node == self.node => a,
+                Some(Ok(a)) if a.node == self.node => {
+                    if let Some(problem) = self.assignment_problem(&pod) {
+                        if want_notes {
+                            notes.push(format!("{}: {problem}", name()));
+                        }
+                        continue;
+                    }
+                    a
+                }
                 Some(Ok(a)) => {
                     if want_notes {
                         notes.push(format!("{} is assigned to node {}", name(), a.node));
@@ -446,9 +465,64 @@ impl Allocator {
         (out, notes)
     }
 
+    /// What is wrong with a pod's assignment on this node, if anything: it cannot be read, or
+    /// it disagrees with the pod's containers ([`Assignment::check_against`]). Worked out once
+    /// per version of the pod.
+    fn assignment_problem<'p>(&self, pod: &'p StoredPod) -> Option<&'p str> {
+        pod.problem
+            .get_or_init(|| match &pod.assignment {
+                Some(Err(e)) => Some(e.to_string()),
+                Some(Ok(a)) => match PodRequest::from_spec(&pod.view.spec, &self.names, self.inventory.unit()) {
+                    Err(e) => Some(e.to_string()),
+                    Ok(request) => a.check_against(&request).err(),
+                },
+                None => None,
+            })
+            .as_deref()
+    }
+
+    /// A pod bound here whose assignment is unusable and one of whose containers, without a
+    /// ledger row yet, asks for `units` devices: the container the kubelet is admitting, when
+    /// no pod with a usable assignment waits for that many.
+    fn unusable_for(&self, held: &[Arc<Held>], units: usize) -> Option<AllocError> {
+        let per_unit = self.inventory.unit().mib_per_unit();
+        self.pods.snapshot().into_iter().find_map(|pod| {
+            let view = &pod.view;
+            if view.terminal || view.node.as_deref() != Some(self.node.as_str()) {
+                return None;
+            }
+            if matches!(&pod.assignment, Some(Ok(a)) if a.node != self.node) {
+                return None;
+            }
+            let problem = self.assignment_problem(&pod)?;
+            let request = PodRequest::from_spec(&view.spec, &self.names, self.inventory.unit()).ok();
+            let asks = request.is_none_or(|r| {
+                r.containers().iter().any(|c| {
+                    c.memory.get() / per_unit == units as u64
+                        && !held.iter().any(|h| h.pod.uid == view.pod.uid && h.container == c.name)
+                })
+            });
+            asks.then(|| AllocError::BadAssignment {
+                pod: format!("{}/{}", view.pod.namespace, view.pod.name),
+                reason: problem.to_owned(),
+            })
+        })
+    }
+
     /// The container a request of `units` devices is for.
     fn choose(&self, state: &State, units: usize, patient: bool) -> Result<Candidate, AllocError> {
+        if units == 0 {
+            return Err(AllocError::BadRequest(
+                "the kubelet asked for 0 devices; a container that asks for GPU memory asks for at least one unit"
+                    .into(),
+            ));
+        }
         let (mut fitting, _) = self.pending(&state.held, Some(units), false);
+        if fitting.is_empty()
+            && let Some(e) = self.unusable_for(&state.held, units)
+        {
+            return Err(e);
+        }
         // The pod being admitted first; then containers without an outstanding proposal (a
         // proposal not yet followed by Allocate belongs to another admission); then the oldest.
         let proposed: BTreeSet<(&str, &str)> =
@@ -688,6 +762,12 @@ impl Allocator {
             if self.devices.resolve(id).is_none() {
                 return Err(AllocError::UnknownDevice(id.clone()));
             }
+        }
+        let mut seen = HashSet::with_capacity(device_ids.len());
+        if let Some(twice) = device_ids.iter().find(|id| !seen.insert(id.as_str())) {
+            return Err(AllocError::BadRequest(format!(
+                "device {twice:?} is listed twice in one Allocate; each device is one unit, held once"
+            )));
         }
         let key = request_key(device_ids);
         let mut state = self.lock();

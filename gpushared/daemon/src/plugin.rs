@@ -62,7 +62,9 @@ impl gpushare_proto::compact::DeviceSource for DeviceSnapshot {
 fn status(e: &AllocError) -> Status {
     let msg = e.to_string();
     match e {
-        AllocError::UnknownDevice(_) => Status::invalid_argument(msg),
+        AllocError::UnknownDevice(_) | AllocError::BadRequest(_) | AllocError::BadAssignment { .. } => {
+            Status::invalid_argument(msg)
+        }
         AllocError::NoRoom { .. } => Status::resource_exhausted(msg),
         AllocError::NoCandidate { .. }
         | AllocError::Ambiguous { .. }

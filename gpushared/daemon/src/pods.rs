@@ -38,12 +38,14 @@ pub struct StoredPod {
     pub view: PodView,
     /// Its `gpushare.io/assignment`, if it has one.
     pub assignment: Option<Result<Arc<Assignment>, CodecError>>,
+    /// What is wrong with the assignment on this pod, worked out by the allocator on first use.
+    pub problem: std::sync::OnceLock<Option<String>>,
 }
 
 impl StoredPod {
     fn new(view: PodView) -> Self {
         let assignment = view.annotations.get(ASSIGNMENT_KEY).map(|text| Assignment::decode(text).map(Arc::new));
-        StoredPod { view, assignment }
+        StoredPod { view, assignment, problem: std::sync::OnceLock::new() }
     }
 }
 

@@ -260,6 +260,74 @@ async fn refusals_are_errors_with_reasons() {
     );
 }
 
+/// Calls that cannot be right are refused at once (INVALID_ARGUMENT), not after waiting for a
+/// pod, and book nothing: no device, a device twice, an assignment that places a container the
+/// pod does not have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loose_requests_are_refused_at_once_and_book_nothing() {
+    let (c, daemon) = cluster(&[1000]).await;
+    let quick = async |what: &str, call: std::pin::Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send + '_>>| {
+        let start = Instant::now();
+        let err = call.await.unwrap_err().to_string();
+        // The daemon waits up to 5 s for a pod it has not seen yet; these are not worth waiting for.
+        assert!(start.elapsed() < Duration::from_secs(3), "{what}: {err} after {:?}", start.elapsed());
+        assert!(err.contains("InvalidArgument"), "{what}: {err}");
+        err
+    };
+    let err = quick("no device", Box::pin(async { c.kubelet.allocate(&[]).await.map(drop) })).await;
+    assert!(err.contains("asked for 0 devices"), "{err}");
+    let err = quick("a preferred allocation of 0", Box::pin(async { c.kubelet.preferred(0).await.map(drop) })).await;
+    assert!(err.contains("asked for 0 devices"), "{err}");
+    let id = c.kubelet.devices()[0].id.clone();
+    let err =
+        quick("one device twice", Box::pin(async { c.kubelet.allocate(&[id.clone(), id.clone()]).await.map(drop) }))
+            .await;
+    assert!(err.contains("is listed twice in one Allocate"), "{err}");
+
+    // The assignment places "ghost"; the pod's container is "main".
+    let assignment = gpushare_core::codec::assignment::Assignment {
+        node: "node-a".into(),
+        unit: gpushare_core::MemoryUnit::Mib,
+        containers: vec![gpushare_core::codec::assignment::ContainerAssignment {
+            name: "ghost".into(),
+            role: ContainerRole::App,
+            gpus: vec![gpushare_core::codec::assignment::GpuShare {
+                index: 0,
+                uuid: common::uuid(0),
+                mib: gpushare_core::Mib::new(300),
+            }],
+        }],
+    };
+    c.api
+        .create_pod(
+            "default",
+            json!({"metadata": {"name": "haunted", "annotations": {
+                       gpushare_core::codec::assignment::ASSIGNMENT_KEY: assignment.encode().unwrap()}},
+                   "spec": {"nodeName": "node-a", "containers": [{"name": "main", "image": "x",
+                       "resources": {"limits": {"gpushare.io/gpu-mem": "300"}}}]}}),
+        )
+        .unwrap();
+    let deadline = Instant::now() + WAIT;
+    let err = loop {
+        let start = Instant::now();
+        let err = c.kubelet.admit(&[300]).await.unwrap_err().to_string();
+        if !err.contains("no pod bound") {
+            assert!(start.elapsed() < Duration::from_secs(3), "{err} after {:?}", start.elapsed());
+            break err;
+        }
+        assert!(Instant::now() < deadline, "{err}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        err.contains("InvalidArgument")
+            && err.contains(
+                "pod default/haunted: the assignment places container \"ghost\", which the pod does not have"
+            ),
+        "{err}"
+    );
+    assert!(ledger_of(&c).live().unwrap().is_empty(), "{}", daemon.log());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_or_finished_pod_releases_its_rows_and_keeps_history() {
     let (c, daemon) = cluster(&[1000]).await;

@@ -167,6 +167,47 @@ impl Assignment {
         Ok(a)
     }
 
+    /// Checks the assignment against the pod it is on: every container it places is one of the
+    /// pod's, with the same role and the memory the container asks for, and every container
+    /// that asks for memory is placed. The kubelet admits the pod's containers by their spec,
+    /// so an assignment that disagrees with it would book memory under the wrong container.
+    ///
+    /// # Errors
+    /// The first disagreement, as a sentence naming the container.
+    pub fn check_against(&self, request: &PodRequest) -> Result<(), String> {
+        for c in &self.containers {
+            let Some(want) = request.containers().iter().find(|r| r.name == c.name) else {
+                return Err(format!(
+                    "the assignment places container {:?}, which the pod does not have (or which asks for no GPU \
+                     memory)",
+                    c.name
+                ));
+            };
+            if want.role != c.role {
+                return Err(format!(
+                    "the assignment places container {:?} as {}, the pod runs it as {}",
+                    c.name,
+                    role_name(c.role),
+                    role_name(want.role)
+                ));
+            }
+            let placed = c.gpus.iter().fold(Mib::ZERO, |m, g| m.saturating_add(g.mib));
+            if placed != want.memory {
+                return Err(format!(
+                    "the assignment gives container {:?} {placed}, it asks for {}",
+                    c.name, want.memory
+                ));
+            }
+        }
+        if let Some(missing) = request.containers().iter().find(|r| self.container(&r.name).is_none()) {
+            return Err(format!(
+                "container {:?} asks for {} but the assignment does not place it",
+                missing.name, missing.memory
+            ));
+        }
+        Ok(())
+    }
+
     fn validate(&self) -> Result<(), CodecError> {
         if self.node.is_empty() {
             return Err(invalid("the node name is empty".into()));
@@ -193,6 +234,14 @@ impl Assignment {
             }
         }
         Ok(())
+    }
+}
+
+fn role_name(role: ContainerRole) -> &'static str {
+    match role {
+        ContainerRole::Init => "an init container",
+        ContainerRole::Sidecar => "a sidecar",
+        ContainerRole::App => "an app container",
     }
 }
 
@@ -270,6 +319,59 @@ mod tests {
         let f = sample().footprint();
         assert_eq!(f[&GpuUuid::new("GPU-0").unwrap()], Mib::new(5000));
         assert_eq!(f[&GpuUuid::new("GPU-1").unwrap()], Mib::new(2000));
+    }
+
+    #[test]
+    fn an_assignment_is_checked_against_its_pods_containers() {
+        use crate::request::ContainerRequest;
+        let req = |containers: &[(&str, ContainerRole, u64, u32)]| {
+            let cs = containers
+                .iter()
+                .map(|(n, role, mib, k)| ContainerRequest::new(*n, *role, Mib::new(*mib), *k, MemoryUnit::Mib).unwrap())
+                .collect();
+            PodRequest::new(MemoryUnit::Mib, cs)
+        };
+        let pod = req(&[
+            ("fetch", ContainerRole::Init, 5000, 1),
+            ("proxy", ContainerRole::Sidecar, 500, 1),
+            ("main", ContainerRole::App, 4000, 2),
+        ]);
+        assert_eq!(sample().check_against(&pod), Ok(()));
+        let cases: &[(PodRequest, &str)] = &[
+            (
+                req(&[("fetch", ContainerRole::Init, 5000, 1), ("proxy", ContainerRole::Sidecar, 500, 1)]),
+                "places container \"main\", which the pod does not have",
+            ),
+            (
+                req(&[
+                    ("fetch", ContainerRole::App, 5000, 1),
+                    ("proxy", ContainerRole::Sidecar, 500, 1),
+                    ("main", ContainerRole::App, 4000, 2),
+                ]),
+                "places container \"fetch\" as an init container, the pod runs it as an app container",
+            ),
+            (
+                req(&[
+                    ("fetch", ContainerRole::Init, 5000, 1),
+                    ("proxy", ContainerRole::Sidecar, 500, 1),
+                    ("main", ContainerRole::App, 6000, 2),
+                ]),
+                "gives container \"main\" 4000 MiB, it asks for 6000 MiB",
+            ),
+            (
+                req(&[
+                    ("fetch", ContainerRole::Init, 5000, 1),
+                    ("proxy", ContainerRole::Sidecar, 500, 1),
+                    ("main", ContainerRole::App, 4000, 2),
+                    ("extra", ContainerRole::App, 100, 1),
+                ]),
+                "container \"extra\" asks for 100 MiB but the assignment does not place it",
+            ),
+        ];
+        for (pod, want) in cases {
+            let err = sample().check_against(pod).unwrap_err();
+            assert!(err.contains(want), "{err}");
+        }
     }
 
     #[test]
