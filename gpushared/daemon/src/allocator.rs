@@ -1178,7 +1178,11 @@ impl Allocator {
                 Some(Ok(a)) => a.containers.iter().find(|c| c.name == container).map(|c| c.role),
                 _ => None,
             };
-            Some(KnownPod { pod: p.view.pod.clone(), role: role.unwrap_or(ContainerRole::App) })
+            Some(KnownPod {
+                pod: p.view.pod.clone(),
+                role: role.unwrap_or(ContainerRole::App),
+                finished: p.view.terminal,
+            })
         };
         let running = |uid: &str| {
             pods.iter().any(|p| {

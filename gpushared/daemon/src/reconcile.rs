@@ -20,8 +20,9 @@
 //!   deleted while the daemon was down are released.
 //!
 //! Device sets the kubelet holds that no live row records are adopted for the pod and
-//! container it names, when that pod is known (its UID comes from the pods bound to this node);
-//! a set still recorded for another container waits for the next round.
+//! container it names, when that pod is known (its UID comes from the pods bound to this node)
+//! and has not finished (the kubelet lists a finished pod until it is removed; its memory is
+//! back in the pool); a set still recorded for another container waits for the next round.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -88,6 +89,9 @@ pub struct KnownPod {
     pub pod: PodRef,
     /// The container's role, from the pod's spec or assignment (`App` if unknown).
     pub role: ContainerRole,
+    /// The pod has finished (`Succeeded`, `Failed`) or is being deleted: its memory went back
+    /// to the pool, and the kubelet listing it for a while longer does not book it again.
+    pub finished: bool,
 }
 
 /// One repair.
@@ -207,6 +211,8 @@ pub fn plan(
             continue;
         }
         match known(&h.namespace, &h.name, &h.container) {
+            // Never re-adopt a finished pod: its rows were released when it finished.
+            Some(k) if k.finished => {}
             Some(k) => repairs.push(Repair::Adopt {
                 pod: k.pod,
                 container: h.container.clone(),
@@ -322,7 +328,11 @@ mod tests {
     }
 
     fn known(ns: &str, name: &str, _: &str) -> Option<KnownPod> {
-        (ns == "default" && name != "stranger").then(|| KnownPod { pod: pod(name), role: ContainerRole::App })
+        (ns == "default" && name != "stranger").then(|| KnownPod {
+            pod: pod(name),
+            role: ContainerRole::App,
+            finished: name.starts_with("done"),
+        })
     }
 
     /// No pod is running as far as the API server says.
@@ -381,9 +391,13 @@ mod tests {
 
     #[test]
     fn devices_the_ledger_lacks_are_adopted_for_known_pods_only() {
-        let k = kubelet(&["a", "stranger"], vec![holding("a", "main", &["x1"]), holding("stranger", "c", &["x9"])]);
+        let k = kubelet(
+            &["a", "stranger", "done"],
+            vec![holding("a", "main", &["x1"]), holding("stranger", "c", &["x9"]), holding("done", "c", &["x5"])],
+        );
         let repairs = plan(&[], &k, known, gone, NOW, GRACE);
-        assert_eq!(repairs.len(), 2);
+        // The finished pod the kubelet still lists is not booked again.
+        assert_eq!(repairs.len(), 2, "{repairs:?}");
         assert!(matches!(&repairs[0], Repair::Adopt { pod, container, device_ids, .. }
             if pod.uid == "uid-a" && container == "main" && device_ids == &["x1"]));
         assert!(matches!(&repairs[1], Repair::Unknown { holding } if holding.name == "stranger"));

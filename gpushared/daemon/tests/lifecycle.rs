@@ -425,6 +425,17 @@ async fn reconciles_the_ledger_with_what_the_kubelet_holds() {
     })
     .await;
     assert_eq!(state.used, repaired);
+
+    // "stays" finishes. The kubelet lists a finished pod until it is removed: its rows are
+    // released, and reconciliation rounds after that do not book it again.
+    api.patch_pod("default", "stays", &serde_json::json!({"status": {"phase": "Succeeded"}})).unwrap();
+    eventually("the finished pod released", || {
+        ledger(&host).live().unwrap().iter().all(|r| r.pod.name != "stays").then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(3500)).await; // three rounds of interval_seconds = 1
+    let live: Vec<String> = ledger(&host).live().unwrap().into_iter().map(|r| r.pod.name).collect();
+    assert_eq!(live, ["unlisted", "adopted"], "{}", daemon.log());
     drop(daemon);
 }
 
