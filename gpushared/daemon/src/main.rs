@@ -6,12 +6,9 @@ use std::sync::Arc;
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use futures::FutureExt as _;
-use gpushare_core::NodeInventory;
-use gpushare_core::devices::{KUBELET_MAX_MESSAGE_BYTES, list_and_watch_size};
 use gpushared::allocator::Allocator;
 use gpushared::cli::Cli;
 use gpushared::config::{Config, DEFAULT_PATH};
-use gpushared::discovery::{Discovery, NvmlDiscovery, StaticDiscovery};
 use gpushared::gpu_events::NvmlEvents;
 use gpushared::health;
 use gpushared::kubelet_watch::KubeletWatch;
@@ -29,13 +26,23 @@ fn main() -> ExitCode {
     gpushared::memory::limit_arenas(2);
     let cli = Cli::parse();
     if let Some(path) = cli.check_config {
-        return match Config::load(&path, true) {
-            Ok(_) => {
-                println!("{}: ok", path.display());
+        // The file, then every check the daemon runs with it on this host before it serves.
+        let checked = Config::load(&path, true)
+            .map_err(anyhow::Error::from)
+            .and_then(|config| gpushared::startup::inspect_host(&config).map_err(anyhow::Error::from));
+        return match checked {
+            Ok(host) => {
+                println!(
+                    "{}: ok (node {}, {} GPUs from {})",
+                    path.display(),
+                    host.node,
+                    host.inventory.gpus().len(),
+                    host.source
+                );
                 ExitCode::SUCCESS
             }
             Err(e) => {
-                eprintln!("gpushared: {e}");
+                eprintln!("gpushared: {}: {e:#}", path.display());
                 ExitCode::FAILURE
             }
         };
@@ -113,20 +120,9 @@ async fn run(config: Config) -> anyhow::Result<()> {
     // in STOPPING=1 and exit 0 like one later, not kill the process.
     let mut stop = StopSignals::install();
     notifier.status("starting: discovering GPUs");
-    let node = config
-        .node_name()
-        .context("cannot tell this node's name: set node_name in the configuration or the NODE_NAME variable")?;
-    let nvml = config.gpus.is_empty();
-    let discovery: Box<dyn Discovery> = if nvml {
-        Box::new(NvmlDiscovery::init(&config.nvml.library)?)
-    } else {
-        Box::new(StaticDiscovery::new(config.gpus.iter().map(gpushared::config::StaticGpu::to_gpu).collect()))
-    };
-    let mut gpus = discovery.discover()?;
-    config.sharing.apply(&mut gpus).map_err(anyhow::Error::msg)?;
-    let inventory = NodeInventory::new(config.resources.unit, gpus)
-        .with_context(|| format!("GPUs from {}", discovery.describe()))?;
-    tracing::info!(source = %discovery.describe(), gpus = inventory.gpus().len(), node = %node, "GPUs discovered");
+    let host = gpushared::startup::inspect_host(&config)?;
+    let (node, inventory, nvml) = (host.node, host.inventory, host.nvml.is_some());
+    tracing::info!(source = %host.source, gpus = inventory.gpus().len(), node = %node, "GPUs discovered");
     for g in inventory.gpus() {
         tracing::info!(index = g.index, uuid = %g.uuid, model = %g.model, total_mib = g.total.get(), numa = ?g.numa_node,
             mode = %g.mode, "GPU");
@@ -135,7 +131,6 @@ async fn run(config: Config) -> anyhow::Result<()> {
         tracing::warn!("no GPUs found: the kubelet gets an empty device list");
     }
     let numa = config.resources.numa_topology;
-    check_list_size(&inventory, numa)?;
     // Before READY: gpushared-mps.service, ordered after this unit, reads it when it starts.
     let mps_file = config.mps.environment_file.path();
     let done = gpushared::mps::write_environment(
@@ -398,25 +393,6 @@ async fn run(config: Config) -> anyhow::Result<()> {
     }
     tasks.abort_all();
     health_stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    Ok(())
-}
-
-/// Refuses a device list the kubelet would drop, naming the fix.
-fn check_list_size(inventory: &NodeInventory, numa: bool) -> anyhow::Result<()> {
-    let size = list_and_watch_size(inventory, numa);
-    if size > KUBELET_MAX_MESSAGE_BYTES {
-        let hint = if numa && list_and_watch_size(inventory, false) <= KUBELET_MAX_MESSAGE_BYTES {
-            "set [resources] numa_topology = false, or unit = \"GiB\" on every node and the extender"
-        } else {
-            "set [resources] unit = \"GiB\" on every node and the extender"
-        };
-        bail!(
-            "this node's device list ({} devices of 1 {}) would be {size} bytes, over the kubelet's {KUBELET_MAX_MESSAGE_BYTES}-byte \
-             message limit, and the kubelet would drop every device; {hint}",
-            gpushare_core::devices::DeviceMap::new(inventory).total(),
-            inventory.unit(),
-        );
-    }
     Ok(())
 }
 

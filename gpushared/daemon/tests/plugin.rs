@@ -123,16 +123,41 @@ async fn the_largest_mib_node_fits_the_kubelets_receive_limit() {
 #[test]
 fn check_config_exits_zero_or_one_with_the_reason() {
     let host = Host::new();
+    let check = |path: &std::path::Path| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_gpushared")).arg("--check-config").arg(path).output().unwrap()
+    };
+    let gpus = static_gpus(&[(1000, None), (1000, None)]);
     let good = host.path("good.toml");
-    std::fs::write(&good, "[resources]\nunit = \"GiB\"\n").unwrap();
-    let out =
-        std::process::Command::new(env!("CARGO_BIN_EXE_gpushared")).arg("--check-config").arg(&good).output().unwrap();
-    assert!(out.status.success());
-    assert_eq!(String::from_utf8_lossy(&out.stdout), format!("{}: ok\n", good.display()));
+    std::fs::write(&good, format!("node_name = \"node-a\"\n[resources]\nunit = \"GiB\"\n{gpus}")).unwrap();
+    let out = check(&good);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        format!(
+            "{}: ok (node node-a, 2 GPUs from the static [[gpus]] list of the configuration (NVML not used))\n",
+            good.display()
+        )
+    );
+    // Every check the daemon runs at start, not the file's syntax alone: a GPU both in mps and
+    // in whole, one this host does not have, and NVML that cannot be loaded.
+    let both = host.path("both.toml");
+    std::fs::write(&both, format!("node_name = \"node-a\"\n[sharing]\nmps = [1]\nwhole = [1]\n{gpus}")).unwrap();
+    let out = check(&both);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("names GPU 1 (GPU-static-1) both in mps and in whole"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    let absent = host.path("absent.toml");
+    std::fs::write(&absent, format!("node_name = \"node-a\"\n[sharing]\nmps = [7]\n{gpus}")).unwrap();
+    let err = String::from_utf8_lossy(&check(&absent).stderr).into_owned();
+    assert!(err.contains("[sharing] mps names GPU 7, which this host does not have"), "{err}");
+    let no_nvml = host.path("no-nvml.toml");
+    std::fs::write(&no_nvml, "node_name = \"node-a\"\n[nvml]\nlibrary = \"/nonexistent/libnvidia-ml.so.1\"\n").unwrap();
+    let err = String::from_utf8_lossy(&check(&no_nvml).stderr).into_owned();
+    assert!(err.contains("cannot use NVML from /nonexistent/libnvidia-ml.so.1"), "{err}");
     let bad = host.path("bad.toml");
     std::fs::write(&bad, "[ledger]\npath = \"ledger.db\"\n").unwrap();
-    let out =
-        std::process::Command::new(env!("CARGO_BIN_EXE_gpushared")).arg("--check-config").arg(&bad).output().unwrap();
+    let out = check(&bad);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("line 2") && err.contains("is relative; write an absolute path"), "{err}");

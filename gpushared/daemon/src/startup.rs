@@ -1,0 +1,100 @@
+//! The checks gpushared runs on its configuration against this host before it serves: the
+//! node's name, the GPUs (from NVML or `[[gpus]]`), `[sharing]` against those GPUs, the
+//! inventory, and the size of the device list the kubelet will receive. The daemon's start and
+//! `gpushared --check-config` both call [`inspect_host`], so a file the check calls usable is one
+//! the daemon starts with.
+
+use gpushare_core::NodeInventory;
+use gpushare_core::devices::{DeviceMap, KUBELET_MAX_MESSAGE_BYTES, list_and_watch_size};
+use thiserror::Error;
+
+use crate::config::{Config, StaticGpu};
+use crate::discovery::{Discovery, DiscoveryError, NvmlDiscovery, StaticDiscovery};
+
+/// Why the daemon would not start with this configuration on this host.
+#[derive(Debug, Error)]
+pub enum StartupError {
+    /// No usable node name.
+    #[error("cannot tell this node's name: set node_name in the configuration or the NODE_NAME variable")]
+    NodeName,
+    /// The GPUs cannot be listed.
+    #[error(transparent)]
+    Discovery(#[from] DiscoveryError),
+    /// `[sharing]` does not fit the GPUs found.
+    #[error("{0}")]
+    Sharing(String),
+    /// The GPUs found do not make an inventory.
+    #[error("GPUs from {source_name}: {reason}")]
+    Inventory {
+        /// Where they came from.
+        source_name: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The kubelet would drop the whole device list.
+    #[error(
+        "this node's device list ({devices} devices of 1 {unit}) would be {size} bytes, over the kubelet's \
+         {KUBELET_MAX_MESSAGE_BYTES}-byte message limit, and the kubelet would drop every device; {hint}"
+    )]
+    ListTooLarge {
+        /// Devices listed.
+        devices: u64,
+        /// The unit.
+        unit: gpushare_core::MemoryUnit,
+        /// The encoded size.
+        size: usize,
+        /// What to change.
+        hint: &'static str,
+    },
+}
+
+/// What the checks found: the host as the daemon will serve it.
+#[derive(Debug)]
+pub struct Host {
+    /// This node's name.
+    pub node: String,
+    /// Its GPUs, modes applied.
+    pub inventory: NodeInventory,
+    /// Where the GPUs came from, for logs.
+    pub source: String,
+    /// NVML, when the GPUs came from it (the daemon keeps using it).
+    pub nvml: Option<NvmlDiscovery>,
+}
+
+/// Runs every check the daemon runs on `config` before it serves.
+///
+/// # Errors
+/// The first [`StartupError`].
+pub fn inspect_host(config: &Config) -> Result<Host, StartupError> {
+    let node = config.node_name().ok_or(StartupError::NodeName)?;
+    let nvml = if config.gpus.is_empty() { Some(NvmlDiscovery::init(&config.nvml.library)?) } else { None };
+    let (mut gpus, source) = match &nvml {
+        Some(n) => (n.discover()?, n.describe()),
+        None => {
+            let s = StaticDiscovery::new(config.gpus.iter().map(StaticGpu::to_gpu).collect());
+            (s.discover()?, s.describe())
+        }
+    };
+    config.sharing.apply(&mut gpus).map_err(StartupError::Sharing)?;
+    let inventory = NodeInventory::new(config.resources.unit, gpus)
+        .map_err(|e| StartupError::Inventory { source_name: source.clone(), reason: e.to_string() })?;
+    check_list_size(&inventory, config.resources.numa_topology)?;
+    Ok(Host { node, inventory, source, nvml })
+}
+
+/// Refuses an inventory whose device list would be over the kubelet's message limit.
+///
+/// # Errors
+/// [`StartupError::ListTooLarge`] with the setting to change.
+pub fn check_list_size(inventory: &NodeInventory, numa: bool) -> Result<(), StartupError> {
+    let size = list_and_watch_size(inventory, numa);
+    if size <= KUBELET_MAX_MESSAGE_BYTES {
+        return Ok(());
+    }
+    let hint = if numa && list_and_watch_size(inventory, false) <= KUBELET_MAX_MESSAGE_BYTES {
+        "set [resources] numa_topology = false, or unit = \"GiB\" on every node and the extender"
+    } else {
+        "set [resources] unit = \"GiB\" on every node and the extender"
+    };
+    Err(StartupError::ListTooLarge { devices: DeviceMap::new(inventory).total(), unit: inventory.unit(), size, hint })
+}
