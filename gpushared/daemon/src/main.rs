@@ -66,7 +66,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!("{e:#}");
+            // Once, on stderr (the journal under systemd): the log writes to stderr too.
             eprintln!("gpushared: {e:#}");
             ExitCode::FAILURE
         }
@@ -517,6 +517,8 @@ async fn reconcile_loop(
             Ok(Ok(repairs)) if repairs.is_empty() => tracing::debug!("reconciled with the kubelet: nothing to repair"),
             Ok(Ok(repairs)) => tracing::info!(repairs = repairs.len(), "reconciled with the kubelet"),
             Ok(Err(e)) => tracing::error!(error = %e, "reconciliation failed"),
+            // The runtime stopping under the task: the daemon is stopping, nothing failed.
+            Err(e) if e.is_cancelled() => tracing::debug!("reconciliation cancelled: the daemon is stopping"),
             Err(e) => tracing::error!(error = %e, "reconciliation task failed"),
         }
     }

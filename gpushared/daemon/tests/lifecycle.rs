@@ -158,6 +158,8 @@ async fn tells_systemd_when_ready_what_it_does_and_that_it_lives() {
     assert_eq!(daemon.wait_exit(WAIT), Some(0), "{}", daemon.log());
     notes.wait_for("STOPPING", WAIT, |m| m.starts_with("STOPPING=1\nSTATUS=stopping"));
     assert!(!socket.exists());
+    // A clean stop logs no error (a reconciliation cut short by the stop is no failure).
+    assert!(!daemon.log().contains(" ERROR "), "{}", daemon.log());
     let all = notes.all();
     assert_eq!(all.iter().filter(|m| m.starts_with("READY=1")).count(), 1, "{all:#?}");
 }

@@ -166,6 +166,18 @@ fn check_config_exits_zero_or_one_with_the_reason() {
 }
 
 #[test]
+fn a_missing_config_file_is_said_once() {
+    let host = Host::new();
+    let missing = host.path("missing.toml");
+    let out =
+        std::process::Command::new(env!("CARGO_BIN_EXE_gpushared")).arg("--config").arg(&missing).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.matches(missing.to_str().unwrap()).count(), 1, "{err}");
+    assert!(err.starts_with("gpushared: "), "{err}");
+}
+
+#[test]
 fn nvml_absent_is_a_clear_error_and_a_failure_exit() {
     let host = Host::new();
     let kubeconfig = host.kubeconfig(NO_API_SERVER);
