@@ -1,9 +1,12 @@
 //! Detects kubelet restarts. A starting kubelet deletes every socket in its device-plugin
-//! directory (ours included) and listens on a new `kubelet.sock`; a device plugin must then
-//! serve on a new socket and register again. [`KubeletWatch`] compares the identity (device
-//! and inode) of `kubelet.sock` and of the plugin's own socket with what it last acknowledged,
-//! woken by inotify on the directory, with a polling fallback: every 250 ms when inotify is
-//! unavailable, every 5 s as a safety net when it is.
+//! directory (ours included) and listens on a new `kubelet.sock` at once; a device plugin must
+//! then serve on a new socket and register again. [`KubeletWatch`] compares the identity
+//! (device, inode and change time) of `kubelet.sock` and of the plugin's own socket with what it
+//! last acknowledged: a socket recreated at once can get the same inode number (ext4 reuses
+//! them), so the inode alone is no proof that nothing happened, while the new socket's change
+//! time is its creation, after the old one's. It is woken by inotify on the directory, with a
+//! polling fallback: every 250 ms when inotify is unavailable, every 5 s as a safety net when it
+//! is.
 
 use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
@@ -11,11 +14,11 @@ use std::time::Duration;
 
 use futures::StreamExt as _;
 
-/// A file's identity: (device, inode).
-type Identity = (u64, u64);
+/// A file's identity: (device, inode, change time in s and ns).
+type Identity = (u64, u64, i64, i64);
 
 fn identity(path: &Path) -> Option<Identity> {
-    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino(), m.ctime(), m.ctime_nsec()))
 }
 
 /// What changed since the last acknowledgement.
@@ -204,5 +207,29 @@ mod tests {
     #[tokio::test]
     async fn sees_a_kubelet_restart_by_polling() {
         scenario(true).await;
+    }
+
+    /// The real kubelet removes the sockets and listens again at once; the new `kubelet.sock`
+    /// can carry the old one's inode number. Moving the very same socket away and back keeps
+    /// the inode (as a reused inode number would): a restart must still be seen. The socket is
+    /// older than one tick of the file-time clock first, as a running kubelet's always is.
+    #[tokio::test]
+    async fn sees_a_kubelet_socket_replaced_under_the_same_inode() {
+        let dir = tempfile::tempdir().unwrap();
+        let kubelet = dir.path().join("kubelet.sock");
+        let plugin = dir.path().join("gpushared.sock");
+        let _k = std::os::unix::net::UnixListener::bind(&kubelet).unwrap();
+        let _p = std::os::unix::net::UnixListener::bind(&plugin).unwrap();
+        let mut w = KubeletWatch::new(dir.path(), &plugin);
+        assert!(w.uses_inotify());
+        std::thread::sleep(Duration::from_millis(50));
+        let aside = dir.path().join("aside");
+        std::fs::rename(&kubelet, &aside).unwrap();
+        std::fs::rename(&aside, &kubelet).unwrap();
+        let change = tokio::time::timeout(Duration::from_secs(2), w.changed()).await.unwrap();
+        assert_eq!(change, Change { kubelet_restarted: true, plugin_socket_lost: false });
+        w.acknowledge();
+        let quiet = tokio::time::timeout(Duration::from_millis(400), w.changed()).await;
+        assert!(quiet.is_err(), "acknowledged: {quiet:?}");
     }
 }
