@@ -315,6 +315,9 @@ pub struct Placer {
     init_cands: Vec<(bool, u64, usize)>,
     combo: Vec<usize>,
     budget: u32,
+    /// While set, long-running containers prefer GPUs with at least this much room: those an
+    /// init container of the pod could share with them (see [`Placer::colocated`]).
+    colocate: Option<Mib>,
 }
 
 /// One container's need, as the search sees it.
@@ -427,6 +430,7 @@ impl Placer {
         // Cheap necessary conditions first: each container alone, and the long-running total.
         let alone = pod.containers().iter().find(|c| !fits_alone(&self.free, c));
         if alone.is_none() && self.long_total_fits(&self.free) && self.search() {
+            self.colocated();
             return Ok(());
         }
         // Explain. First: would the pod fit this node if it were empty? If not, preemption
@@ -488,6 +492,26 @@ impl Placer {
         need <= total
     }
 
+    /// With init containers, a second search where the long-running containers prefer GPUs
+    /// with room for the largest init container too, so that it can run where they will: init
+    /// 20 000 + app 1 000 then takes 20 000 on one GPU rather than 1 000 on the fullest GPU and
+    /// 20 000 on another. The placement with the smaller footprint wins; the first on a tie.
+    fn colocated(&mut self) {
+        let Some(largest) = self.init.iter().map(|n| n.share).max() else { return };
+        if self.long.is_empty() {
+            return;
+        }
+        let total = |foot: &[Mib]| foot.iter().map(|m| u128::from(m.get())).sum::<u128>();
+        let (shares, foot) = (self.shares.clone(), self.foot.clone());
+        self.colocate = Some(largest);
+        let found = self.search();
+        self.colocate = None;
+        if !found || total(&self.foot) >= total(&foot) {
+            self.shares = shares;
+            self.foot = foot;
+        }
+    }
+
     /// Exact bounded search; on success `shares` and `foot` describe the placement.
     fn search(&mut self) -> bool {
         self.load.clear();
@@ -506,7 +530,10 @@ impl Placer {
         for p in 0..self.cap.len() {
             let room = self.free[p].saturating_sub(self.load[p]);
             if self.cap[p] > Mib::ZERO && room >= need.share {
-                cands.push((policy_key(self.policy, room), p));
+                let key = policy_key(self.policy, room) >> 1;
+                // Searching for a colocated placement: GPUs too small for the init container last.
+                let last = self.colocate.is_some_and(|m| self.free[p] < m);
+                cands.push((key | (u64::from(last) << 63), p));
             }
         }
         let ok = if cands.len() < need.gpus {

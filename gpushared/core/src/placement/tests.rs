@@ -135,11 +135,27 @@ fn gpu_policies_choose_as_documented() {
             vec![vec![1], vec![1]],
         ),
         (
-            "an init container goes elsewhere when the app's GPU is too small for it",
+            // Binpack alone would put the app on the fuller GPU1 and the init container on
+            // GPU0: 16 000 charged where 10 000 on GPU0 do.
+            "the app goes where its init container can run too, when that charges less",
             &[G(16_000, 4000, OK), G(16_000, 9000, OK)],
             pod(&[("init", ContainerRole::Init, 10_000, 1), app("main", 6000)]),
             GpuPolicy::Binpack,
-            vec![vec![0], vec![1]],
+            vec![vec![0], vec![0]],
+        ),
+        (
+            "init 20 000 + app 1 000 take one A10, not 1 000 on a fuller GPU and 20 000 on another",
+            &[G(23_028, 15_000, OK), G(23_028, 15_000, OK), G(23_028, 0, OK)],
+            pod(&[("init", ContainerRole::Init, 20_000, 1), app("main", 1000)]),
+            GpuPolicy::Binpack,
+            vec![vec![2], vec![2]],
+        ),
+        (
+            "with two app containers, the init container runs beside the one that leaves it room",
+            &[G(16_000, 4000, OK), G(16_000, 9000, OK)],
+            pod(&[("init", ContainerRole::Init, 12_000, 1), app("a", 7000), app("b", 6000)]),
+            GpuPolicy::Binpack,
+            vec![vec![0], vec![0], vec![1]],
         ),
     ];
     for (what, gpus, p, policy, want) in cases {
