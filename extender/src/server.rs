@@ -11,6 +11,12 @@
 //! | GET | `/version` | the version |
 //!
 //! Bodies over the configured limit get 413; a request not answered in time gets 503.
+//!
+//! The verbs run on tokio's blocking pool, never on the two async workers: a verb waits for the
+//! cluster view's lock and decodes its body synchronously, and one slow request must not hold
+//! up `/healthz`, the watches or the timeout of the others. Bodies over [`LARGE_BODY_BYTES`] go
+//! one at a time (a 15 MB filter body decodes into several hundred MB), and the memory they took
+//! is given back to the system when each is done.
 
 use std::future::Future;
 use std::path::Path;
@@ -53,13 +59,18 @@ pub struct TlsError {
     pub reason: String,
 }
 
+/// Bodies larger than this are decoded one at a time.
+pub const LARGE_BODY_BYTES: usize = 1024 * 1024;
+
 struct App<C> {
     ext: Arc<Extender<C>>,
+    /// The one permit of the large-body lane.
+    large: Arc<tokio::sync::Semaphore>,
 }
 
 impl<C> Clone for App<C> {
     fn clone(&self) -> Self {
-        App { ext: self.ext.clone() }
+        App { ext: self.ext.clone(), large: self.large.clone() }
     }
 }
 
@@ -105,7 +116,7 @@ pub fn router<C: Cluster>(ext: Arc<Extender<C>>, options: &ServerOptions) -> Rou
                 }
             }
         }))
-        .with_state(App { ext })
+        .with_state(App { ext, large: Arc::new(tokio::sync::Semaphore::new(1)) })
 }
 
 /// Parses a verb's body, answers it with `answer`, and times it.
@@ -125,16 +136,58 @@ fn verb<'de, C: Cluster, A: Deserialize<'de>>(
     response
 }
 
+/// Runs `f` (a verb's decoding and answer) on the blocking pool, large bodies one at a time.
+/// When the request times out this future is dropped: a call still waiting for the large lane
+/// leaves it, one already running finishes in the background and its answer is dropped.
+async fn off_the_workers<C: Cluster>(
+    app: App<C>,
+    body: Bytes,
+    f: impl FnOnce(&App<C>, &[u8]) -> Response + Send + 'static,
+) -> Response {
+    let permit = if body.len() > LARGE_BODY_BYTES {
+        match app.large.clone().acquire_owned().await {
+            Ok(p) => Some(p),
+            Err(e) => {
+                return (StatusCode::SERVICE_UNAVAILABLE, format!("the extender is stopping: {e}\n")).into_response();
+            }
+        }
+    } else {
+        None
+    };
+    let task = tokio::task::spawn_blocking(move || {
+        let response = f(&app, &body);
+        if permit.is_some() {
+            tracing::debug!(bytes = body.len(), "large request answered; giving its memory back");
+            drop(body);
+            crate::memory::release_free_memory();
+        }
+        drop(permit);
+        response
+    });
+    task.await.unwrap_or_else(|e| {
+        (StatusCode::INTERNAL_SERVER_ERROR, format!("the request failed inside the extender: {e}\n")).into_response()
+    })
+}
+
 async fn filter<C: Cluster>(State(app): State<App<C>>, body: Bytes) -> Response {
-    verb(&app, "filter", &body, |args: &ExtenderArgs| json(StatusCode::OK, &app.ext.filter(args)))
+    off_the_workers(app, body, |app, body| {
+        verb(app, "filter", body, |args: &ExtenderArgs| json(StatusCode::OK, &app.ext.filter(args)))
+    })
+    .await
 }
 
 async fn prioritize<C: Cluster>(State(app): State<App<C>>, body: Bytes) -> Response {
-    verb(&app, "prioritize", &body, |args: &ExtenderArgs| json(StatusCode::OK, &app.ext.prioritize(args)))
+    off_the_workers(app, body, |app, body| {
+        verb(app, "prioritize", body, |args: &ExtenderArgs| json(StatusCode::OK, &app.ext.prioritize(args)))
+    })
+    .await
 }
 
 async fn preempt<C: Cluster>(State(app): State<App<C>>, body: Bytes) -> Response {
-    verb(&app, "preempt", &body, |args: &PreemptionArgs| json(StatusCode::OK, &app.ext.preempt(args)))
+    off_the_workers(app, body, |app, body| {
+        verb(app, "preempt", body, |args: &PreemptionArgs| json(StatusCode::OK, &app.ext.preempt(args)))
+    })
+    .await
 }
 
 async fn bind<C: Cluster>(State(app): State<App<C>>, body: Bytes) -> Response {
@@ -154,16 +207,19 @@ async fn bind<C: Cluster>(State(app): State<App<C>>, body: Bytes) -> Response {
 }
 
 async fn inspect<C: Cluster>(State(app): State<App<C>>) -> Response {
-    json(StatusCode::OK, &app.ext.report())
+    off_the_workers(app, Bytes::new(), |app, _| json(StatusCode::OK, &app.ext.report())).await
 }
 
 async fn inspect_node<C: Cluster>(State(app): State<App<C>>, UrlPath(node): UrlPath<String>) -> Response {
-    let report = app.ext.report().only(&node);
-    if report.nodes.is_empty() && report.unreadable.is_empty() {
-        return (StatusCode::NOT_FOUND, format!("node {node:?} is not a gpushare node in the extender's view\n"))
-            .into_response();
-    }
-    json(StatusCode::OK, &report)
+    off_the_workers(app, Bytes::new(), move |app, _| {
+        let report = app.ext.report().only(&node);
+        if report.nodes.is_empty() && report.unreadable.is_empty() {
+            return (StatusCode::NOT_FOUND, format!("node {node:?} is not a gpushare node in the extender's view\n"))
+                .into_response();
+        }
+        json(StatusCode::OK, &report)
+    })
+    .await
 }
 
 async fn readyz<C: Cluster>(State(app): State<App<C>>) -> Response {
@@ -176,7 +232,10 @@ async fn readyz<C: Cluster>(State(app): State<App<C>>) -> Response {
 }
 
 async fn metrics<C: Cluster>(State(app): State<App<C>>) -> Response {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.ext.render_metrics()).into_response()
+    off_the_workers(app, Bytes::new(), |app, _| {
+        ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.ext.render_metrics()).into_response()
+    })
+    .await
 }
 
 /// A TLS acceptor from PEM files.

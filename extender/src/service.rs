@@ -11,7 +11,9 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
+
+use parking_lot::MutexGuard;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use gpushare_core::PodRequest;
@@ -68,6 +70,9 @@ pub trait Cluster: Send + Sync + 'static {
     fn bind(&self, binding: &Binding) -> impl Future<Output = Result<(), ClusterError>> + Send;
 }
 
+/// Nodes a filter looks at under one hold of the view's lock.
+const FILTER_CHUNK: usize = 1024;
+
 /// One node's candidate victims: (node, victims as (UID, priority when known), PDB violations).
 type Candidates = (String, Vec<(String, Option<i32>)>, i64);
 
@@ -90,7 +95,9 @@ enum Attempt {
 
 /// The extender.
 pub struct Extender<C> {
-    state: Mutex<State>,
+    /// The view and the placer: a fair lock, so a long request that hands it over between
+    /// chunks of work does hand it over.
+    state: parking_lot::Mutex<State>,
     cluster: C,
     policies: Policies,
     /// Percent of a node's score taken from how idle its chosen GPUs are (0: not weighed).
@@ -118,7 +125,7 @@ impl<C: Cluster> Extender<C> {
     /// An extender over `view`, calling the API server through `cluster`.
     pub fn new(view: ClusterView, cluster: C, policies: Policies) -> Self {
         Extender {
-            state: Mutex::new(State { view, placer: Placer::new() }),
+            state: parking_lot::Mutex::new(State { view, placer: Placer::new() }),
             cluster,
             policies,
             busy_weight: 0,
@@ -148,9 +155,9 @@ impl<C: Cluster> Extender<C> {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        // A panic while holding the lock cannot leave the view half-updated in a way that
-        // matters more than stopping would: keep serving.
-        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        // parking_lot's lock is not poisoned by a panic: the view cannot be left half-updated
+        // in a way that matters more than stopping would, so the extender keeps serving.
+        self.state.lock()
     }
 
     /// Runs `f` on the view (the watchers feed it through this).
@@ -220,23 +227,31 @@ impl<C: Cluster> Extender<C> {
             return result;
         }
         let mut passing = Vec::new();
-        {
+        let request = {
             let mut s = self.state();
-            let State { view, placer } = &mut *s;
-            Self::expire(view);
-            match view.request_of(&args.pod) {
-                Err(why) => {
-                    let reason = format!("pod {}: {why}", args.pod.key());
-                    for n in &candidates {
-                        result.failed_and_unresolvable.insert((*n).to_owned(), reason.clone());
-                    }
+            Self::expire(&mut s.view);
+            s.view.request_of(&args.pod)
+        };
+        match request {
+            Err(why) => {
+                let reason = format!("pod {}: {why}", args.pod.key());
+                for n in &candidates {
+                    result.failed_and_unresolvable.insert((*n).to_owned(), reason.clone());
                 }
-                Ok(request) if request.is_empty() => passing.clone_from(&candidates),
-                Ok(request) => {
-                    let gone = view.evicted(&[args.pod.uid()]);
-                    let uid = args.pod.uid();
-                    let shape = Shape::of(&request);
-                    for n in &candidates {
+            }
+            Ok(request) if request.is_empty() => passing.clone_from(&candidates),
+            Ok(request) => {
+                let uid = args.pod.uid();
+                let shape = Shape::of(&request);
+                // The view's lock is taken per chunk of nodes, so that a request naming
+                // hundreds of thousands of nodes does not hold up the others for its whole run.
+                let mut s = self.state();
+                for chunk in candidates.chunks(FILTER_CHUNK) {
+                    // Hands the lock to any request waiting for it, then takes it back.
+                    MutexGuard::bump(&mut s);
+                    let State { view, placer } = &mut *s;
+                    let gone = view.evicted(&[uid]);
+                    for n in chunk {
                         // Most nodes of a healthy cluster take the common shape outright, as
                         // their summary shows; only the others go through the placer, which
                         // also says why not.

@@ -105,7 +105,8 @@ impl Harness {
     /// Starts another extender over the same API server.
     pub async fn restart(&mut self, alibaba: bool) {
         self.stop();
-        let (addr, ext, tasks) = serve_extender(&self.dir.path().join("kubeconfig"), alibaba, 1 << 20).await;
+        let (addr, ext, tasks) =
+            serve_extender(&self.dir.path().join("kubeconfig"), alibaba, 1 << 20, Duration::from_secs(5)).await;
         (self.addr, self.ext, self.tasks) = (addr, ext, tasks);
     }
 }
@@ -129,12 +130,12 @@ async fn serve_extender(
     kubeconfig: &std::path::Path,
     alibaba: bool,
     max_body_bytes: usize,
+    timeout: Duration,
 ) -> (SocketAddr, Arc<Extender<KubeCluster>>, Vec<tokio::task::JoinHandle<()>>) {
     let client = client(Some(kubeconfig)).await.unwrap();
     let view = ClusterView::new(view_config(alibaba));
     let ext = Arc::new(Extender::new(view, KubeCluster::new(client.clone()), Default::default()));
-    let options =
-        ServerOptions { prefix: "/gpushare-scheduler".into(), max_body_bytes, timeout: Duration::from_secs(5) };
+    let options = ServerOptions { prefix: "/gpushare-scheduler".into(), max_body_bytes, timeout };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let app = router(ext.clone(), &options);
@@ -150,11 +151,16 @@ pub async fn start(max_body_bytes: usize) -> Harness {
 }
 
 pub async fn start_with(alibaba: bool, max_body_bytes: usize) -> Harness {
+    start_with_timeout(alibaba, max_body_bytes, Duration::from_secs(5)).await
+}
+
+/// [`start_with`], the requests answered within `timeout`.
+pub async fn start_with_timeout(alibaba: bool, max_body_bytes: usize, timeout: Duration) -> Harness {
     let api = ApiServer::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
     api.write_kubeconfig(&kubeconfig).unwrap();
-    let (addr, ext, tasks) = serve_extender(&kubeconfig, alibaba, max_body_bytes).await;
+    let (addr, ext, tasks) = serve_extender(&kubeconfig, alibaba, max_body_bytes, timeout).await;
     Harness { api, addr, ext, dir, tasks }
 }
 
