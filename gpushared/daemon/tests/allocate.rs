@@ -260,7 +260,7 @@ async fn refusals_are_errors_with_reasons() {
     );
 }
 
-/// Calls that cannot be right are refused at once (INVALID_ARGUMENT), not after waiting for a
+/// Calls that cannot be right are refused at once (`INVALID_ARGUMENT`), not after waiting for a
 /// pod, and book nothing: no device, a device twice, an assignment that places a container the
 /// pod does not have.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -75,7 +75,9 @@ pub fn pod_footprints<'a>(
     inventory: &NodeInventory,
     allocations: &'a [NodeAllocation],
 ) -> BTreeMap<&'a str, PodFootprint<'a>> {
-    let mut rows: BTreeMap<&'a str, (&'a PodRef, Vec<(ContainerRole, usize, Mib)>)> = BTreeMap::new();
+    // Per pod: its rows as (role, GPU position, memory), in admission order.
+    type Rows = Vec<(ContainerRole, usize, Mib)>;
+    let mut rows: BTreeMap<&'a str, (&'a PodRef, Rows)> = BTreeMap::new();
     for a in allocations {
         let Some(p) = inventory.gpus().iter().position(|g| g.index == a.gpu) else { continue };
         rows.entry(a.pod.uid.as_str()).or_insert_with(|| (&a.pod, Vec::new())).1.push((a.role, p, a.mib));
