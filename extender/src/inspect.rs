@@ -139,6 +139,13 @@ pub struct NodeReport {
     pub gpus: Vec<GpuReport>,
     /// Pods bound to the node that hold no GPU yet, with what they ask for.
     pub pending: Vec<PodShare>,
+    /// Seconds since the extender saw its daemon renew its heartbeat (absent: the daemon
+    /// publishes none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heartbeat_age_seconds: Option<u64>,
+    /// The daemon stopped renewing its heartbeat: no new pod is placed there.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stale: bool,
 }
 
 /// One GPU.
@@ -282,7 +289,16 @@ impl ClusterReport {
                 .iter()
                 .map(|(pod, mib)| PodShare { pod: pod.clone(), uid: String::new(), mib: mib.get(), in_flight: false })
                 .collect();
-            report.nodes.push(NodeReport { name, address, unit: inventory.unit(), gpus, pending });
+            let fresh = view.freshness(&name);
+            report.nodes.push(NodeReport {
+                name,
+                address,
+                unit: inventory.unit(),
+                gpus,
+                pending,
+                heartbeat_age_seconds: fresh.map(|f| f.age.as_secs()),
+                stale: fresh.is_some_and(|f| f.is_stale()),
+            });
         }
         report
     }
@@ -391,6 +407,19 @@ impl ClusterReport {
         out
     }
 
+    /// Per-node heartbeat figures for the metrics.
+    #[must_use]
+    pub fn node_samples(&self) -> Vec<crate::metrics::NodeSample> {
+        self.nodes
+            .iter()
+            .map(|n| crate::metrics::NodeSample {
+                node: n.name.clone(),
+                heartbeat_age_seconds: n.heartbeat_age_seconds,
+                stale: n.stale,
+            })
+            .collect()
+    }
+
     /// Per-GPU figures for the metrics.
     #[must_use]
     pub fn gpu_samples(&self) -> Vec<crate::metrics::GpuSample> {
@@ -403,7 +432,7 @@ impl ClusterReport {
                     uuid: g.uuid.clone(),
                     used_mib: g.used_mib,
                     total_mib: g.total_mib,
-                    schedulable: g.healthy && !g.cordoned && g.mode != "whole",
+                    schedulable: g.healthy && !g.cordoned && g.mode != "whole" && !n.stale,
                     over_budget: g
                         .over_budget
                         .iter()
@@ -483,6 +512,7 @@ Allocated/Total GPU Memory In Cluster:
                 unit: MemoryUnit::Mib,
                 gpus: vec![gpu(0, vec![]), gpu(1, over)],
                 pending: vec![],
+                ..NodeReport::default()
             }],
             unreadable: vec![],
         };
@@ -512,6 +542,7 @@ Allocated/Total GPU Memory In Cluster:
             unit: MemoryUnit::Mib,
             gpus: vec![gpu.clone()],
             pending,
+            ..NodeReport::default()
         };
         let waiting = PodShare { pod: "ml/next".into(), uid: String::new(), mib: 2000, in_flight: false };
         let report = ClusterReport {

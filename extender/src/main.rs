@@ -100,6 +100,7 @@ async fn serve_scheduler(config: Config) -> anyhow::Result<()> {
         names: config.resources.names(),
         alibaba: config.resources.compatibility == Compatibility::Alibaba,
         assume_ttl: std::time::Duration::from_secs(config.scheduling.assume_timeout_seconds),
+        heartbeat_by_wall_clock: false,
     });
     let extender = Arc::new(
         Extender::new(view, KubeCluster::new(client.clone()), config.scheduling.policies())

@@ -62,6 +62,17 @@ impl Histogram {
     }
 }
 
+/// One node's heartbeat for the scrape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeSample {
+    /// Node.
+    pub node: String,
+    /// Seconds since the extender saw its daemon renew its heartbeat, if it renews one.
+    pub heartbeat_age_seconds: Option<u64>,
+    /// No renewal for three periods: no new pod is placed there.
+    pub stale: bool,
+}
+
 /// One GPU's figures for the scrape.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GpuSample {
@@ -131,7 +142,14 @@ impl Metrics {
     /// The exposition text; `gpus`, `disagreements` and `view` (nodes, pods, in-flight binds)
     /// come from the view at scrape time.
     #[must_use]
-    pub fn render(&self, gpus: &[GpuSample], disagreements: u64, view: (usize, usize, usize), ready: bool) -> String {
+    pub fn render(
+        &self,
+        nodes: &[NodeSample],
+        gpus: &[GpuSample],
+        disagreements: u64,
+        view: (usize, usize, usize),
+        ready: bool,
+    ) -> String {
         let mut out = String::new();
         out.push_str("# HELP gpushare_extender_request_duration_seconds Time to answer kube-scheduler, per verb.\n");
         out.push_str("# TYPE gpushare_extender_request_duration_seconds histogram\n");
@@ -179,6 +197,22 @@ impl Metrics {
         let _ = writeln!(out, "gpushare_extender_view_objects{{kind=\"nodes\"}} {}", view.0);
         let _ = writeln!(out, "gpushare_extender_view_objects{{kind=\"gpu_pods\"}} {}", view.1);
         let _ = writeln!(out, "gpushare_extender_view_objects{{kind=\"inflight_binds\"}} {}", view.2);
+        out.push_str(
+            "# HELP gpushare_node_heartbeat_age_seconds Seconds since the node's gpushared last renewed its heartbeat.\n",
+        );
+        out.push_str("# TYPE gpushare_node_heartbeat_age_seconds gauge\n");
+        for n in nodes {
+            if let Some(age) = n.heartbeat_age_seconds {
+                let _ = writeln!(out, "gpushare_node_heartbeat_age_seconds{{node=\"{}\"}} {age}", escape(&n.node));
+            }
+        }
+        out.push_str(
+            "# HELP gpushare_node_stale Whether the node's gpushared stopped renewing its heartbeat (no new pods there).\n",
+        );
+        out.push_str("# TYPE gpushare_node_stale gauge\n");
+        for n in nodes {
+            let _ = writeln!(out, "gpushare_node_stale{{node=\"{}\"}} {}", escape(&n.node), u8::from(n.stale));
+        }
         per_gpu(&mut out, "gpushare_gpu_memory_used_mib", "GPU memory in use, reconciled view.", gpus, |g| g.used_mib);
         per_gpu(&mut out, "gpushare_gpu_memory_total_mib", "GPU memory that can be allocated.", gpus, |g| g.total_mib);
         per_gpu(
@@ -272,7 +306,17 @@ mod tests {
                 budget_mib: 300,
             }],
         };
-        let text = m.render(&[gpu], 2, (1, 2, 0), true);
+        let nodes = [
+            NodeSample { node: "n\"1".into(), heartbeat_age_seconds: Some(75), stale: true },
+            NodeSample { node: "old".into(), heartbeat_age_seconds: None, stale: false },
+        ];
+        let text = m.render(&nodes, &[gpu], 2, (1, 2, 0), true);
+        assert!(text.contains("gpushare_node_heartbeat_age_seconds{node=\"n\\\"1\"} 75\n"), "{text}");
+        assert!(!text.contains("gpushare_node_heartbeat_age_seconds{node=\"old\"}"), "{text}");
+        assert!(
+            text.contains("gpushare_node_stale{node=\"n\\\"1\"} 1\ngpushare_node_stale{node=\"old\"} 0\n"),
+            "{text}"
+        );
         assert!(
             text.contains("gpushare_gpu_containers_over_budget{node=\"n\\\"1\",gpu=\"0\",uuid=\"GPU-a\"} 1\n"),
             "{text}"

@@ -203,7 +203,7 @@ impl<C: Cluster> Extender<C> {
             let mut s = self.state();
             (ClusterReport::from_view(&mut s.view), s.view.disagreements(), s.view.counts())
         };
-        self.metrics.render(&report.gpu_samples(), disagreements, counts, self.is_ready())
+        self.metrics.render(&report.node_samples(), &report.gpu_samples(), disagreements, counts, self.is_ready())
     }
 
     fn not_ready() -> String {

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use gpushare_core::codec::alibaba::AlibabaAnnotations;
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
+use gpushare_core::codec::heartbeat::{HEARTBEAT_KEY, Heartbeat};
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState, pod_footprints};
 use gpushare_core::placement::{GpuPolicy, NodePolicy, NodeView, Placer, Rejection};
 use gpushare_core::schedule::Policies;
@@ -98,6 +99,10 @@ pub struct ViewConfig {
     pub alibaba: bool,
     /// How long an in-flight bind is counted without the watch showing it.
     pub assume_ttl: Duration,
+    /// Date a heartbeat by the time the daemon wrote in it, against this host's clock, rather
+    /// than by when this view saw it change: for a one-shot view (`kubectl-inspect-gpushare`)
+    /// that has seen no renewal. A long-lived view watches and needs no clock agreement.
+    pub heartbeat_by_wall_clock: bool,
 }
 
 /// What a node's GPUs are, as far as the view knows.
@@ -120,6 +125,69 @@ pub struct NodeEntry {
     pub gpus: NodeGpus,
     /// Usage, computed on demand and dropped on every change.
     cache: Option<Usage>,
+    /// The daemon's heartbeat as last renewed; `None` from daemons that publish none.
+    heartbeat: Option<Renewal>,
+    /// [`value_hash`] of the node-state annotation the entry was made from.
+    state_hash: Option<u64>,
+}
+
+/// A hash of an annotation value, to tell an unchanged one without keeping it.
+fn value_hash(value: &str) -> u64 {
+    use std::hash::BuildHasher as _;
+    std::hash::BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().hash_one(value)
+}
+
+/// Takes `node`'s heartbeat into `entry`: a new value is a renewal, seen now (or, by the wall
+/// clock, when the daemon says it wrote it).
+fn renew(entry: &mut NodeEntry, node: &NodeObject, name: &str, by_wall_clock: bool) {
+    match node.annotation(HEARTBEAT_KEY).map(|v| (v, Heartbeat::decode(v))) {
+        Some((value, Ok(h))) => {
+            if entry.heartbeat.as_ref().is_none_or(|r| r.value != value) {
+                let now = Instant::now();
+                let seen = if by_wall_clock {
+                    let wall_ms = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+                    let ago = u64::try_from(wall_ms.saturating_sub(h.at_ms)).unwrap_or(0);
+                    now.checked_sub(Duration::from_millis(ago)).unwrap_or(now)
+                } else {
+                    now
+                };
+                entry.heartbeat = Some(Renewal { value: value.to_owned(), seen, stale_after: h.stale_after() });
+            }
+        }
+        // An unreadable value renews nothing; the last one ages on.
+        Some((_, Err(e))) => tracing::debug!(node = %name, error = %e, "unreadable heartbeat"),
+        None => entry.heartbeat = None,
+    }
+}
+
+/// A node's heartbeat as the view saw it renewed.
+#[derive(Clone, Debug)]
+struct Renewal {
+    /// The annotation value: a new value is a renewal.
+    value: String,
+    /// When the view saw this value first, by its own clock.
+    seen: Instant,
+    /// No renewal for this long makes the node stale.
+    stale_after: Duration,
+}
+
+/// How fresh a node's published state is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Freshness {
+    /// Time since the view saw the heartbeat renewed.
+    pub age: Duration,
+    /// The age at which the node is stale.
+    pub stale_after: Duration,
+}
+
+impl Freshness {
+    /// Whether the daemon is presumed gone.
+    #[must_use]
+    pub fn is_stale(&self) -> bool {
+        self.age > self.stale_after
+    }
 }
 
 /// What a pod holds, from its annotations.
@@ -242,6 +310,8 @@ pub enum NodeRefusal {
     NotSharing,
     /// Its published state cannot be read.
     Invalid(String),
+    /// Its daemon has stopped renewing its heartbeat.
+    Stale(Freshness),
     /// The placement says no.
     Rejected(Rejection),
 }
@@ -262,6 +332,13 @@ impl std::fmt::Display for NodeRefusal {
                 write!(f, "node publishes no {NODE_STATE_KEY} annotation: gpushared is not running there")
             }
             NodeRefusal::Invalid(why) => write!(f, "node's {NODE_STATE_KEY} annotation is unreadable: {why}"),
+            NodeRefusal::Stale(h) => write!(
+                f,
+                "node's gpushared has not renewed its {HEARTBEAT_KEY} for {} s (stale after {} s), so its published \
+                 GPU state is not trusted: is gpushared running there? (systemctl status gpushared on the node)",
+                h.age.as_secs(),
+                h.stale_after.as_secs()
+            ),
             NodeRefusal::Rejected(r) => write!(f, "{r}"),
         }
     }
@@ -405,7 +482,17 @@ impl ClusterView {
     /// and what the view believes, one readable line each (already counted).
     pub fn apply_node(&mut self, node: &NodeObject) -> Vec<String> {
         let name = node.name().to_owned();
-        let gpus = match node.annotation(NODE_STATE_KEY) {
+        let state_value = node.annotation(NODE_STATE_KEY);
+        let state_hash = state_value.map(value_hash);
+        if let Some(entry) = self.nodes.get_mut(&name) {
+            renew(entry, node, &name, self.config.heartbeat_by_wall_clock);
+            // A heartbeat alone (every node every 20 s): the published state is unchanged, so
+            // nothing is decoded again and no usage recomputed.
+            if entry.state_hash == state_hash && entry.address == node.address() {
+                return Vec::new();
+            }
+        }
+        let gpus = match state_value {
             None => NodeGpus::NotSharing,
             Some(v) => match NodeState::decode(v) {
                 Ok(s) => NodeGpus::Reported(Box::new(s)),
@@ -413,10 +500,17 @@ impl ClusterView {
             },
         };
         self.index_reports(&name, &gpus);
-        let entry = self.nodes.entry(name.clone()).or_insert_with(|| NodeEntry {
-            address: String::new(),
-            gpus: NodeGpus::NotSharing,
-            cache: None,
+        let by_wall_clock = self.config.heartbeat_by_wall_clock;
+        let entry = self.nodes.entry(name.clone()).or_insert_with(|| {
+            let mut entry = NodeEntry {
+                address: String::new(),
+                gpus: NodeGpus::NotSharing,
+                cache: None,
+                heartbeat: None,
+                state_hash: None,
+            };
+            renew(&mut entry, node, &name, by_wall_clock);
+            entry
         });
         let old_generation = match &entry.gpus {
             NodeGpus::Reported(s) => Some(s.generation),
@@ -424,6 +518,7 @@ impl ClusterView {
         };
         entry.address = node.address().to_owned();
         entry.gpus = gpus;
+        entry.state_hash = state_hash;
         entry.cache = None;
         self.dirty.push(name.clone());
         self.table.set(&name, None);
@@ -688,6 +783,17 @@ impl ClusterView {
         self.disagreements
     }
 
+    /// How fresh `node`'s published state is, when its daemon renews a heartbeat.
+    #[must_use]
+    pub fn freshness(&self, node: &str) -> Option<Freshness> {
+        let r = self.nodes.get(node)?.heartbeat.as_ref()?;
+        Some(Freshness { age: r.seen.elapsed(), stale_after: r.stale_after })
+    }
+
+    fn stale(&self, node: &str) -> Option<Freshness> {
+        self.freshness(node).filter(Freshness::is_stale)
+    }
+
     /// A node's inventory, when its daemon publishes one.
     ///
     /// # Errors
@@ -864,6 +970,9 @@ impl ClusterView {
         f: impl FnOnce(&NodeInventory, &[Mib]) -> R,
     ) -> Result<R, NodeRefusal> {
         let entry = self.nodes.get(node).ok_or(NodeRefusal::Unknown)?;
+        if let Some(h) = self.stale(node) {
+            return Err(NodeRefusal::Stale(h));
+        }
         let inventory = match &entry.gpus {
             NodeGpus::Reported(s) => &s.inventory,
             NodeGpus::NotSharing => return Err(NodeRefusal::NotSharing),
@@ -923,7 +1032,7 @@ impl ClusterView {
     #[must_use]
     pub fn surely_fits(&self, node: &str, pod: &PodRequest, evicted: &Evicted<'_>) -> Option<bool> {
         let shape = Shape::of(pod)?;
-        if evicted.touches(node) {
+        if evicted.touches(node) || self.stale(node).is_some() {
             return None;
         }
         self.table.get(node)?.fits(&shape)
@@ -936,6 +1045,7 @@ impl ClusterView {
     pub fn passes_at_a_glance(&self, node: &str, shape: &Shape, evicted: &Evicted<'_>) -> bool {
         self.table.get(node).is_some_and(|s| s.fits(shape) == Some(true) && !s.may_admit_lookalike(shape.first))
             && !evicted.touches(node)
+            && self.stale(node).is_none()
     }
 
     /// prioritize's score from `node`'s [`Summary`] alone: what [`Self::score`] answers when
@@ -954,7 +1064,7 @@ impl ClusterView {
             return None;
         }
         let score = self.table.get(node)?.score(shape, policies.node == NodePolicy::Binpack)?;
-        (!evicted.touches(node)).then_some(score)
+        (!evicted.touches(node) && self.stale(node).is_none()).then_some(score)
     }
 
     /// Scores `node` for `pod` (0–10) with the `evicted` pods gone (the pod itself, so an

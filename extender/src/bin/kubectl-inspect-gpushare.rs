@@ -66,6 +66,7 @@ async fn inspect(cli: &InspectCli) -> anyhow::Result<String> {
         names: if cli.alibaba { ResourceNames::alibaba() } else { ResourceNames::gpushare() },
         alibaba: cli.alibaba,
         assume_ttl: std::time::Duration::ZERO,
+        heartbeat_by_wall_clock: true,
     });
     view.replace_nodes(&nodes.items);
     view.replace_pods(&pods.items);
@@ -93,6 +94,14 @@ async fn inspect(cli: &InspectCli) -> anyhow::Result<String> {
         (Output::Table, false) => report.summary(),
     };
     if cli.output == Output::Table {
+        for n in report.nodes.iter().filter(|n| n.stale) {
+            out.push_str(&format!(
+                "\nnode {}: its gpushared has not renewed its heartbeat for {} s; no new pod is placed there \
+                 (is gpushared running? systemctl status gpushared on the node)\n",
+                n.name,
+                n.heartbeat_age_seconds.unwrap_or(0)
+            ));
+        }
         for (node, why) in &report.unreadable {
             out.push_str(&format!("\nnode {node}: its {NODE_STATE_KEY} annotation is unreadable: {why}\n"));
         }

@@ -19,6 +19,7 @@ pub(crate) fn config(alibaba: bool) -> ViewConfig {
         names: if alibaba { ResourceNames::alibaba() } else { ResourceNames::gpushare() },
         alibaba,
         assume_ttl: Duration::from_secs(300),
+        heartbeat_by_wall_clock: false,
     }
 }
 

@@ -123,6 +123,7 @@ pub fn view_config(alibaba: bool) -> ViewConfig {
         names: if alibaba { ResourceNames::alibaba() } else { ResourceNames::gpushare() },
         alibaba,
         assume_ttl: Duration::from_secs(300),
+        heartbeat_by_wall_clock: false,
     }
 }
 

@@ -538,12 +538,20 @@ pub struct KubernetesConfig {
     /// lets it read the pods bound to this node and patch this Node.
     #[serde(default = "default_kubeconfig")]
     pub kubeconfig: AbsPath,
+    /// How often the daemon renews its `gpushare.io/heartbeat` on the Node; the extender stops
+    /// placing pods by a node's published state after three periods without a renewal.
+    #[serde(default = "default_heartbeat")]
+    pub heartbeat_seconds: Seconds,
 }
 
 impl Default for KubernetesConfig {
     fn default() -> Self {
-        KubernetesConfig { kubeconfig: default_kubeconfig() }
+        KubernetesConfig { kubeconfig: default_kubeconfig(), heartbeat_seconds: default_heartbeat() }
     }
+}
+
+fn default_heartbeat() -> Seconds {
+    Seconds(20)
 }
 
 fn default_kubeconfig() -> AbsPath {

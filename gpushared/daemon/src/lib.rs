@@ -10,6 +10,7 @@
 //! - [`discovery`]: the host's GPUs, from NVML or the configuration;
 //! - [`gpu_events`]: Xid and ECC events and GPU probes, from NVML;
 //! - [`health`]: the GPU health policy, automatic recovery included;
+//! - [`heartbeat`]: the heartbeat renewed on this node's Node;
 //! - [`kube`]: the watch of the pods bound to this node;
 //! - [`kubelet_watch`]: kubelet restarts, seen in the device-plugin directory;
 //! - [`ledger`]: the SQLite allocation ledger;
@@ -33,6 +34,7 @@ pub mod dbus;
 pub mod discovery;
 pub mod gpu_events;
 pub mod health;
+pub mod heartbeat;
 pub mod kube;
 pub mod kubelet_watch;
 pub mod ledger;

@@ -229,6 +229,11 @@ async fn run(config: Config) -> anyhow::Result<()> {
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(gpushared::kube::watch_pods(client.clone(), node.clone(), pods.clone(), Arc::clone(&alloc)));
     tasks.spawn(gpushared::kube::evict_pods(client.clone(), evict_rx, Arc::clone(&alloc)));
+    tasks.spawn(gpushared::heartbeat::run(
+        client.clone(),
+        node.clone(),
+        config.kubernetes.heartbeat_seconds.duration(),
+    ));
     tasks.spawn(publish::run(KubeNode::new(client, node.clone()), Arc::clone(&alloc), publish::Timing::default()));
 
     // The kubelet's device list follows the GPUs' health.

@@ -441,6 +441,25 @@ async fn reconciles_the_ledger_with_what_the_kubelet_holds() {
     drop(daemon);
 }
 
+/// The daemon renews its heartbeat on its Node every `heartbeat_seconds`, beside the node
+/// state, and nothing else on the Node is touched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_heartbeat_is_renewed_every_period() {
+    use gpushare_core::codec::heartbeat::{HEARTBEAT_KEY, Heartbeat};
+    let (host, api, config) = host_with(&format!("heartbeat_seconds = 1\n{}", static_gpus(&[(1000, None)]))).await;
+    let daemon = Daemon::start(&config, host.path("daemon.log"));
+    let heartbeat = || {
+        let node = api.node("node-a")?;
+        Some(Heartbeat::decode(node["metadata"]["annotations"][HEARTBEAT_KEY].as_str()?).unwrap())
+    };
+    let first = eventually("the first heartbeat", heartbeat).await;
+    assert_eq!(first.every_seconds, 1);
+    let next = eventually("a renewal", || heartbeat().filter(|h| h.at_ms > first.at_ms)).await;
+    assert!(next.at_ms - first.at_ms >= 900, "renewed after {} ms, every 1 s", next.at_ms - first.at_ms);
+    assert_eq!(api.node("node-a").unwrap()["metadata"]["annotations"]["team"], "ml", "{}", daemon.log());
+    drop(daemon);
+}
+
 mod health {
     //! GPU health through the fake NVML library's injected events.
 

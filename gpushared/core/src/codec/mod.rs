@@ -5,6 +5,8 @@
 //!   usage and the pods holding it), under [`node::NODE_STATE_KEY`].
 //! - [`assignment`]: what the extender writes on a pod at bind (per container: GPUs and MiB),
 //!   under [`assignment::ASSIGNMENT_KEY`].
+//! - [`heartbeat`]: what a node's daemon renews on its Node so that readers can tell it is alive,
+//!   under [`heartbeat::HEARTBEAT_KEY`].
 //! - [`alibaba`]: Alibaba's resource names, pod annotations and container env vars.
 //!
 //! Every value carries `"v"`, the schema version. Readers refuse versions they do not know;
@@ -13,6 +15,7 @@
 
 pub mod alibaba;
 pub mod assignment;
+pub mod heartbeat;
 pub mod node;
 
 use thiserror::Error;
