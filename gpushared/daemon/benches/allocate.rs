@@ -66,7 +66,9 @@ fn pod(p: usize) -> PodView {
         node: Some("bench-node".into()),
         created: format!("2026-01-01T00:{:02}:{:02}Z", p / 60, p % 60),
         terminal: false,
-        spec: gpushare_core::PodSpec::default(),
+        spec: serde_json::from_value(serde_json::json!({"containers": [{"name": "main",
+            "resources": {"limits": {"gpushare.io/gpu-mem": POD_MIB.to_string()}}}]}))
+        .unwrap(),
         annotations: BTreeMap::from([(ASSIGNMENT_KEY.to_owned(), assignment.encode().unwrap())]),
         container_ids: Vec::new(),
     }

@@ -17,6 +17,7 @@ fn uuid(i: u32) -> GpuUuid {
 pub(crate) struct Fixture {
     _dir: tempfile::TempDir,
     pods: PodStore,
+    names: ResourceNames,
     pub(crate) alloc: Arc<Allocator>,
     /// Devices the kubelet has handed out, as it tracks them.
     in_use: std::cell::RefCell<BTreeSet<String>>,
@@ -38,8 +39,8 @@ pub(crate) fn fixture(compat: Compatibility) -> Fixture {
         Compatibility::Gpushare => ResourceNames::gpushare(),
         Compatibility::Alibaba => ResourceNames::alibaba(),
     };
-    let alloc = Allocator::new("node-a".into(), names, compat, inventory, pods.clone(), ledger).unwrap();
-    Fixture { _dir: dir, pods, alloc: Arc::new(alloc), in_use: std::cell::RefCell::default() }
+    let alloc = Allocator::new("node-a".into(), names.clone(), compat, inventory, pods.clone(), ledger).unwrap();
+    Fixture { _dir: dir, pods, names, alloc: Arc::new(alloc), in_use: std::cell::RefCell::default() }
 }
 
 /// A container of a test pod: name, role, and its (GPU index, MiB) shares.
@@ -64,10 +65,31 @@ pub(crate) fn pod(f: &Fixture, uid: &str, created: &str, containers: &[Container
         node: Some("node-a".into()),
         created: created.into(),
         terminal: false,
-        spec: gpushare_core::PodSpec::default(),
+        spec: spec_of(&f.names, containers),
         annotations: BTreeMap::from([(ASSIGNMENT_KEY.to_owned(), assignment.encode().unwrap())]),
         container_ids: Vec::new(),
     });
+}
+
+/// The spec the kubelet admits `containers` by: each one's memory, and its GPU count when over
+/// one, as limits under `names`; init containers and sidecars (restart policy `Always`) first.
+pub(crate) fn spec_of(names: &ResourceNames, containers: &[ContainerSpec<'_>]) -> gpushare_core::PodSpec {
+    let container = |(name, role, gpus): &ContainerSpec<'_>| {
+        let mib: u64 = gpus.iter().map(|(_, m)| m).sum();
+        let mut limits = serde_json::Map::new();
+        limits.insert(names.memory.to_string(), mib.to_string().into());
+        if gpus.len() > 1 {
+            limits.insert(names.count.to_string(), gpus.len().to_string().into());
+        }
+        let mut c = serde_json::json!({"name": name, "resources": {"limits": limits}});
+        if *role == ContainerRole::Sidecar {
+            c["restartPolicy"] = "Always".into();
+        }
+        c
+    };
+    let init: Vec<_> = containers.iter().filter(|c| c.1 != ContainerRole::App).map(container).collect();
+    let app: Vec<_> = containers.iter().filter(|c| c.1 == ContainerRole::App).map(container).collect();
+    serde_json::from_value(serde_json::json!({"initContainers": init, "containers": app})).unwrap()
 }
 
 /// Every device the kubelet has not handed out yet.
@@ -298,7 +320,13 @@ fn an_unhealthy_assigned_gpu_fails_admission_readably() {
         ledger,
     )
     .unwrap();
-    let f = Fixture { _dir: dir, pods, alloc: Arc::new(alloc), in_use: std::cell::RefCell::default() };
+    let f = Fixture {
+        _dir: dir,
+        pods,
+        names: ResourceNames::gpushare(),
+        alloc: Arc::new(alloc),
+        in_use: std::cell::RefCell::default(),
+    };
     pod(&f, "u1", "t", &[("main", ContainerRole::App, &[(0, 10)])]);
     let ids: Vec<String> = f.alloc.devices().ids(0).take(10).collect();
     let err = f.alloc.allocate(&ids).unwrap_err().to_string();
