@@ -395,6 +395,18 @@ fn validate(kind: Kind, object: &Value) -> Result<(), ApiError> {
             Some(_) => return bad(&format!("metadata.{field} must be a map of strings")),
         }
     }
+    // The real API server's limit on all annotations of an object together, keys and values.
+    if let Some(Value::Object(a)) = meta.get("annotations") {
+        let total: usize = a.iter().map(|(k, v)| k.len() + v.as_str().map_or(0, str::len)).sum();
+        if total > 256 * 1024 {
+            let name = meta.get("name").and_then(Value::as_str).unwrap_or_default();
+            return Err(ApiError::invalid(
+                kind.name(),
+                name,
+                "metadata.annotations: Too long: may not be more than 262144 bytes",
+            ));
+        }
+    }
     match meta.get("finalizers") {
         None | Some(Value::Null) => {}
         Some(Value::Array(items)) if items.iter().all(Value::is_string) => {}
