@@ -113,6 +113,15 @@ pub enum AllocError {
         /// What is wrong with it.
         reason: String,
     },
+    /// The ledger is being rebuilt: no allocation can be checked against it yet.
+    #[error(
+        "the allocation ledger lacked {missing} allocation(s) this node had published and is being rebuilt from the \
+         pods bound to this node; calls are served once it is (see gpushared's log)"
+    )]
+    Rebuilding {
+        /// Rows still to book.
+        missing: usize,
+    },
     /// An operator named a GPU this node does not have.
     #[error("no GPU {0:?} on this node; name it by its index or UUID (gpusharectl gpus lists them)")]
     NoSuchGpu(String),
@@ -228,6 +237,9 @@ struct State {
     doubtful: BTreeSet<String>,
     /// The pod the kubelet is admitting (the last one served).
     admitting: Option<String>,
+    /// The ledger lacks allocations the node last published: these, to be booked again once
+    /// the pods bound here are listed ([`rebuild`]). No call is served meanwhile.
+    rebuilding: Option<Vec<NodeAllocation>>,
 }
 
 /// A container waiting for its devices.
@@ -322,6 +334,7 @@ impl Allocator {
                 proposals: BTreeMap::new(),
                 doubtful: BTreeSet::new(),
                 admitting: None,
+                rebuilding: None,
             }),
             changes: watch::Sender::new(0),
             activity: watch::Sender::new(0),
@@ -669,6 +682,7 @@ impl Allocator {
         I: IntoIterator<Item = &'a str> + Clone,
     {
         let mut state = self.lock();
+        Self::rebuilding(&state)?;
         self.release_offered(&mut state, available.clone(), must_include)?;
         let cand = self.choose(&state, size, patient)?;
         let unit = self.inventory.unit().mib_per_unit();
@@ -771,6 +785,7 @@ impl Allocator {
         }
         let key = request_key(device_ids);
         let mut state = self.lock();
+        Self::rebuilding(&state)?;
         let hash = key_hash(&key);
         let existing =
             if state.held.iter().any(|h| h.key_hash == hash) { state.ledger.live_by_key(&key)? } else { Vec::new() };
@@ -1394,10 +1409,11 @@ impl Allocator {
     #[must_use]
     pub fn node_state(&self, generation: u64, daemon_version: &str) -> NodeState {
         // Copy out under the lock (pointers, not rows); compute without it.
-        let (inventory, held) = {
+        let (inventory, held, rebuilding) = {
             let state = self.lock();
-            (state.inventory.clone(), state.held.clone())
+            (state.inventory.clone(), state.held.clone(), state.rebuilding.clone().unwrap_or_default())
         };
+        // While the ledger is rebuilt, what it lost is still published as held.
         let allocations: Vec<NodeAllocation> = held
             .iter()
             .filter_map(|h| {
@@ -1410,12 +1426,15 @@ impl Allocator {
                     mib: h.mib,
                 })
             })
+            .chain(rebuilding)
             .collect();
         let used = used_per_gpu(&inventory, &allocations);
         let over_budget = self.over_budget();
         NodeState { generation, daemon_version: daemon_version.to_owned(), inventory, used, allocations, over_budget }
     }
 }
+
+mod rebuild;
 
 #[cfg(test)]
 pub(crate) mod tests;

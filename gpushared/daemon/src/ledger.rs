@@ -435,6 +435,38 @@ impl Ledger {
         self.rows("WHERE released_at IS NULL AND device_ids = ?1 ORDER BY id", params![key])
     }
 
+    /// Whether the ledger has ever held a row, live or released, for this pod's container.
+    ///
+    /// # Errors
+    /// [`LedgerError`] if SQLite refuses.
+    pub fn ever_held(&self, pod_uid: &str, container: &str) -> Result<bool, LedgerError> {
+        self.conn
+            .prepare_cached("SELECT EXISTS (SELECT 1 FROM allocations WHERE pod_uid = ?1 AND container = ?2)")
+            .and_then(|mut stmt| stmt.query_row(params![pod_uid, container], |r| r.get::<_, bool>(0)))
+            .map_err(self.err("looking up a container's history"))
+    }
+
+    /// Copies the database and its write-ahead log (what is left of them) to `<path>.<tag>-<unix-ms>`,
+    /// for an operator to look into; returns the copy of the database.
+    ///
+    /// # Errors
+    /// [`LedgerError::Io`] if a file cannot be copied.
+    pub fn keep_copy(&self, tag: &str) -> Result<PathBuf, LedgerError> {
+        let copy = PathBuf::from(format!("{}.{tag}-{}", self.path.display(), now_ms()));
+        for suffix in ["", "-wal"] {
+            let from = PathBuf::from(format!("{}{suffix}", self.path.display()));
+            let to = PathBuf::from(format!("{}{suffix}", copy.display()));
+            if from.exists() {
+                std::fs::copy(&from, &to).map_err(|source| LedgerError::Io {
+                    path: self.path.clone(),
+                    what: "keeping a copy of the ledger",
+                    source,
+                })?;
+            }
+        }
+        Ok(copy)
+    }
+
     /// Every row, live and released, allocated at or after `since_ms`.
     ///
     /// # Errors
@@ -555,6 +587,26 @@ impl Ledger {
             .query_map(params![since_ms], |r| Ok(Event { at: r.get(0)?, kind: r.get(1)?, detail: r.get(2)? }))
             .map_err(self.err("reading events"))?;
         rows.collect::<Result<Vec<_>, _>>().map_err(self.err("reading events"))
+    }
+
+    /// Copies the whole write-ahead log into the database file and empties the log: at a
+    /// clean stop, so that the file alone holds everything (a lost `-wal` then loses nothing).
+    ///
+    /// # Errors
+    /// [`LedgerError`] if SQLite refuses or another connection holds the log.
+    pub fn checkpoint_truncate(&self) -> Result<(), LedgerError> {
+        let busy: i64 = self
+            .conn
+            .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))
+            .map_err(self.err("checkpointing the write-ahead log"))?;
+        if busy != 0 {
+            return Err(LedgerError::BadRow {
+                path: self.path.clone(),
+                id: 0,
+                why: "the write-ahead log is in use; it was not emptied".into(),
+            });
+        }
+        Ok(())
     }
 
     /// The schema version of the open file.

@@ -22,6 +22,7 @@
 //! - [`pods`]: the pods bound to this node, as last seen;
 //! - [`publish`]: the node-state annotation on this node's Node;
 //! - [`reconcile`]: the ledger against the kubelet's PodResources record;
+//! - [`recovery`]: the ledger against the node's last publication at start, and its rebuild;
 //! - [`startup`]: the checks on the configuration against this host, before serving;
 //! - [`systemd`]: readiness, status and the watchdog for `Type=notify`;
 //! - [`whole`]: whole GPUs beside the shares, as a second device-plugin resource.
@@ -46,6 +47,7 @@ pub mod plugin;
 pub mod pods;
 pub mod publish;
 pub mod reconcile;
+pub mod recovery;
 pub mod startup;
 pub mod whole;
 

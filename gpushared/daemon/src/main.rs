@@ -226,7 +226,13 @@ async fn run(config: Config) -> anyhow::Result<()> {
     }
 
     let client = gpushared::kube::client(config.kubernetes.kubeconfig.path()).await?;
+    // Before anything is served or published: a ledger that lost what the node published.
+    notifier.status("starting: checking the ledger against the node's last publication");
+    let rebuilding = gpushared::recovery::check_ledger(client.clone(), &node, &alloc).await > 0;
     let mut tasks = tokio::task::JoinSet::new();
+    if rebuilding {
+        tasks.spawn(gpushared::recovery::finish_rebuild(Arc::clone(&alloc), pods.clone()));
+    }
     tasks.spawn(gpushared::kube::watch_pods(client.clone(), node.clone(), pods.clone(), Arc::clone(&alloc)));
     tasks.spawn(gpushared::kube::evict_pods(client.clone(), evict_rx, Arc::clone(&alloc)));
     tasks.spawn(gpushared::heartbeat::run(
@@ -398,6 +404,11 @@ async fn run(config: Config) -> anyhow::Result<()> {
     }
     tasks.abort_all();
     health_stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    // The whole log into the file: a lost -wal after a clean stop then loses nothing.
+    match alloc.checkpoint_at_stop() {
+        Ok(()) => tracing::info!("ledger checkpointed into its file"),
+        Err(e) => tracing::warn!(error = %e, "the ledger's write-ahead log could not be emptied at stop"),
+    }
     Ok(())
 }
 

@@ -73,6 +73,7 @@ fn status(e: &AllocError) -> Status {
         | AllocError::Unhealthy { .. }
         | AllocError::Cordoned { .. } => Status::failed_precondition(msg),
         AllocError::Ledger(_) => Status::internal(msg),
+        AllocError::Rebuilding { .. } => Status::unavailable(msg),
         AllocError::NoSuchGpu(_) => Status::not_found(msg),
     }
 }
@@ -173,7 +174,8 @@ impl Plugin {
                 .map_err(|e| Status::internal(format!("allocation task failed: {e}")))?;
             let waiting = tokio::time::Instant::now() < deadline;
             match result {
-                Err(AllocError::NoCandidate { .. } | AllocError::Doubtful { .. }) if waiting => {}
+                Err(AllocError::NoCandidate { .. } | AllocError::Doubtful { .. } | AllocError::Rebuilding { .. })
+                    if waiting => {}
                 Err(AllocError::Ambiguous { .. }) if waiting => {}
                 Err(e @ AllocError::Ambiguous { .. }) if patient => {
                     tracing::warn!(error = %e, "still ambiguous after waiting; serving the oldest");

@@ -216,7 +216,12 @@ async fn a_node_whose_other_annotations_leave_no_room_gets_nothing_until_they_sh
         .unwrap();
     let kubeconfig = host.path("kubeconfig");
     api.write_kubeconfig(&kubeconfig).unwrap();
-    let config = host.config(&kubeconfig, "", &static_gpus(&[(1000, None), (1000, None)]));
+    // One heartbeat at start (refused too: no room), then none for an hour.
+    let config = host.config(
+        &kubeconfig,
+        "",
+        &format!("heartbeat_seconds = 3600\n{}", static_gpus(&[(1000, None), (1000, None)])),
+    );
     let daemon = Daemon::start(&config, host.path("daemon.log"));
     let log = eventually("the error", || {
         let log = daemon.log();
@@ -226,12 +231,13 @@ async fn a_node_whose_other_annotations_leave_no_room_gets_nothing_until_they_sh
     for part in ["262094 bytes of the Node's other annotations", "262144 bytes", "kubectl annotate node node-a KEY-"] {
         assert!(log.contains(part), "{part:?} in {log}");
     }
-    // Nothing is written, and the Node is read again only at the longest backoff (10 s).
+    // Nothing is written (the one PATCH is the heartbeat's), and the Node is read again only at
+    // the longest backoff (10 s): one GET to check the ledger at start, one by the publisher.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let to_node =
         |method: &str| api.requests().iter().filter(|(m, p)| m == method && p.contains("/nodes/node-a")).count();
-    assert_eq!(to_node("PATCH"), 0);
-    assert_eq!(to_node("GET"), 1);
+    assert_eq!(to_node("PATCH"), 1);
+    assert_eq!(to_node("GET"), 2);
     assert!(node_state(&api).is_none());
     assert_eq!(daemon.log().matches("does not fit beside").count(), 1, "logged once: {}", daemon.log());
 
@@ -247,7 +253,9 @@ async fn a_node_whose_other_annotations_leave_no_room_gets_nothing_until_they_sh
     assert_eq!(state.generation, 1);
     assert_eq!(state.inventory.gpus().len(), 2);
     assert_eq!(api.node("node-a").unwrap()["metadata"]["annotations"]["team"], "ml");
-    assert!(daemon.log().contains("the node state fits again and is published"), "{}", daemon.log());
+    // Logged once the API server's answer is in (just after the Node has it).
+    eventually("the log line", || daemon.log().contains("the node state fits again and is published").then_some(()))
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -438,6 +446,70 @@ async fn reconciles_the_ledger_with_what_the_kubelet_holds() {
     tokio::time::sleep(Duration::from_millis(3500)).await; // three rounds of interval_seconds = 1
     let live: Vec<String> = ledger(&host).live().unwrap().into_iter().map(|r| r.pod.name).collect();
     assert_eq!(live, ["unlisted", "adopted"], "{}", daemon.log());
+    drop(daemon);
+}
+
+/// A clean stop leaves everything in `ledger.db` (a lost `-wal` then loses nothing). A ledger
+/// that lost what the node had published (the file truncated, with PodResources unreachable)
+/// is reported, kept, rebuilt from the pods bound here before any call is served, and a pod
+/// that would overcommit the GPU is then refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ledger_that_lost_allocations_is_rebuilt_before_serving() {
+    let (host, api, config) = host_with(&static_gpus(&[(16_384, None), (16_384, None)])).await;
+    let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
+    let mut daemon = Daemon::start(&config, host.path("daemon-1.log"));
+    kubelet.wait_registered(1, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+    kubelet.wait_devices(WAIT, |d| !d.is_empty()).await.unwrap();
+    place(&api, &kubelet, "big", 0, 15_003).await;
+    eventually("big published", || node_state(&api).filter(|s| s.used == [Mib::new(15_003), Mib::ZERO])).await;
+    daemon.signal("TERM");
+    assert_eq!(daemon.wait_exit(WAIT), Some(0), "{}", daemon.log());
+    let wal = std::path::PathBuf::from(format!("{}-wal", host.ledger().display()));
+    assert!(std::fs::metadata(&wal).map_or(0, |m| m.len()) == 0, "the log was not emptied at stop");
+    assert!(daemon.log().contains("ledger checkpointed into its file"), "{}", daemon.log());
+
+    // The -wal and -shm files lost: nothing is, after a clean stop.
+    let _ = std::fs::remove_file(&wal);
+    let _ = std::fs::remove_file(format!("{}-shm", host.ledger().display()));
+    assert_eq!(ledger(&host).live().unwrap().len(), 1);
+
+    // The file truncated to 0 bytes: the daemon finds the ledger lacks what it published.
+    std::fs::write(host.ledger(), b"").unwrap();
+    let daemon = Daemon::start(&config, host.path("daemon-2.log"));
+    let live = eventually("the rebuilt ledger", || {
+        let live = ledger(&host).live().unwrap();
+        (!live.is_empty()).then_some(live)
+    })
+    .await;
+    assert_eq!(
+        live.iter().map(|r| (r.pod.name.as_str(), r.gpu_index, r.mib.get())).collect::<Vec<_>>(),
+        [("big", 0, 15_003)]
+    );
+    let log = daemon.log();
+    assert!(log.contains("THE ALLOCATION LEDGER LACKS ALLOCATIONS THIS NODE PUBLISHED"), "{log}");
+    let dir = host.ledger().parent().unwrap().to_owned();
+    let kept = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with("ledger.db.incomplete-") && !name.ends_with("-wal"));
+    assert_eq!(kept.count(), 1, "a copy of what was left is kept");
+    let kinds: Vec<String> = ledger(&host).events_since(0).unwrap().into_iter().map(|e| e.kind).collect();
+    assert!(
+        kinds.contains(&"ledger-incomplete".to_owned()) && kinds.contains(&"ledger-rebuilt".to_owned()),
+        "{kinds:?}"
+    );
+    // A 10 000 MiB pod assigned to the same GPU (the kubelet counts devices of both GPUs) is
+    // refused: 15 003 of 16 384 are booked.
+    bound_pod(&api, "more", &[("main", ContainerRole::App, &[(0, 10_000)])]);
+    let err = loop {
+        let err = kubelet.admit(&[10_000]).await.unwrap_err().to_string();
+        if !err.contains("no pod bound") {
+            break err;
+        }
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    };
+    assert!(err.contains("ResourceExhausted") && err.contains("GPU0 has 1381 MiB free in the ledger"), "{err}");
     drop(daemon);
 }
 

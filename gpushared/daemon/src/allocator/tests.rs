@@ -455,3 +455,34 @@ fn activity_reaches_the_node_state_alone_and_only_when_it_is_news() {
     assert_eq!(f.alloc.node_state(1, "x").inventory.gpus()[0].activity, Some(at(40, 100)));
     assert!(!f.alloc.set_activity(9, at(1, 1)), "no such GPU");
 }
+
+#[test]
+fn a_rebuild_refuses_calls_until_the_lost_rows_are_booked_again() {
+    let f = fixture(Compatibility::Gpushare);
+    pod(&f, "u1", "t1", &[("main", ContainerRole::App, &[(0, 600)])]);
+    pod(&f, "u2", "t2", &[("main", ContainerRole::App, &[(1, 300)])]);
+    let lost = |uid: &str, gpu: u32, mib: u64| NodeAllocation {
+        pod: PodRef { namespace: "default".into(), name: format!("pod-{uid}"), uid: uid.into() },
+        container: "main".into(),
+        role: ContainerRole::App,
+        gpu,
+        mib: Mib::new(mib),
+    };
+    // Published: u1 on GPU0 and a pod gone since; the ledger has neither.
+    let published = [lost("u1", 0, 600), lost("gone", 2, 100)];
+    let missing = f.alloc.missing_from_ledger(&published).unwrap();
+    assert_eq!(missing.len(), 2);
+    f.alloc.begin_rebuild(missing);
+    let ids: Vec<String> = f.alloc.devices().ids(1).take(300).collect();
+    let err = f.alloc.allocate_with(&ids, true).unwrap_err();
+    assert!(matches!(err, AllocError::Rebuilding { missing: 2 }), "{err}");
+    // Published meanwhile as held: the extender does not see the GPU free.
+    assert_eq!(f.alloc.node_state(1, "t").used, [Mib::new(600), Mib::ZERO, Mib::new(100)]);
+    let done = f.alloc.finish_rebuild().unwrap();
+    assert_eq!((done.rows, done.gone), (1, 1));
+    let live = f.alloc.live().unwrap();
+    assert_eq!(live.iter().map(|r| (r.pod.uid.as_str(), r.gpu_index)).collect::<Vec<_>>(), [("u1", 0)]);
+    // Served again, and the rebuilt row counts: u2 gets its GPU1, u1 is not booked twice.
+    f.alloc.allocate_with(&ids, true).unwrap();
+    assert!(f.alloc.missing_from_ledger(&published[..1]).unwrap().is_empty());
+}
