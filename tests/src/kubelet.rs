@@ -70,19 +70,28 @@ pub struct ContainerSpec {
     pub units: usize,
     /// An init container (run to completion before the app containers; not a sidecar).
     pub init: bool,
+    /// A restartable init container (`restartPolicy: Always`): admitted in init order, before
+    /// the app containers, but its devices are its own for the pod's life, as an app's are.
+    pub sidecar: bool,
 }
 
 impl ContainerSpec {
     /// An app container asking for `units` devices.
     #[must_use]
     pub fn app(name: &str, units: usize) -> ContainerSpec {
-        ContainerSpec { name: name.to_owned(), units, init: false }
+        ContainerSpec { name: name.to_owned(), units, init: false, sidecar: false }
     }
 
     /// An init container asking for `units` devices.
     #[must_use]
     pub fn init(name: &str, units: usize) -> ContainerSpec {
-        ContainerSpec { name: name.to_owned(), units, init: true }
+        ContainerSpec { name: name.to_owned(), units, init: true, sidecar: false }
+    }
+
+    /// A sidecar (a restartable init container) asking for `units` devices.
+    #[must_use]
+    pub fn sidecar(name: &str, units: usize) -> ContainerSpec {
+        ContainerSpec { name: name.to_owned(), units, init: false, sidecar: true }
     }
 }
 
@@ -880,11 +889,13 @@ impl Kubelet {
         if self.shared().pods.iter().any(|p| p.namespace == namespace && p.name == name) {
             bail!("pod {namespace}/{name} is already admitted");
         }
+        // As the kubelet's device manager: every init container, sidecars included, in spec
+        // order, then the app containers.
         let order = containers
             .iter()
             .enumerate()
-            .filter(|(_, c)| c.init)
-            .chain(containers.iter().enumerate().filter(|(_, c)| !c.init));
+            .filter(|(_, c)| c.init || c.sidecar)
+            .chain(containers.iter().enumerate().filter(|(_, c)| !c.init && !c.sidecar));
         let mut pod = Pod { namespace: namespace.to_owned(), name: name.to_owned(), containers: Vec::new() };
         let mut answers: Vec<Option<Admitted>> = vec![None; containers.len()];
         let mut reusable: Vec<String> = Vec::new();

@@ -14,7 +14,8 @@
 //!   registered (`gpushare.io/gpu-count`) are ignored, as the kubelet's
 //!   `removeMissingExtendedResources` does. A pod that needs the resource waits while no plugin
 //!   is registered (right after a restart). A sidecar (an init container with
-//!   `restartPolicy: Always`) is admitted as an app container.
+//!   `restartPolicy: Always`) is admitted in init order, before the app containers, and keeps
+//!   its devices as an app container does (the kubelet's device manager).
 //! - **Marks an admitted pod Running** (`pods/status`: phase, conditions, container statuses,
 //!   host and pod IPs) and a refused one `Failed` with the kubelet's reason
 //!   (`UnexpectedAdmissionError`, "Allocate failed due to …, which is unexpected").
@@ -583,10 +584,10 @@ fn container_specs(pod: &Pod, resource: Option<&str>) -> anyhow::Result<Vec<Cont
     let mut out = Vec::new();
     for c in spec.init_containers.iter().flatten() {
         let sidecar = c.restart_policy.as_deref() == Some("Always");
-        out.push(ContainerSpec { name: c.name.clone(), units: units(c)?, init: !sidecar });
+        out.push(ContainerSpec { name: c.name.clone(), units: units(c)?, init: !sidecar, sidecar });
     }
     for c in &spec.containers {
-        out.push(ContainerSpec { name: c.name.clone(), units: units(c)?, init: false });
+        out.push(ContainerSpec { name: c.name.clone(), units: units(c)?, init: false, sidecar: false });
     }
     Ok(out)
 }

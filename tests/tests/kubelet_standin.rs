@@ -311,6 +311,36 @@ async fn admits_a_named_pod_and_lists_it_over_pod_resources() {
     .await;
 }
 
+/// The kubelet's device manager allocates every init container, sidecars (restartable init
+/// containers) included, in spec order before the app containers; a sidecar may reuse an
+/// earlier init container's devices, and keeps its own as an app container does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sidecars_are_admitted_in_init_order_and_keep_their_devices() {
+    within(async {
+        let node = Node::new(true).await;
+        let spec = [
+            ContainerSpec::app("main", 2),
+            ContainerSpec::init("setup", 2),
+            ContainerSpec::sidecar("proxy", 1),
+            ContainerSpec::init("warm", 2),
+        ];
+        let a = node.kubelet.admit_pod("ml", "p", &spec).await.unwrap();
+        let (main, setup, proxy, warm) = (&a[0].devices, &a[1].devices, &a[2].devices, &a[3].devices);
+        assert_eq!(setup, &strings(&["d0", "d1"]));
+        assert_eq!(proxy, &strings(&["d0"]), "the sidecar reuses setup's first device");
+        assert_eq!(warm, &strings(&["d1", "d2"]), "warm reuses what the sidecar left of setup's");
+        assert_eq!(main, &strings(&["d1", "d2"]), "main reuses warm's; the sidecar's d0 stays its own");
+        // Called in that order: setup, proxy, warm, then main.
+        assert_eq!(node.plugin.allocate_calls(), [setup.clone(), proxy.clone(), warm.clone(), main.clone()]);
+        // PodResources lists the sidecar (first, as the kubelet lists restartable init containers
+        // before the app containers), not the init containers.
+        let list = node.list().await;
+        let listed: Vec<&str> = list[0].containers.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(listed, ["proxy", "main"]);
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn init_container_devices_are_reused_by_the_next_containers() {
     within(async {

@@ -260,6 +260,54 @@ async fn refusals_are_errors_with_reasons() {
     );
 }
 
+/// A pod with a sidecar (a restartable init container): the kubelet admits the init container,
+/// then the sidecar, then the app container, and each gets its assigned GPU and budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_with_a_sidecar_is_served_in_the_kubelets_order() {
+    let (c, daemon) = cluster(&[1000, 1000]).await;
+    bound_pod(
+        &c.api,
+        "meshed",
+        &[
+            ("fetch", ContainerRole::Init, &[(0, 100)]),
+            ("proxy", ContainerRole::Sidecar, &[(1, 50)]),
+            ("model", ContainerRole::App, &[(0, 300)]),
+        ],
+    );
+    let containers = [
+        gpushare_testkit::kubelet::ContainerSpec::app("model", 300),
+        gpushare_testkit::kubelet::ContainerSpec::init("fetch", 100),
+        gpushare_testkit::kubelet::ContainerSpec::sidecar("proxy", 50),
+    ];
+    let deadline = Instant::now() + WAIT;
+    let a = loop {
+        match c.kubelet.admit_pod("default", "meshed", &containers).await {
+            Ok(a) => break a,
+            Err(e) if Instant::now() < deadline && format!("{e:#}").contains("no pod bound") => {
+                tokio::time::sleep(Duration::from_millis(30)).await;
+            }
+            Err(e) => panic!("{e:#}\n{}", daemon.log()),
+        }
+    };
+    let got: Vec<(&str, &str, &str)> = a
+        .iter()
+        .map(|x| {
+            (
+                x.envs["GPUSHARE_CONTAINER"].as_str(),
+                x.envs["NVIDIA_VISIBLE_DEVICES"].as_str(),
+                x.envs["GPUSHARE_MEMORY_MIB"].as_str(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [("model", "GPU-static-0", "300"), ("fetch", "GPU-static-0", "100"), ("proxy", "GPU-static-1", "50")]
+    );
+    let live = ledger_of(&c).live().unwrap();
+    let rows: Vec<(&str, u32)> = live.iter().map(|r| (r.container.as_str(), r.gpu_index)).collect();
+    assert_eq!(rows, [("fetch", 0), ("proxy", 1), ("model", 0)], "booked in the kubelet's order");
+}
+
 /// Calls that cannot be right are refused at once (`INVALID_ARGUMENT`), not after waiting for a
 /// pod, and book nothing: no device, a device twice, an assignment that places a container the
 /// pod does not have.

@@ -168,13 +168,18 @@ pub fn bound_pod(api: &ApiServer, name: &str, containers: &[Spec<'_>]) {
             })
             .collect(),
     };
-    let k8s = |(n, _, gpus): &Spec<'_>| {
+    let k8s = |(n, role, gpus): &Spec<'_>| {
         let mib: u64 = gpus.iter().map(|(_, m)| m).sum();
-        json!({"name": n, "image": "x", "resources": {"limits": {
-            "gpushare.io/gpu-mem": mib.to_string(), "gpushare.io/gpu-count": gpus.len().to_string()}}})
+        let mut c = json!({"name": n, "image": "x", "resources": {"limits": {
+            "gpushare.io/gpu-mem": mib.to_string(), "gpushare.io/gpu-count": gpus.len().to_string()}}});
+        if *role == ContainerRole::Sidecar {
+            c["restartPolicy"] = json!("Always");
+        }
+        c
     };
-    let init: Vec<Value> = containers.iter().filter(|c| c.1 == ContainerRole::Init).map(k8s).collect();
-    let app: Vec<Value> = containers.iter().filter(|c| c.1 != ContainerRole::Init).map(k8s).collect();
+    // Sidecars are init containers with restartPolicy Always, in init order.
+    let init: Vec<Value> = containers.iter().filter(|c| c.1 != ContainerRole::App).map(k8s).collect();
+    let app: Vec<Value> = containers.iter().filter(|c| c.1 == ContainerRole::App).map(k8s).collect();
     api.create_pod(
         "default",
         json!({"metadata": {"name": name, "annotations": {ASSIGNMENT_KEY: assignment.encode().unwrap()}},
