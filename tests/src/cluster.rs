@@ -882,14 +882,23 @@ pub fn phase(pod: &Pod) -> &str {
     pod.status.as_ref().and_then(|s| s.phase.as_deref()).unwrap_or("Pending")
 }
 
-/// Whether a pod is where it will stay for now.
+/// Whether a pod is where it will stay for now: running or ended, or unschedulable for a
+/// reason that lasts ([`is_transient`] reasons pass on their own within seconds).
 #[must_use]
 pub fn is_settled(pod: &Pod) -> bool {
     if matches!(phase(pod), "Running" | "Failed" | "Succeeded") {
         return true;
     }
     let bound = pod.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some();
-    !bound && unschedulable_reason(pod).is_some()
+    !bound && unschedulable_reason(pod).is_some_and(|r| !is_transient(&r))
+}
+
+/// Whether an unschedulable reason passes on its own: a node still admitting a look-alike pod
+/// (the extender binds look-alikes one at a time per node), or an extender that has not synced
+/// its view yet. kube-scheduler retries such pods after its backoff.
+#[must_use]
+pub fn is_transient(reason: &str) -> bool {
+    reason.contains("is still admitting pod") || reason.contains("has not synced its view")
 }
 
 /// The scheduler's `PodScheduled=False` (`Unschedulable`) message, for a pod no node fits.
@@ -985,4 +994,29 @@ fn which(program: &str) -> Option<PathBuf> {
 
 fn path(p: &Path) -> String {
     p.display().to_string()
+}
+
+#[cfg(test)]
+mod settle_tests {
+    use super::*;
+
+    fn waiting(reason: &str) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p", "namespace": "default"},
+            "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
+                        "reason": "Unschedulable", "message": reason}]}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_pod_waiting_for_a_look_alike_is_not_settled() {
+        let lookalike = "0/2 nodes are available: 2 node gpu-a is still admitting pod default/web-01, whose first GPU \
+                         request is the same size as pod default/web-02's but on other GPUs";
+        assert!(!is_settled(&waiting(lookalike)));
+        assert!(is_transient(lookalike));
+        let unfit = "0/2 nodes are available: 2 container \"main\" needs 38000 MiB on a GPU";
+        assert!(is_settled(&waiting(unfit)));
+        assert!(!is_transient(unfit));
+    }
 }

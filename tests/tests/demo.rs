@@ -46,3 +46,44 @@ fn the_demo_places_the_sample_workload_and_explains_what_waits() {
         .collect();
     assert!(leftovers.is_empty(), "still running: {leftovers:?}");
 }
+
+/// A Deployment-like workload: 40 pods of the same size, which the extender binds one at a time
+/// per node (look-alikes). The demo settles only once they are placed: none is shown waiting for
+/// a look-alike's admission as if it did not fit.
+#[test]
+fn the_demo_settles_only_when_look_alikes_are_placed() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = dir.path().join("cluster.yaml");
+    std::fs::write(
+        &cluster,
+        "unit: MiB\nnodes:\n\
+         - {name: gpu-a, address: 10.0.0.21, gpus: [{model: NVIDIA A10, memoryMiB: 23028, count: 4}]}\n\
+         - {name: gpu-b, address: 10.0.0.22, gpus: [{model: NVIDIA A10, memoryMiB: 23028, count: 4}]}\n",
+    )
+    .unwrap();
+    let workload = dir.path().join("workload.yaml");
+    let pods: Vec<String> = (0..40)
+        .map(|i| {
+            format!(
+                "apiVersion: v1\nkind: Pod\nmetadata: {{name: web-{i:02}, namespace: default}}\nspec:\n  containers:\n\
+                 \x20   - name: server\n      image: x\n      resources:\n        limits: {{gpushare.io/gpu-mem: 3500}}\n"
+            )
+        })
+        .collect();
+    std::fs::write(&workload, pods.join("---\n")).unwrap();
+    let state = dir.path().join("box");
+    let out = Command::new(env!("CARGO_BIN_EXE_gpushare-box"))
+        .args(["demo", "--exit", "--cluster"])
+        .arg(&cluster)
+        .arg("--workload")
+        .arg(&workload)
+        .arg("--dir")
+        .arg(&state)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("Settled in "), "{stdout}");
+    assert!(!stdout.contains("Waiting"), "look-alikes shown waiting: {stdout}");
+    assert_eq!(stdout.matches("NVIDIA_VISIBLE_DEVICES=GPU-fake-").count(), 40, "{stdout}");
+}

@@ -227,8 +227,17 @@ async fn demo(
     let applied = Instant::now();
     println!("Applying {} ({} pods)...", workload_file.display(), pods.len());
     cluster.apply(&pods).await?;
-    let settled = cluster.settle(Duration::from_secs(60)).await?;
-    println!("Settled in {:.1} s.\n", applied.elapsed().as_secs_f64());
+    let settled = match cluster.settle(Duration::from_secs(60)).await {
+        Ok(pods) => {
+            println!("Settled in {:.1} s.\n", applied.elapsed().as_secs_f64());
+            pods
+        }
+        Err(e) => {
+            // Shown as they are: pods waiting for a look-alike's admission are marked so.
+            println!("Not settled after {:.0} s ({e:#}); as things stand:\n", applied.elapsed().as_secs_f64());
+            cluster.pods().await?
+        }
+    };
     println!("{}", cluster.inspect(&[])?);
     print_pods(&cluster, &settled);
     println!("\nExplore it:");
@@ -281,7 +290,8 @@ fn print_pods(cluster: &Cluster, pods: &[k8s_openapi::api::core::v1::Pod]) {
     if !waiting.is_empty() {
         println!("\nWaiting (the scheduler's PodScheduled condition, as kubectl describe shows it):");
         for (pod, reason) in waiting {
-            println!("  {:<22} {reason}", cluster::pod_key(pod));
+            let passing = if cluster::is_transient(&reason) { " (passes on its own; retried)" } else { "" };
+            println!("  {:<22} {reason}{passing}", cluster::pod_key(pod));
         }
     }
     let failed: Vec<_> =
