@@ -476,6 +476,9 @@ async fn a_ledger_that_lost_allocations_is_rebuilt_before_serving() {
     // The file truncated to 0 bytes: the daemon finds the ledger lacks what it published.
     std::fs::write(host.ledger(), b"").unwrap();
     let daemon = Daemon::start(&config, host.path("daemon-2.log"));
+    // Opened here only once the daemon has migrated the empty file (two migrations of one
+    // empty file at once would collide).
+    eventually("the rebuild", || daemon.log().contains("the ledger is rebuilt").then_some(())).await;
     let live = eventually("the rebuilt ledger", || {
         let live = ledger(&host).live().unwrap();
         (!live.is_empty()).then_some(live)
