@@ -100,13 +100,22 @@ async fn every_request_shape_lands_on_a_gpu_with_room() {
     // Fits no single GPU, though both nodes have the memory in total: kube-scheduler's
     // node-level fit passes them, the extender's per-GPU filter says why not.
     box_.apply(&[pod("default", "too-big", &[("main", 24_000, 1)], &[])]).await.unwrap();
-    let pods = settle_and_check(&box_, "unfit", &[], &Admitted { pods: 0, gpu_containers: 0 }).await;
-    let waiting = find(&pods, "default/too-big");
-    assert_eq!(phase(waiting), "Pending");
-    let reason = cluster::unschedulable_reason(waiting).unwrap();
-    assert!(reason.starts_with("0/2 nodes are available: "), "{reason}");
-    for largest in ["the largest usable GPU here has 15360 MiB", "the largest usable GPU here has 23028 MiB"] {
-        assert!(reason.contains(largest), "the extender's reason per node: {reason}");
+    let mut pods = settle_and_check(&box_, "unfit", &[], &Admitted { pods: 0, gpu_containers: 0 }).await;
+    // The scheduler's first attempt may come before its node cache has a node's capacity (it
+    // then says "Insufficient"); its retries, every 200 ms, bring the extender's reasons.
+    let largest = ["the largest usable GPU here has 15360 MiB", "the largest usable GPU here has 23028 MiB"];
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting = find(&pods, "default/too-big");
+        assert_eq!(phase(waiting), "Pending");
+        let reason = cluster::unschedulable_reason(waiting).unwrap();
+        assert!(reason.starts_with("0/2 nodes are available: "), "{reason}");
+        if largest.iter().all(|l| reason.contains(l)) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the extender's reason per node: {reason}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        pods = box_.pods().await.unwrap();
     }
 
     // Single containers of mixed sizes.
