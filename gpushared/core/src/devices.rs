@@ -165,14 +165,19 @@ pub fn device_set_key<S: AsRef<str>>(ids: &[S]) -> String {
     key
 }
 
+/// The most devices one set can hold: more than any node has (8 GPUs of 141 GiB in MiB are
+/// 1,155,072), so that a damaged key cannot make a reader build billions of IDs.
+pub const MAX_SET_DEVICES: u64 = 1 << 21;
+
 /// The device IDs a [`device_set_key`] stands for, sorted as the key lists them; `None` for
-/// a malformed key.
+/// a malformed key, or one of more than [`MAX_SET_DEVICES`] devices.
 #[must_use]
 pub fn device_set_ids(key: &str) -> Option<Vec<String>> {
     if let Some(raw) = key.strip_prefix('=') {
         return Some(raw.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect());
     }
     let mut out = Vec::new();
+    let mut total: u64 = 0;
     for group in key.split(';').filter(|g| !g.is_empty()) {
         let (tag, runs) = group.split_once(':')?;
         if tag.len() != 2 || !tag.bytes().all(|b| ALPHABET.contains(&b)) {
@@ -181,7 +186,8 @@ pub fn device_set_ids(key: &str) -> Option<Vec<String>> {
         for run in runs.split(',') {
             let (a, b) = run.split_once('-').unwrap_or((run, run));
             let (a, b) = (parse_base62(a.as_bytes())?, parse_base62(b.as_bytes())?);
-            if b < a || b - a > 1 << 24 {
+            total = total.checked_add(b.checked_sub(a)? + 1)?;
+            if total > MAX_SET_DEVICES {
                 return None;
             }
             for k in a..=b {
@@ -193,6 +199,34 @@ pub fn device_set_ids(key: &str) -> Option<Vec<String>> {
         }
     }
     Some(out)
+}
+
+#[cfg(test)]
+mod set_tests {
+    use super::*;
+
+    #[test]
+    fn a_key_of_more_devices_than_a_node_has_is_refused_not_expanded() {
+        assert_eq!(device_set_ids("Q3:0-1").map(|v| v.len()), Some(2));
+        // One huge run, or many runs that add up: found by fuzzing (a damaged ledger key).
+        assert_eq!(device_set_ids("Q3:0-zzzzzz"), None);
+        let many = (0..40).map(|i| format!("{}-{}", 100_000 * i + 1, 100_000 * i + 60_000)).collect::<Vec<_>>();
+        let key = format!(
+            "Q3:{}",
+            many.iter()
+                .map(|r| {
+                    let (a, b) = r.split_once('-').unwrap();
+                    let (mut x, mut y) = (String::new(), String::new());
+                    push_base62(&mut x, a.parse().unwrap());
+                    push_base62(&mut y, b.parse().unwrap());
+                    format!("{x}-{y}")
+                })
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        assert_eq!(device_set_ids(&key), None, "2.4 million devices in 40 runs");
+        assert_eq!(device_set_ids("Q3:1-0"), None);
+    }
 }
 
 fn fnv1a(bytes: &[u8]) -> u64 {
