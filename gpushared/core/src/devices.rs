@@ -176,6 +176,32 @@ pub fn device_set_ids(key: &str) -> Option<Vec<String>> {
     if let Some(raw) = key.strip_prefix('=') {
         return Some(raw.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect());
     }
+    let runs = set_runs(key)?;
+    let mut out = Vec::new();
+    for (tag, a, b) in runs {
+        for k in a..=b {
+            let mut id = String::with_capacity(6);
+            id.push_str(tag);
+            push_base62(&mut id, k);
+            out.push(id);
+        }
+    }
+    Some(out)
+}
+
+/// How many devices a [`device_set_key`] stands for, without building their IDs; `None` as
+/// for [`device_set_ids`].
+#[must_use]
+pub fn device_set_len(key: &str) -> Option<u64> {
+    match key.strip_prefix('=') {
+        Some(raw) => u64::try_from(raw.split(',').filter(|s| !s.is_empty()).count()).ok(),
+        None => Some(set_runs(key)?.iter().map(|(_, a, b)| b - a + 1).sum()),
+    }
+}
+
+/// A compact key's runs as (GPU tag, first, last unit number), checked: tags of two base-62
+/// digits, ascending bounds, at most [`MAX_SET_DEVICES`] devices in all.
+fn set_runs(key: &str) -> Option<Vec<(&str, u64, u64)>> {
     let mut out = Vec::new();
     let mut total: u64 = 0;
     for group in key.split(';').filter(|g| !g.is_empty()) {
@@ -190,12 +216,7 @@ pub fn device_set_ids(key: &str) -> Option<Vec<String>> {
             if total > MAX_SET_DEVICES {
                 return None;
             }
-            for k in a..=b {
-                let mut id = String::with_capacity(6);
-                id.push_str(tag);
-                push_base62(&mut id, k);
-                out.push(id);
-            }
+            out.push((tag, a, b));
         }
     }
     Some(out)
@@ -226,6 +247,9 @@ mod set_tests {
         );
         assert_eq!(device_set_ids(&key), None, "2.4 million devices in 40 runs");
         assert_eq!(device_set_ids("Q3:1-0"), None);
+        assert_eq!(device_set_len("Q3:0-1;Xy:5"), Some(3));
+        assert_eq!(device_set_len("=a,b,,c"), Some(3));
+        assert_eq!(device_set_len("Q3:0-zzzzzz"), None);
     }
 }
 
