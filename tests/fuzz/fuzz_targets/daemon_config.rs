@@ -1,0 +1,12 @@
+//! gpushared's configuration file: any text is a configuration or an error naming the line,
+//! never a panic.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|text: &str| {
+    let path = std::path::Path::new("/etc/gpushare/gpushared.toml");
+    if let Err(e) = gpushared::config::Config::parse(text, path) {
+        assert!(!e.to_string().is_empty());
+    }
+});
