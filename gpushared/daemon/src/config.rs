@@ -242,17 +242,30 @@ pub struct SharingConfig {
 }
 
 impl SharingConfig {
-    /// Sets each GPU's mode from this section.
+    /// Sets each GPU's mode from this section. When some GPU does not answer and its identity
+    /// is unknown (`silent`: their indexes), a name that matches no GPU may be that one: it is
+    /// returned as a note instead of refused.
     ///
     /// # Errors
     /// A GPU named here that this host does not have, with the GPUs it has.
-    pub fn apply(&self, gpus: &mut [Gpu]) -> Result<(), String> {
+    pub fn apply(&self, gpus: &mut [Gpu], silent: &[u32]) -> Result<Vec<String>, String> {
+        let mut notes = Vec::new();
         for (key, list) in [("mps", &self.mps), ("whole", &self.whole)] {
-            if let Some(missing) = list.iter().find(|r| !gpus.iter().any(|g| r.names(g))) {
+            for missing in list.iter().filter(|r| !gpus.iter().any(|g| r.names(g))) {
                 let have: Vec<String> = gpus.iter().map(|g| format!("{} ({})", g.index, g.uuid)).collect();
-                return Err(format!(
-                    "[sharing] {key} names {missing}, which this host does not have; its GPUs are {}",
-                    if have.is_empty() { "none".to_owned() } else { have.join(", ") }
+                let have = if have.is_empty() { "none".to_owned() } else { have.join(", ") };
+                let unidentified = match missing {
+                    GpuRef::Index(i) => silent.contains(i),
+                    GpuRef::Uuid(_) => !silent.is_empty(),
+                };
+                if !unidentified {
+                    return Err(format!(
+                        "[sharing] {key} names {missing}, which this host does not have; its GPUs are {have}"
+                    ));
+                }
+                notes.push(format!(
+                    "[sharing] {key} names {missing}, which is not among the GPUs that answer ({have}); it may be \
+                     the GPU that does not answer, and applies once that one answers and gpushared restarts"
                 ));
             }
         }
@@ -270,7 +283,7 @@ impl SharingConfig {
                 (false, false) => gpushare_core::SharingMode::Shared,
             };
         }
-        Ok(())
+        Ok(notes)
     }
 }
 
@@ -815,22 +828,29 @@ mod tests {
         let mut gpus: Vec<Gpu> =
             (0..3).map(|i| Gpu::new(i, GpuUuid::new(format!("GPU-{i}")).unwrap(), "T4", Mib::new(1000))).collect();
         let sharing = SharingConfig { mps: vec![GpuRef::Index(2), GpuRef::Uuid("GPU-0".into())], whole: vec![] };
-        sharing.apply(&mut gpus).unwrap();
+        sharing.apply(&mut gpus, &[]).unwrap();
         let modes: Vec<&str> = gpus.iter().map(|g| g.mode.as_str()).collect();
         assert_eq!(modes, ["mps", "shared", "mps"]);
         let sharing = SharingConfig { mps: vec![GpuRef::Index(2)], whole: vec![GpuRef::Uuid("GPU-1".into())] };
-        sharing.apply(&mut gpus).unwrap();
+        sharing.apply(&mut gpus, &[]).unwrap();
         let modes: Vec<&str> = gpus.iter().map(|g| g.mode.as_str()).collect();
         assert_eq!(modes, ["shared", "whole", "mps"]);
-        let err = SharingConfig { mps: vec![GpuRef::Index(7)], whole: vec![] }.apply(&mut gpus).unwrap_err();
+        let err = SharingConfig { mps: vec![GpuRef::Index(7)], whole: vec![] }.apply(&mut gpus, &[]).unwrap_err();
         assert!(
             err.contains("names GPU 7, which this host does not have; its GPUs are 0 (GPU-0), 1 (GPU-1), 2 (GPU-2)"),
             "{err}"
         );
-        let err = SharingConfig { mps: vec![], whole: vec![GpuRef::Index(9)] }.apply(&mut gpus).unwrap_err();
+        let err = SharingConfig { mps: vec![], whole: vec![GpuRef::Index(9)] }.apply(&mut gpus, &[]).unwrap_err();
         assert!(err.starts_with("[sharing] whole names GPU 9"), "{err}");
         let both = SharingConfig { mps: vec![GpuRef::Index(1)], whole: vec![GpuRef::Index(1)] };
-        assert!(both.apply(&mut gpus).unwrap_err().contains("both in mps and in whole"));
+        assert!(both.apply(&mut gpus, &[]).unwrap_err().contains("both in mps and in whole"));
+        // GPU 7 does not answer (its identity unknown): naming it, or a UUID no GPU answers
+        // with, is a note, not a refusal; another missing index is still refused.
+        let sharing = SharingConfig { mps: vec![GpuRef::Index(7), GpuRef::Uuid("GPU-x".into())], whole: vec![] };
+        let notes = sharing.apply(&mut gpus, &[7]).unwrap();
+        assert_eq!(notes.len(), 2, "{notes:?}");
+        assert!(notes[0].contains("names GPU 7, which is not among the GPUs that answer"), "{notes:?}");
+        assert!(SharingConfig { mps: vec![GpuRef::Index(8)], whole: vec![] }.apply(&mut gpus, &[7]).is_err());
     }
 
     #[test]

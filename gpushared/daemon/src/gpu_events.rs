@@ -110,11 +110,13 @@ pub trait GpuEvents: Send {
     fn next(&mut self, timeout: Duration) -> Result<Option<GpuSignal>, GpuEventsError>;
 
     /// Asks the GPU with this NVML index a cheap question (memory info, utilisation and UUID)
-    /// and returns what it is doing; Err(reason) when it does not answer.
+    /// and returns what it is doing; Err(reason) when it does not answer, or answers with
+    /// another UUID than `expect` (the GPUs renumbered: it is not the GPU served under that
+    /// index).
     ///
     /// # Errors
     /// The reason, for logs and the node's state, when the GPU does not answer.
-    fn probe(&mut self, gpu: u32) -> Result<Activity, String>;
+    fn probe(&mut self, gpu: u32, expect: Option<&str>) -> Result<Activity, String>;
 }
 
 /// The event types watched, where a GPU supports them.
@@ -126,6 +128,9 @@ const WAIT_SLICE_MS: u32 = 200;
 
 /// The watcher's pause after a failed wait, so a GPU that keeps failing does not spin it.
 const ERROR_PAUSE: Duration = Duration::from_secs(1);
+
+/// How often the watcher tries again to register the GPUs that did not answer.
+const RETRY_SILENT: Duration = Duration::from_secs(5);
 
 /// Signals held for a reader that is behind; past that the watcher waits (NVML queues).
 const QUEUE: usize = 1024;
@@ -213,10 +218,13 @@ impl GpuEvents for NvmlEvents {
         }
     }
 
-    fn probe(&mut self, gpu: u32) -> Result<Activity, String> {
+    fn probe(&mut self, gpu: u32, expect: Option<&str>) -> Result<Activity, String> {
         let device = self.nvml.device_by_index(gpu).map_err(|e| format!("NVML GPU{gpu}: {e}"))?;
         let memory = device.memory_info().map_err(|e| format!("NVML GPU{gpu} memory info: {e}"))?;
-        device.uuid().map_err(|e| format!("NVML GPU{gpu} UUID: {e}"))?;
+        let uuid = device.uuid().map_err(|e| format!("NVML GPU{gpu} UUID: {e}"))?;
+        if let Some(expect) = expect.filter(|e| *e != uuid) {
+            return Err(format!("NVML GPU{gpu} answers as {uuid}, not {expect} (the GPUs were renumbered)"));
+        }
         // Not every GPU reports utilisation; that is no fault.
         let utilization = device.utilization_rates().ok().map(|u| u8::try_from(u.gpu.min(100)).unwrap_or(100));
         Ok(Activity { utilization, in_use: Mib::new(memory.used / (1024 * 1024)) })
@@ -242,19 +250,36 @@ impl Drop for Watcher {
 }
 
 /// The watcher thread: registers, reports the GPUs watched on `ready`, then passes events on
-/// until `stop` is set or the reader is gone.
+/// until `stop` is set or the reader is gone. Every [`RETRY_SILENT`] it tries again to register
+/// the GPUs that did not answer, so a GPU that comes back has its events watched again.
 fn watch(nvml: &Nvml, tx: &SyncSender<Item>, ready: &SyncSender<Result<Vec<u32>, GpuEventsError>>, stop: &AtomicBool) {
-    let (set, watched) = match register(nvml) {
+    let (mut set, mut registered, mut silent) = match register(nvml) {
         Ok(registered) => registered,
         Err(e) => {
             let _ = ready.send(Err(e));
             return;
         }
     };
-    if ready.send(Ok(watched)).is_err() {
+    if ready.send(Ok(registered.iter().map(|&(gpu, _)| gpu).collect())).is_err() {
         return;
     }
+    let mut retry_at = Instant::now() + RETRY_SILENT;
     while !stop.load(Ordering::Relaxed) {
+        if !silent.is_empty() && Instant::now() >= retry_at {
+            retry_at = Instant::now() + RETRY_SILENT;
+            let before = std::mem::take(&mut silent);
+            match add_all(nvml, set, &mut registered, &before, &mut silent) {
+                Ok(kept) => set = kept,
+                Err(e) => {
+                    tracing::error!(error = %e, "the GPU event set could not be made again; GPU events are no longer watched");
+                    let _ = tx.send(Err(e));
+                    return;
+                }
+            }
+            for gpu in before.iter().filter(|g| !silent.contains(g)) {
+                tracing::info!(gpu, "GPU answers again; its Xid and ECC events are watched again where supported");
+            }
+        }
         let item = match set.wait(WAIT_SLICE_MS) {
             Ok(event) => match signal(&event) {
                 Ok(Some(signal)) => Ok(signal),
@@ -289,23 +314,48 @@ fn pause(stop: &AtomicBool, pause: Duration) {
     }
 }
 
-/// An event set with the health events registered on every GPU that supports some, and the
-/// GPUs registered.
-fn register(nvml: &Nvml) -> Result<(EventSet<'_>, Vec<u32>), GpuEventsError> {
+/// The GPUs registered on an event set, with the types registered.
+type Registered = Vec<(u32, EventTypes)>;
+
+/// An event set with the health events registered on every GPU that supports some, the GPUs
+/// registered, and those that did not answer (tried again later).
+fn register(nvml: &Nvml) -> Result<(EventSet<'_>, Registered, Vec<u32>), GpuEventsError> {
     let setup = |what: String| move |error| GpuEventsError::Setup { what, error };
     let count = nvml.device_count().map_err(setup("device count".into()))?;
-    let mut set = nvml.create_event_set().map_err(setup("creating the event set".into()))?;
-    let mut registered: Vec<(u32, EventTypes)> = Vec::new();
-    for gpu in 0..count {
+    let set = nvml.create_event_set().map_err(setup("creating the event set".into()))?;
+    let (mut registered, mut silent) = (Vec::new(), Vec::new());
+    let gpus: Vec<u32> = (0..count).collect();
+    let set = add_all(nvml, set, &mut registered, &gpus, &mut silent)?;
+    Ok((set, registered, silent))
+}
+
+/// Registers the health events of each of `gpus` on `set`, adding them to `registered`; those
+/// that do not answer go to `silent`. A GPU without event support, or that refuses the
+/// registration, is logged and left out.
+fn add_all<'n>(
+    nvml: &'n Nvml,
+    mut set: EventSet<'n>,
+    registered: &mut Registered,
+    gpus: &[u32],
+    silent: &mut Vec<u32>,
+) -> Result<EventSet<'n>, GpuEventsError> {
+    let setup = |what: String| move |error| GpuEventsError::Setup { what, error };
+    for &gpu in gpus {
         let device = match nvml.device_by_index(gpu) {
             Ok(device) => device,
             Err(e) => {
-                tracing::warn!(gpu, error = %e, "GPU does not answer; its Xid and ECC events are not watched");
+                tracing::warn!(gpu, error = %e, "GPU does not answer; its Xid and ECC events are not watched until it does");
+                silent.push(gpu);
                 continue;
             }
         };
         let supported = match device.supported_event_types() {
             Ok(supported) => supported,
+            Err(NvmlError::GpuLost) => {
+                tracing::warn!(gpu, "GPU is lost; its Xid and ECC events are not watched until it answers");
+                silent.push(gpu);
+                continue;
+            }
             Err(e) => {
                 tracing::warn!(gpu, error = %e, "GPU has no event support; its Xid and ECC events are not watched");
                 continue;
@@ -329,7 +379,7 @@ fn register(nvml: &Nvml) -> Result<(EventSet<'_>, Vec<u32>), GpuEventsError> {
                 // nvml-wrapper frees the set on a failed registration: start again with the
                 // GPUs registered so far.
                 set = nvml.create_event_set().map_err(setup("creating the event set again".into()))?;
-                for &(gpu, types) in &registered {
+                for &(gpu, types) in registered.iter() {
                     let device = nvml.device_by_index(gpu).map_err(setup(format!("GPU{gpu}")))?;
                     set = device.register_events(types, set).map_err(|e| GpuEventsError::Setup {
                         what: format!("GPU{gpu} events again"),
@@ -339,7 +389,7 @@ fn register(nvml: &Nvml) -> Result<(EventSet<'_>, Vec<u32>), GpuEventsError> {
             }
         }
     }
-    Ok((set, registered.into_iter().map(|(gpu, _)| gpu).collect()))
+    Ok(set)
 }
 
 /// The signal an NVML event carries; None for event types the health policy does not use.
@@ -438,7 +488,7 @@ impl GpuEvents for FakeGpuEvents {
         script.queue.pop_front().transpose()
     }
 
-    fn probe(&mut self, gpu: u32) -> Result<Activity, String> {
+    fn probe(&mut self, gpu: u32, _expect: Option<&str>) -> Result<Activity, String> {
         let mut script = self.script();
         script.probes.push(gpu);
         script
@@ -517,7 +567,7 @@ mod tests {
         host.inject("xid 1 48");
         assert_eq!(events.next(ARRIVES).unwrap(), Some(GpuSignal::Xid { gpu: 1, code: 48 }));
         assert_eq!(events.next(Duration::from_millis(100)).unwrap(), None);
-        assert_eq!(events.probe(0), Ok(IDLE), "not watched, still probed");
+        assert_eq!(events.probe(0, None), Ok(IDLE), "not watched, still probed");
     }
 
     #[test]
@@ -545,31 +595,52 @@ mod tests {
     }
 
     #[test]
-    fn nvml_events_skip_a_gpu_lost_at_startup() {
+    fn nvml_events_skip_a_gpu_lost_at_startup_and_watch_it_once_it_answers() {
         let host = Host::new("");
         host.inject("lost 0");
         let mut events = NvmlEvents::open(&host.library).unwrap();
         assert_eq!(events.watched(), [1]);
-        assert!(events.probe(0).is_err());
+        assert!(events.probe(0, None).is_err());
+        // Back: registered again within RETRY_SILENT (events before that are not delivered,
+        // as with NVML, so the test sends one every half second).
+        host.inject("recover 0");
+        let deadline = Instant::now() + RETRY_SILENT * 3;
+        let got = loop {
+            host.inject("xid 0 79");
+            if let Some(signal) = events.next(Duration::from_millis(500)).unwrap() {
+                break signal;
+            }
+            assert!(Instant::now() < deadline, "GPU0's events not watched after it answered again");
+        };
+        assert_eq!(got, GpuSignal::Xid { gpu: 0, code: 79 });
+    }
+
+    #[test]
+    fn a_probe_that_finds_another_gpu_at_the_index_fails() {
+        let host = Host::new("");
+        let mut events = NvmlEvents::open(&host.library).unwrap();
+        assert_eq!(events.probe(1, Some("GPU-fake-h-1")), Ok(IDLE));
+        let reason = events.probe(1, Some("GPU-fake-h-0")).unwrap_err();
+        assert!(reason.contains("answers as GPU-fake-h-1, not GPU-fake-h-0"), "{reason}");
     }
 
     #[test]
     fn nvml_probe_fails_while_the_gpu_is_lost_and_answers_after_recover() {
         let host = Host::new("");
         let mut events = NvmlEvents::open(&host.library).unwrap();
-        assert_eq!(events.probe(1), Ok(IDLE));
+        assert_eq!(events.probe(1, None), Ok(IDLE));
         host.inject("lost 1");
-        let reason = events.probe(1).unwrap_err();
+        let reason = events.probe(1, None).unwrap_err();
         assert!(reason.contains("GPU1"), "{reason}");
         assert!(reason.contains("fell off the bus"), "{reason}");
-        assert_eq!(events.probe(0), Ok(IDLE));
+        assert_eq!(events.probe(0, None), Ok(IDLE));
         host.inject("recover 1");
-        assert_eq!(events.probe(1), Ok(IDLE));
+        assert_eq!(events.probe(1, None), Ok(IDLE));
         // What the GPU is doing comes with the answer.
         host.inject("util 1 55");
         host.inject("used 1 150");
-        assert_eq!(events.probe(1), Ok(Activity { utilization: Some(55), in_use: Mib::new(150) }));
-        let reason = events.probe(7).unwrap_err();
+        assert_eq!(events.probe(1, None), Ok(Activity { utilization: Some(55), in_use: Mib::new(150) }));
+        let reason = events.probe(7, None).unwrap_err();
         assert!(reason.contains("GPU7"), "{reason}");
     }
 
@@ -660,11 +731,11 @@ mod tests {
     fn fake_probe_answers_as_scripted_and_records_the_probes() {
         let script = FakeGpuEvents::new();
         let mut events = script.clone();
-        assert_eq!(events.probe(0), Ok(Activity { utilization: None, in_use: Mib::ZERO }));
+        assert_eq!(events.probe(0, None), Ok(Activity { utilization: None, in_use: Mib::ZERO }));
         script.lose(1, "GPU is lost");
-        assert_eq!(events.probe(1), Err("GPU is lost".to_owned()));
+        assert_eq!(events.probe(1, None), Err("GPU is lost".to_owned()));
         script.recover(1);
-        assert_eq!(events.probe(1), Ok(Activity { utilization: None, in_use: Mib::ZERO }));
+        assert_eq!(events.probe(1, None), Ok(Activity { utilization: None, in_use: Mib::ZERO }));
         assert_eq!(script.probes(), [0, 1, 1]);
     }
 

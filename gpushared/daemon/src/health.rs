@@ -68,6 +68,13 @@ impl Tracker {
         Tracker { policy, gpus: gpus.into_iter().map(|g| (g, GpuState::default())).collect() }
     }
 
+    /// Starts `gpu` unhealthy for `reason` (it did not answer when the daemon started): it is
+    /// healthy again like any faulty GPU, once it answers and has been quiet for the recovery
+    /// time.
+    pub fn start_unhealthy(&mut self, gpu: u32, reason: String, now: Instant) {
+        let _ = self.fault(gpu, reason, now);
+    }
+
     /// The policy.
     #[must_use]
     pub fn policy(&self) -> &Policy {
@@ -139,13 +146,16 @@ pub fn run(mut events: impl GpuEvents, mut tracker: Tracker, alloc: &Allocator, 
         }
     };
     let every = tracker.policy().probe_interval;
+    // A probe checks that each index still answers with the UUID served under it.
+    let uuids: BTreeMap<u32, String> =
+        alloc.inventory().gpus().iter().map(|g| (g.index, g.uuid.as_str().to_owned())).collect();
     let mut next_probe = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         let now = Instant::now();
         if now >= next_probe {
             let gpus: Vec<u32> = tracker.gpus().collect();
             for gpu in gpus {
-                let answer = events.probe(gpu);
+                let answer = events.probe(gpu, uuids.get(&gpu).map(String::as_str));
                 if let Ok(activity) = &answer
                     && alloc.set_activity(gpu, *activity)
                 {
@@ -236,6 +246,16 @@ mod tests {
         assert_eq!(t.probe(0, Ok(()), t0 + Duration::from_secs(120)), None, "the failed probe was a fault");
         assert_eq!(t.probe(0, Ok(()), t0 + Duration::from_secs(150)), Some((0, Health::Healthy)));
         assert_eq!(t.probe(0, Ok(()), t0 + Duration::from_secs(160)), None);
+    }
+
+    #[test]
+    fn a_gpu_unhealthy_from_the_start_recovers_like_any_other() {
+        let mut t = tracker(Some(60));
+        let t0 = Instant::now();
+        t.start_unhealthy(1, "does not answer: GPU is lost".into(), t0);
+        assert_eq!(t.probe(1, Err("lost".into()), t0 + Duration::from_secs(30)), None, "already unhealthy");
+        assert_eq!(t.probe(1, Ok(()), t0 + Duration::from_secs(60)), None, "quiet for 30 s only");
+        assert_eq!(t.probe(1, Ok(()), t0 + Duration::from_secs(90)), Some((1, Health::Healthy)));
     }
 
     #[test]

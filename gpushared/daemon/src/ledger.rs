@@ -6,6 +6,8 @@
 //!   the who-had-which-slice-when history.
 //! - The schema is versioned with `PRAGMA user_version`; [`MIGRATIONS`] bring any older file up
 //!   to date at open.
+//! - The GPUs last seen answering are remembered (`gpus`, [`Ledger::known_gpus`]), so a GPU that
+//!   does not answer at start is still served, unhealthy, under its last identity.
 //! - At open the file's integrity is checked. A corrupt or unreadable ledger is moved aside
 //!   (never silently replaced): [`Opened::moved_aside`] tells the caller, who reports it loudly.
 
@@ -64,6 +66,20 @@ CREATE TABLE events (
 CREATE TABLE cordons (
     gpu_uuid   TEXT    PRIMARY KEY,
     cordoned_at INTEGER NOT NULL
+);
+",
+    ),
+    Migration::Sql(
+        r"
+CREATE TABLE gpus (
+    uuid       TEXT    PRIMARY KEY,
+    gpu_index  INTEGER NOT NULL,
+    model      TEXT    NOT NULL,
+    total_mib  INTEGER NOT NULL CHECK (total_mib > 0),
+    minor      INTEGER,
+    numa_node  INTEGER,
+    pci_bus_id TEXT,
+    seen_at    INTEGER NOT NULL
 );
 ",
     ),
@@ -675,6 +691,8 @@ fn restrict_permissions(path: &Path) {
         let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
     }
 }
+
+mod gpus;
 
 #[cfg(test)]
 mod tests;

@@ -29,7 +29,7 @@ fn main() -> ExitCode {
         // The file, then every check the daemon runs with it on this host before it serves.
         let checked = Config::load(&path, true)
             .map_err(anyhow::Error::from)
-            .and_then(|config| gpushared::startup::inspect_host(&config).map_err(anyhow::Error::from));
+            .and_then(|config| gpushared::startup::inspect_host(&config, &[]).map_err(anyhow::Error::from));
         return match checked {
             Ok(host) => {
                 println!(
@@ -39,6 +39,14 @@ fn main() -> ExitCode {
                     host.inventory.gpus().len(),
                     host.source
                 );
+                // The check does not open the ledger: a GPU that does not answer is described
+                // as if the ledger did not know it; the daemon serves it unhealthy if it does.
+                for lost in &host.lost {
+                    println!("note: {}", lost.describe());
+                }
+                for note in &host.notes {
+                    println!("note: {note}");
+                }
                 ExitCode::SUCCESS
             }
             Err(e) => {
@@ -119,13 +127,38 @@ async fn run(config: Config) -> anyhow::Result<()> {
     // First: a SIGTERM while the daemon starts (discovery, the ledger, the D-Bus wait) must end
     // in STOPPING=1 and exit 0 like one later, not kill the process.
     let mut stop = StopSignals::install();
+    // The ledger first: it remembers the GPUs, so one that does not answer now is still served
+    // (unhealthy) under its last identity.
+    notifier.status("starting: restoring the ledger");
+    let mut opened = Ledger::open(config.ledger.path.path())?;
+    if let Some((aside, why)) = &opened.moved_aside {
+        tracing::error!(
+            kept_at = %aside.display(),
+            reason = %why,
+            "THE ALLOCATION LEDGER WAS UNUSABLE and has been moved aside; starting with an empty ledger"
+        );
+    }
+    let known = opened.ledger.known_gpus().unwrap_or_else(|e| {
+        tracing::error!(error = %e, "cannot read the GPUs the ledger remembers; a GPU that does not answer is not served");
+        Vec::new()
+    });
     notifier.status("starting: discovering GPUs");
-    let host = gpushared::startup::inspect_host(&config)?;
+    let host = gpushared::startup::inspect_host(&config, &known)?;
+    gpushared::startup::record_discovery(&mut opened.ledger, &host)?;
+    let lost_at_start: Vec<(u32, String)> = host
+        .inventory
+        .gpus()
+        .iter()
+        .filter_map(|g| match &g.health {
+            gpushare_core::Health::Unhealthy { reason } => Some((g.index, reason.clone())),
+            gpushare_core::Health::Healthy => None,
+        })
+        .collect();
     let (node, inventory, nvml) = (host.node, host.inventory, host.nvml.is_some());
     tracing::info!(source = %host.source, gpus = inventory.gpus().len(), node = %node, "GPUs discovered");
     for g in inventory.gpus() {
         tracing::info!(index = g.index, uuid = %g.uuid, model = %g.model, total_mib = g.total.get(), numa = ?g.numa_node,
-            mode = %g.mode, "GPU");
+            mode = %g.mode, healthy = g.health.is_healthy(), "GPU");
     }
     if inventory.gpus().is_empty() {
         tracing::warn!("no GPUs found: the kubelet gets an empty device list");
@@ -142,15 +175,6 @@ async fn run(config: Config) -> anyhow::Result<()> {
         tracing::info!(file = %mps_file.display(), action = done, "MPS environment file");
     }
 
-    notifier.status("starting: restoring the ledger");
-    let opened = Ledger::open(config.ledger.path.path())?;
-    if let Some((aside, why)) = &opened.moved_aside {
-        tracing::error!(
-            kept_at = %aside.display(),
-            reason = %why,
-            "THE ALLOCATION LEDGER WAS UNUSABLE and has been moved aside; starting with an empty ledger"
-        );
-    }
     // Copy the write-ahead log into the database file every 10 s, off the allocation path.
     let checkpointer = opened.ledger.checkpointer()?;
     std::thread::Builder::new()
@@ -194,7 +218,10 @@ async fn run(config: Config) -> anyhow::Result<()> {
             recovery = ?policy.recovery,
             "watching GPU health"
         );
-        let tracker = health::Tracker::new(policy, inventory.gpus().iter().map(|g| g.index));
+        let mut tracker = health::Tracker::new(policy, inventory.gpus().iter().map(|g| g.index));
+        for (gpu, reason) in lost_at_start {
+            tracker.start_unhealthy(gpu, reason, std::time::Instant::now());
+        }
         // Over-use detection shares the health watcher's NVML handle.
         if config.overuse.enabled {
             let o = &config.overuse;

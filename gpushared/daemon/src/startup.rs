@@ -4,12 +4,13 @@
 //! `gpushared --check-config` both call [`inspect_host`], so a file the check calls usable is one
 //! the daemon starts with.
 
-use gpushare_core::NodeInventory;
 use gpushare_core::devices::{DeviceMap, KUBELET_MAX_MESSAGE_BYTES, list_and_watch_size};
+use gpushare_core::{Gpu, NodeInventory};
 use thiserror::Error;
 
 use crate::config::{Config, StaticGpu};
-use crate::discovery::{Discovery, DiscoveryError, NvmlDiscovery, StaticDiscovery};
+use crate::discovery::{Discovery, DiscoveryError, Lost, NvmlDiscovery, StaticDiscovery, account_for_lost};
+use crate::ledger::{Ledger, LedgerError};
 
 /// Why the daemon would not start with this configuration on this host.
 #[derive(Debug, Error)]
@@ -59,27 +60,80 @@ pub struct Host {
     pub source: String,
     /// NVML, when the GPUs came from it (the daemon keeps using it).
     pub nvml: Option<NvmlDiscovery>,
+    /// The GPUs that did not answer, and what became of each.
+    pub lost: Vec<Lost>,
+    /// What the checks noticed and let pass (e.g. `[sharing]` naming a GPU that may be the one
+    /// that does not answer).
+    pub notes: Vec<String>,
 }
 
-/// Runs every check the daemon runs on `config` before it serves.
+impl Host {
+    /// The GPUs that answered (their identity is worth remembering).
+    pub fn answering(&self) -> impl Iterator<Item = &Gpu> {
+        self.inventory
+            .gpus()
+            .iter()
+            .filter(|g| !self.lost.iter().any(|l| matches!(l, Lost::Served { gpu, .. } if gpu.uuid == g.uuid)))
+    }
+}
+
+/// Runs every check the daemon runs on `config` before it serves. `known`: the GPUs the ledger
+/// remembers (none for `--check-config`, which does not open the ledger).
 ///
 /// # Errors
 /// The first [`StartupError`].
-pub fn inspect_host(config: &Config) -> Result<Host, StartupError> {
+pub fn inspect_host(config: &Config, known: &[Gpu]) -> Result<Host, StartupError> {
     let node = config.node_name().ok_or(StartupError::NodeName)?;
     let nvml = if config.gpus.is_empty() { Some(NvmlDiscovery::init(&config.nvml.library)?) } else { None };
-    let (mut gpus, source) = match &nvml {
+    let (found, source) = match &nvml {
         Some(n) => (n.discover()?, n.describe()),
         None => {
             let s = StaticDiscovery::new(config.gpus.iter().map(StaticGpu::to_gpu).collect());
             (s.discover()?, s.describe())
         }
     };
-    config.sharing.apply(&mut gpus).map_err(StartupError::Sharing)?;
+    // The static list is the operator's word: a GPU left out of it is not lost.
+    let known = if nvml.is_some() { known } else { &[] };
+    let (mut gpus, lost) = account_for_lost(found, known);
+    let silent: Vec<u32> =
+        lost.iter().filter_map(|l| if let Lost::Unknown(s) = l { Some(s.index) } else { None }).collect();
+    let notes = config.sharing.apply(&mut gpus, &silent).map_err(StartupError::Sharing)?;
     let inventory = NodeInventory::new(config.resources.unit, gpus)
         .map_err(|e| StartupError::Inventory { source_name: source.clone(), reason: e.to_string() })?;
     check_list_size(&inventory, config.resources.numa_topology)?;
-    Ok(Host { node, inventory, source, nvml })
+    Ok(Host { node, inventory, source, nvml, lost, notes })
+}
+
+/// Records in the ledger what discovery found: the identity of every GPU that answered, an
+/// event (`gpu-lost`) for each that did not, and a replaced GPU forgotten (`gpu-replaced`).
+/// Each is logged too.
+///
+/// # Errors
+/// [`LedgerError`] if SQLite refuses.
+pub fn record_discovery(ledger: &mut Ledger, host: &Host) -> Result<(), LedgerError> {
+    let answering: Vec<Gpu> = host.answering().cloned().collect();
+    ledger.remember_gpus(&answering)?;
+    for lost in &host.lost {
+        let detail = lost.describe();
+        match lost {
+            Lost::Served { gpu, .. } => {
+                tracing::error!(gpu = gpu.index, uuid = %gpu.uuid, "{detail}");
+                ledger.record_event("gpu-lost", &detail)?;
+            }
+            Lost::Replaced { old, .. } => {
+                tracing::warn!(gpu = old.index, uuid = %old.uuid, "{detail}");
+                ledger.forget_gpu(old.uuid.as_str(), "gpu-replaced", &detail)?;
+            }
+            Lost::Unknown(s) => {
+                tracing::error!(gpu = s.index, "{detail}");
+                ledger.record_event("gpu-lost", &detail)?;
+            }
+        }
+    }
+    for note in &host.notes {
+        tracing::warn!("{note}");
+    }
+    Ok(())
 }
 
 /// Refuses an inventory whose device list would be over the kubelet's message limit.

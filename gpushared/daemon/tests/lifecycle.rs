@@ -93,7 +93,19 @@ fn ledger(host: &Host) -> Ledger {
 /// Admits a one-container pod of `mib` on GPU `gpu`, once the daemon has seen it; returns
 /// the devices it received.
 async fn place(api: &ApiServer, kubelet: &Kubelet, name: &str, gpu: u32, mib: u64) -> Vec<String> {
-    bound_pod(api, name, &[("main", ContainerRole::App, &[(gpu, mib)])]);
+    place_on(api, kubelet, name, gpu, mib, common::uuid).await
+}
+
+/// [`place`] on GPUs whose UUIDs `uuid` gives by index.
+async fn place_on(
+    api: &ApiServer,
+    kubelet: &Kubelet,
+    name: &str,
+    gpu: u32,
+    mib: u64,
+    uuid: impl Fn(u32) -> gpushare_core::GpuUuid,
+) -> Vec<String> {
+    common::bound_pod_on(api, name, &[("main", ContainerRole::App, &[(gpu, mib)])], uuid);
     let deadline = Instant::now() + WAIT;
     loop {
         match kubelet.admit(&[usize::try_from(mib).unwrap()]).await {
@@ -639,6 +651,81 @@ mod health {
         assert!(history[1].starts_with("GPU1 (GPU-fake-h-1) is healthy again"), "{history:#?}");
         assert!(history[2].starts_with("GPU0 (GPU-fake-h-0) is unhealthy: does not answer"), "{history:#?}");
         assert!(history[4].ends_with("is unhealthy: uncorrectable ECC error"), "{history:#?}");
+    }
+
+    /// A GPU that does not answer when gpushared starts (fallen off the bus) does not stop the
+    /// node: the others are served, and it is served unhealthy under the identity the ledger
+    /// remembers, with its allocation kept, an event in the history, and its devices offered
+    /// again once it answers (its Xid events watched again too).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_gpu_lost_at_start_is_served_unhealthy_and_taken_back_when_it_answers() {
+        let host = Host::new();
+        let lib = build(host.dir.path()).unwrap();
+        let events = host.path("nvml-events");
+        std::fs::write(&events, "").unwrap();
+        let nvml_config = host.path("fake-nvml.conf");
+        let gpus = [FakeGpu::new("h", 0, 500, "Tesla T4"), FakeGpu::new("h", 1, 500, "NVIDIA A10")];
+        write_config(&nvml_config, &gpus, &events_directive(&events)).unwrap();
+        let api = ApiServer::start().await.unwrap();
+        api.create_node(json!({"metadata": {"name": "node-a"}})).unwrap();
+        let kubeconfig = host.path("kubeconfig");
+        api.write_kubeconfig(&kubeconfig).unwrap();
+        let extra = format!(
+            "[nvml]\nlibrary = \"{}\"\n[health]\nprobe_interval_seconds = 1\nrecovery_seconds = 2\n",
+            lib.display()
+        );
+        let config = host.config(&kubeconfig, "", &extra);
+        let env = [("FAKE_NVML_CONFIG", nvml_config.to_str().unwrap())];
+        let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
+        let unhealthy = |d: &[gpushare_proto::deviceplugin::Device]| {
+            d.iter().filter(|x| x.health == gpushare_proto::UNHEALTHY).count()
+        };
+
+        // First start: both answer and are remembered; a pod holds 200 MiB of GPU1.
+        let mut daemon = Daemon::start_with_env(&config, host.path("daemon-1.log"), &env);
+        kubelet.wait_devices(WAIT, |d| d.len() == 1000).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+        let fake_uuid = |i: u32| gpushare_core::GpuUuid::new(format!("GPU-fake-h-{i}")).unwrap();
+        place_on(&api, &kubelet, "on-gpu1", 1, 200, fake_uuid).await;
+        daemon.signal("TERM");
+        assert_eq!(daemon.wait_exit(WAIT), Some(0), "{}", daemon.log());
+
+        // GPU1 falls off the bus; the daemon starts again.
+        inject(&events, "lost 1").unwrap();
+        let daemon = Daemon::start_with_env(&config, host.path("daemon-2.log"), &env);
+        kubelet
+            .wait_devices(WAIT, |d| d.len() == 1000 && unhealthy(d) == 500)
+            .await
+            .unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+        let state = eventually("GPU1 unhealthy in the annotation", || {
+            node_state(&api).filter(|s| !s.inventory.gpus()[1].health.is_healthy())
+        })
+        .await;
+        let gpu1 = &state.inventory.gpus()[1];
+        assert_eq!((gpu1.uuid.as_str(), gpu1.model.as_str(), gpu1.total.get()), ("GPU-fake-h-1", "NVIDIA A10", 500));
+        assert!(
+            matches!(&gpu1.health, gpushare_core::Health::Unhealthy { reason } if reason.contains("does not answer")),
+            "{:?}",
+            gpu1.health
+        );
+        assert!(state.allocations.iter().any(|a| a.pod.name == "on-gpu1" && a.gpu == 1), "{state:?}");
+        let lost: Vec<String> = ledger(&host)
+            .events_since(0)
+            .unwrap()
+            .into_iter()
+            .filter(|e| e.kind == "gpu-lost")
+            .map(|e| e.detail)
+            .collect();
+        assert_eq!(lost.len(), 1, "{lost:?}");
+        assert!(lost[0].starts_with("GPU1 (GPU-fake-h-1, NVIDIA A10, 500 MiB) does not answer"), "{lost:?}");
+
+        // Back on the bus: healthy once quiet for 2 s, and its Xid events are watched again.
+        inject(&events, "recover 1").unwrap();
+        kubelet.wait_devices(WAIT, |d| unhealthy(d) == 0).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+        eventually("GPU1's events watched again", || daemon.log().contains("GPU answers again").then_some(())).await;
+        inject(&events, "xid 1 79").unwrap();
+        kubelet.wait_devices(Duration::from_secs(2), |d| unhealthy(d) == 500).await.unwrap_or_else(|e| {
+            panic!("{e}\n{}", daemon.log());
+        });
     }
 }
 

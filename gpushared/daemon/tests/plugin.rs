@@ -248,14 +248,35 @@ mod nvml {
         assert!(log.contains("install the NVIDIA driver"), "{log}");
     }
 
-    #[test]
-    fn a_gpu_that_fails_a_query_is_named() {
+    /// A GPU that does not answer at the first start (never seen, so no identity to serve it
+    /// under) is named and left out; the others are served, and `--check-config` says the same.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_gpu_that_fails_a_query_is_named_and_the_others_are_served() {
         let gpus = [FakeGpu::new("h", 0, 100, "T4"), FakeGpu::new("h", 1, 100, "T4")];
         let (host, config, nvml_config) = host_with_nvml(&gpus, "gpu_error 1 nvmlDeviceGetUUID 15\n");
-        let mut daemon =
-            Daemon::start_with_env(&config, host.path("daemon.log"), &[("FAKE_NVML_CONFIG", &nvml_config)]);
-        assert_eq!(daemon.wait_exit(WAIT), Some(1));
+        let checked = std::process::Command::new(env!("CARGO_BIN_EXE_gpushared"))
+            .arg("--check-config")
+            .arg(&config)
+            .env("FAKE_NVML_CONFIG", &nvml_config)
+            .output()
+            .unwrap();
+        let out = String::from_utf8_lossy(&checked.stdout);
+        assert!(checked.status.success(), "{out}{}", String::from_utf8_lossy(&checked.stderr));
+        assert!(out.contains(": ok (node node-a, 1 GPUs from NVML"), "{out}");
+        assert!(out.contains("note: GPU1 does not answer (NVML: GPU1 UUID:"), "{out}");
+        let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
+        let daemon = Daemon::start_with_env(&config, host.path("daemon.log"), &[("FAKE_NVML_CONFIG", &nvml_config)]);
+        let devices =
+            kubelet.wait_devices(WAIT, |d| !d.is_empty()).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+        assert_eq!(devices.len(), 100, "GPU0 only");
         let log = daemon.log();
-        assert!(log.contains("gpushared: NVML: GPU1 UUID:"), "{log}");
+        assert!(log.contains("GPU1 does not answer (NVML: GPU1 UUID:"), "{log}");
+        assert!(log.contains("it is not served until it answers and gpushared restarts"), "{log}");
+        drop(daemon);
+        let events = gpushared::ledger::Ledger::open(&host.ledger()).unwrap().ledger.events_since(0).unwrap();
+        assert!(
+            events.iter().any(|e| e.kind == "gpu-lost" && e.detail.starts_with("GPU1 does not answer")),
+            "{events:?}"
+        );
     }
 }

@@ -30,7 +30,7 @@ fn a_new_ledger_is_durable_and_current() {
     let opened = open(&dir);
     assert!(opened.moved_aside.is_none());
     let l = opened.ledger;
-    assert_eq!(l.schema_version().unwrap(), 3);
+    assert_eq!(l.schema_version().unwrap(), 4);
     let mode: String = l.conn.query_row("PRAGMA journal_mode", [], |r| r.get(0)).unwrap();
     assert_eq!(mode, "wal");
     let sync: i64 = l.conn.query_row("PRAGMA synchronous", [], |r| r.get(0)).unwrap();
@@ -139,7 +139,7 @@ fn a_ledger_from_a_newer_daemon_is_refused_untouched() {
         l.conn.pragma_update(None, "user_version", 99).unwrap();
     }
     let err = Ledger::open(&path).unwrap_err();
-    assert!(err.to_string().contains("schema version 99 is newer than this gpushared knows (3)"), "{err}");
+    assert!(err.to_string().contains("schema version 99 is newer than this gpushared knows (4)"), "{err}");
     assert!(path.exists());
 }
 
@@ -180,7 +180,7 @@ fn a_version_1_ledger_is_migrated_to_compact_device_sets() {
         .unwrap();
     }
     let l = Ledger::open(&path).unwrap().ledger;
-    assert_eq!(l.schema_version().unwrap(), 3);
+    assert_eq!(l.schema_version().unwrap(), 4);
     let live = l.live().unwrap();
     assert_eq!(live[0].request_key, "Q3:0-2");
     assert_eq!(live[0].device_ids, vec!["Q30", "Q31", "Q32"]);
@@ -203,4 +203,32 @@ fn cordons_persist_with_their_history() {
     assert_eq!(l.cordoned().unwrap(), vec!["GPU-a"]);
     let kinds: Vec<String> = l.events_since(0).unwrap().into_iter().map(|e| e.kind).collect();
     assert_eq!(kinds, vec!["cordon", "cordon", "cordon", "uncordon"]);
+}
+
+#[test]
+fn the_gpus_seen_answering_are_remembered_across_restarts_until_forgotten() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = gpushare_core::Gpu::new(0, GpuUuid::new("GPU-a").unwrap(), "Tesla T4", Mib::new(15360));
+    a.minor = Some(0);
+    a.numa_node = Some(1);
+    a.pci_bus_id = Some("00000000:3B:00.0".into());
+    let b = gpushare_core::Gpu::new(1, GpuUuid::new("GPU-b").unwrap(), "NVIDIA A10", Mib::new(24576));
+    {
+        let mut l = open(&dir).ledger;
+        assert!(l.known_gpus().unwrap().is_empty());
+        l.remember_gpus(&[a.clone(), b.clone()]).unwrap();
+        // Seen again at another index: its last identity replaces the first.
+        let mut b_moved = b.clone();
+        b_moved.index = 2;
+        l.remember_gpus(std::slice::from_ref(&b_moved)).unwrap();
+    }
+    let mut l = open(&dir).ledger;
+    let mut b_moved = b;
+    b_moved.index = 2;
+    assert_eq!(l.known_gpus().unwrap(), vec![a, b_moved]);
+    assert!(l.forget_gpu("GPU-b", "gpu-replaced", "GPU2 replaced").unwrap());
+    assert!(!l.forget_gpu("GPU-b", "gpu-replaced", "again").unwrap());
+    assert_eq!(l.known_gpus().unwrap().len(), 1);
+    let kinds: Vec<String> = l.events_since(0).unwrap().into_iter().map(|e| e.kind).collect();
+    assert_eq!(kinds, vec!["gpu-replaced"]);
 }

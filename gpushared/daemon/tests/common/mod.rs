@@ -156,6 +156,11 @@ pub fn uuid(i: u32) -> GpuUuid {
 /// Creates a pod bound to node-a whose containers ask for their shares, with the assignment
 /// the extender would have written.
 pub fn bound_pod(api: &ApiServer, name: &str, containers: &[Spec<'_>]) {
+    bound_pod_on(api, name, containers, uuid);
+}
+
+/// [`bound_pod`] on GPUs whose UUIDs `uuid` gives by index.
+pub fn bound_pod_on(api: &ApiServer, name: &str, containers: &[Spec<'_>], uuid: impl Fn(u32) -> GpuUuid) {
     let assignment = Assignment {
         node: "node-a".into(),
         unit: MemoryUnit::Mib,
