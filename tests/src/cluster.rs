@@ -168,7 +168,7 @@ pub struct Proc {
 }
 
 impl Proc {
-    fn spawn(
+    pub(crate) fn spawn(
         name: &str,
         program: &Path,
         args: Vec<String>,
@@ -226,6 +226,12 @@ impl Proc {
             bail!("kill -{signal} {pid} failed");
         }
         Ok(())
+    }
+
+    /// The last `lines` lines of its log.
+    #[must_use]
+    pub fn log_tail(&self, lines: usize) -> String {
+        tail(&self.log(), lines)
     }
 
     /// SIGKILLs it and waits.
@@ -965,7 +971,7 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
     tokio::time::timeout(Duration::from_secs(5), fut).await.ok().flatten()
 }
 
-fn wait_for(proc: &mut Proc, timeout: Duration, what: &str, ready: impl Fn() -> bool) -> anyhow::Result<()> {
+pub(crate) fn wait_for(proc: &mut Proc, timeout: Duration, what: &str, ready: impl Fn() -> bool) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
     while !ready() {
         if let Some(status) = proc.exited() {
@@ -984,7 +990,7 @@ fn tail(text: &str, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
-fn free_port() -> anyhow::Result<u16> {
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 

@@ -16,6 +16,7 @@ pub mod kubelet;
 pub mod node;
 pub mod notify;
 pub mod nvml;
+pub mod realkube;
 pub mod rng;
 pub mod scheduler;
 
