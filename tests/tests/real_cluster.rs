@@ -12,9 +12,12 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
+use gpushare_core::codec::heartbeat::HEARTBEAT_KEY;
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory};
-use gpushare_testkit::cluster::{Binaries, http_get};
+use gpushare_testkit::cluster::{Binaries, Proc, http_get};
+use gpushare_testkit::kubelet::{ContainerSpec, Kubelet};
+use gpushare_testkit::nvml::{self, FakeGpu};
 use gpushare_testkit::realkube::{self, ControlPlane};
 use serde_json::{Value, json};
 
@@ -59,25 +62,27 @@ fn get(plane: &ControlPlane, args: &[&str]) -> Value {
     serde_json::from_str(&plane.kubectl(&all).unwrap()).unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_real_scheduler_places_gpu_pods_through_the_extender() {
+/// The control plane with the shipped RBAC applied, the extender under its own identity, and
+/// kube-scheduler with the shipped configuration; `None` when the components cannot be had
+/// here (outside CI).
+struct RealBox {
+    plane: ControlPlane,
+    extender: Proc,
+    _temp: tempfile::TempDir,
+}
+
+async fn up() -> Option<RealBox> {
     if !realkube::available() {
         gpushare_testkit::skip_unless_ci("no Go to build the real Kubernetes components");
-        return;
+        return None;
     }
     let bin = realkube::binaries().unwrap();
     // GPUSHARE_BOX_DIR keeps every log, certificate and etcd's data to study.
     let temp = tempfile::Builder::new().prefix("gpushare-real.").tempdir().unwrap();
-    let kept = std::env::var_os("GPUSHARE_BOX_DIR").map(std::path::PathBuf::from);
-    let dir = kept.as_deref().unwrap_or(temp.path());
-    let mut plane = ControlPlane::start(dir, &bin).unwrap();
-
+    let dir = std::env::var_os("GPUSHARE_BOX_DIR").map_or_else(|| temp.path().to_owned(), std::path::PathBuf::from);
+    let mut plane = ControlPlane::start(&dir, &bin).unwrap();
     // The shipped RBAC: the extender's identity may read Nodes and Pods and bind Pods.
     plane.apply(&repo().join("etc/kubernetes/gpushare-extender-rbac.yaml")).unwrap();
-    for (name, model, mib, count) in [("node-a", "Tesla T4", 15360, 2), ("node-b", "NVIDIA A10", 24576, 1)] {
-        let (object, status) = node(name, model, mib, count);
-        plane.add_api_only_node(&object, &status).unwrap();
-    }
 
     let ours = Binaries::beside_current_exe().unwrap();
     let extender_kubeconfig = plane.pki.kubeconfig(&plane.server, "gpushare-extender", &[]).unwrap();
@@ -109,14 +114,51 @@ async fn the_real_scheduler_places_gpu_pods_through_the_extender() {
             &format!("http://{addr}/gpushare-scheduler"),
         )
         .unwrap();
+    Some(RealBox { plane, extender, _temp: temp })
+}
 
+/// Waits until `names` are all bound; returns the pods.
+async fn wait_bound(b: &RealBox, names: &[String]) -> Vec<Value> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let pods = get(&b.plane, &["get", "pods", "-n", "default"]);
+        let bound: Vec<Value> = pods["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|p| names.iter().any(|n| p["metadata"]["name"] == n.as_str()) && p["spec"]["nodeName"].is_string())
+            .cloned()
+            .collect();
+        if bound.len() == names.len() {
+            return bound;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} of {} pods bound after 60 s\nscheduler:\n{}\nextender:\n{}",
+            bound.len(),
+            names.len(),
+            b.plane.scheduler.as_ref().unwrap().log_tail(40),
+            b.extender.log_tail(40)
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_real_scheduler_places_gpu_pods_through_the_extender() {
+    let Some(mut b) = up().await else { return };
+    for (name, model, mib, count) in [("node-a", "Tesla T4", 15360, 2), ("node-b", "NVIDIA A10", 24576, 1)] {
+        let (object, status) = node(name, model, mib, count);
+        b.plane.add_api_only_node(&object, &status).unwrap();
+    }
+    let plane = &b.plane;
     // One pod that fits no GPU: node-b lacks the memory in all (the scheduler's own check),
     // node-a has it only across its two GPUs (the extender's). Then five that fit (15,360 +
     // 15,360 + 24,576 MiB of GPUs).
     plane.create(&pod("too-big", 25_000)).unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
     let condition = loop {
-        let too_big = get(&plane, &["get", "pod", "too-big", "-n", "default"]);
+        let too_big = get(plane, &["get", "pod", "too-big", "-n", "default"]);
         assert!(too_big["spec"]["nodeName"].is_null(), "too-big was bound");
         let condition = too_big["status"]["conditions"]
             .as_array()
@@ -138,24 +180,8 @@ async fn the_real_scheduler_places_gpu_pods_through_the_extender() {
         plane.create(&pod(&format!("fits-{i}"), *mib)).unwrap();
     }
 
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let bound = loop {
-        let pods = get(&plane, &["get", "pods", "-n", "default"]);
-        let items = pods["items"].as_array().unwrap().clone();
-        let bound: Vec<Value> = items.into_iter().filter(|p| p["spec"]["nodeName"].is_string()).collect();
-        if bound.len() == sizes.len() {
-            break bound;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} of {} pods bound after 60 s\nscheduler:\n{}\nextender:\n{}",
-            bound.len(),
-            sizes.len(),
-            plane.scheduler.as_ref().unwrap().log_tail(40),
-            extender.log_tail(40)
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    };
+    let names: Vec<String> = (0..sizes.len()).map(|i| format!("fits-{i}")).collect();
+    let bound = wait_bound(&b, &names).await;
 
     // Every bound pod's assignment names GPUs of its node, and no GPU holds more than it has.
     let mut used: BTreeMap<(String, u32), u64> = BTreeMap::new();
@@ -176,7 +202,119 @@ async fn the_real_scheduler_places_gpu_pods_through_the_extender() {
         assert!(*mib <= total, "{node} GPU{gpu}: {mib} of {total} MiB");
     }
 
-    let too_big = get(&plane, &["get", "pod", "too-big", "-n", "default"]);
+    let too_big = get(plane, &["get", "pod", "too-big", "-n", "default"]);
     assert!(too_big["spec"]["nodeName"].is_null(), "too-big was bound");
-    extender.kill();
+    b.extender.kill();
+}
+
+/// gpushared authenticated as its node (`system:node:node-a`, the Node authorizer and
+/// `NodeRestriction` in force) publishes its GPUs on its Node, watches the pods bound there,
+/// and serves the kubelet (the stand-in) the GPUs the real scheduler and the extender chose.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpushared_as_its_node_serves_the_pods_the_real_scheduler_placed() {
+    let Some(mut b) = up().await else { return };
+    let dir = b.plane.dir.clone();
+    // The Node as a kubelet registers it, its allocatable the device plugin's devices.
+    let resources = json!({"cpu": "32", "memory": "128Gi", "pods": "110", "gpushare.io/gpu-mem": "30720"});
+    let status = json!({"capacity": resources, "allocatable": resources,
+        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet stand-in",
+                        "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}]});
+    b.plane
+        .add_api_only_node(&json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"}}), &status)
+        .unwrap();
+
+    let host = dir.join("node-a");
+    let plugin_dir = host.join("device-plugins");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    let pod_resources = host.join("pod-resources/kubelet.sock");
+    let library = nvml::build(&host).unwrap();
+    let nvml_config = host.join("fake-nvml.conf");
+    let gpus = [FakeGpu::new("node-a", 0, 15360, "Tesla T4"), FakeGpu::new("node-a", 1, 15360, "Tesla T4")];
+    nvml::write_config(&nvml_config, &gpus, "").unwrap();
+    let kubelet = Kubelet::start_with_pod_resources(&plugin_dir, &pod_resources).await.unwrap();
+    let node_kubeconfig = b.plane.pki.kubeconfig(&b.plane.server, "system:node:node-a", &["system:nodes"]).unwrap();
+    let config = host.join("gpushared.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "node_name = \"node-a\"\n[kubelet]\ndevice_plugin_dir = \"{}\"\npod_resources_socket = \"{}\"\n\
+             [ledger]\npath = \"{}\"\n[kubernetes]\nkubeconfig = \"{}\"\n[nvml]\nlibrary = \"{}\"\n[dbus]\nenabled = false\n",
+            plugin_dir.display(),
+            pod_resources.display(),
+            host.join("ledger.db").display(),
+            node_kubeconfig.display(),
+            library.display()
+        ),
+    )
+    .unwrap();
+    let ours = Binaries::beside_current_exe().unwrap();
+    let daemon = b
+        .plane
+        .spawn(
+            "gpushared-node-a",
+            &ours.gpushared,
+            vec!["--config".into(), config.display().to_string()],
+            vec![("RUST_LOG".into(), "info".into()), ("FAKE_NVML_CONFIG".into(), nvml_config.display().to_string())],
+        )
+        .unwrap();
+    kubelet
+        .wait_registered(1, Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", daemon.log_tail(40)));
+
+    // Its GPUs and heartbeat on its Node, written with the node's own credentials.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let node = get(&b.plane, &["get", "node", "node-a"]);
+        let annotations = &node["metadata"]["annotations"];
+        if let (Some(state), Some(_)) = (annotations[NODE_STATE_KEY].as_str(), annotations[HEARTBEAT_KEY].as_str()) {
+            assert_eq!(NodeState::decode(state).unwrap().inventory.gpus().len(), 2);
+            break;
+        }
+        assert!(Instant::now() < deadline, "node-a's state not published:\n{}", daemon.log_tail(40));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Two pods, placed by the real scheduler through the extender, admitted by the kubelet
+    // stand-in: each container gets the GPU of its assignment.
+    let sizes = [(String::from("train"), 10_000_u64), (String::from("serve"), 8_000)];
+    for (name, mib) in &sizes {
+        b.plane.create(&pod(name, *mib)).unwrap();
+    }
+    let names: Vec<String> = sizes.iter().map(|(n, _)| n.clone()).collect();
+    let bound = wait_bound(&b, &names).await;
+    for p in &bound {
+        let name = p["metadata"]["name"].as_str().unwrap();
+        let mib = sizes.iter().find(|(n, _)| n == name).unwrap().1;
+        let assignment = Assignment::decode(p["metadata"]["annotations"][ASSIGNMENT_KEY].as_str().unwrap()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let admitted = loop {
+            let spec = [ContainerSpec::app("main", usize::try_from(mib).unwrap())];
+            match kubelet.admit_pod("default", name, &spec).await {
+                Ok(mut a) => break a.remove(0),
+                Err(e) if Instant::now() < deadline && format!("{e:#}").contains("no pod bound") => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("{name}: {e:#}\n{}", daemon.log_tail(40)),
+            }
+        };
+        let uuid = assignment.containers[0].gpus[0].uuid.as_str();
+        assert_eq!(admitted.envs.get("NVIDIA_VISIBLE_DEVICES").map(String::as_str), Some(uuid), "{name}");
+    }
+
+    // And the daemon publishes both as held.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let node = get(&b.plane, &["get", "node", "node-a"]);
+        let state = NodeState::decode(node["metadata"]["annotations"][NODE_STATE_KEY].as_str().unwrap()).unwrap();
+        let held: Vec<&str> = state.allocations.iter().map(|a| a.pod.name.as_str()).collect();
+        if names.iter().all(|n| held.contains(&n.as_str())) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "published {held:?}:\n{}", daemon.log_tail(40));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let log = daemon.log();
+    assert!(!log.contains("forbidden"), "the daemon was refused something:\n{log}");
+    b.extender.kill();
 }
