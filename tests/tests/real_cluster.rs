@@ -68,6 +68,8 @@ fn get(plane: &ControlPlane, args: &[&str]) -> Value {
 struct RealBox {
     plane: ControlPlane,
     extender: Proc,
+    /// The extender's address.
+    addr: std::net::SocketAddr,
     _temp: tempfile::TempDir,
 }
 
@@ -114,7 +116,7 @@ async fn up() -> Option<RealBox> {
             &format!("http://{addr}/gpushare-scheduler"),
         )
         .unwrap();
-    Some(RealBox { plane, extender, _temp: temp })
+    Some(RealBox { plane, extender, addr, _temp: temp })
 }
 
 /// Waits until `names` are all bound; returns the pods.
@@ -316,5 +318,79 @@ async fn gpushared_as_its_node_serves_the_pods_the_real_scheduler_placed() {
     }
     let log = daemon.log();
     assert!(!log.contains("forbidden"), "the daemon was refused something:\n{log}");
+    b.extender.kill();
+}
+
+/// Preemption with the real scheduler: GPU holders of lower priority make room for a pod of
+/// higher priority. The scheduler asks the extender's `preempt` which victims free the GPU
+/// memory, deletes them, and places the pod once they are gone (the test plays the kubelet of
+/// the API-only node and removes pods whose deletion was asked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_real_scheduler_preempts_lower_priority_gpu_holders() {
+    let Some(mut b) = up().await else { return };
+    let (object, status) = node("node-a", "Tesla T4", 15360, 1);
+    b.plane.add_api_only_node(&object, &status).unwrap();
+    for (name, value) in [("low", 100), ("high", 1000)] {
+        b.plane
+            .create(&json!({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+                            "metadata": {"name": name}, "value": value}))
+            .unwrap();
+    }
+    let with_priority = |name: &str, mib: u64, class: &str| {
+        let mut p = pod(name, mib);
+        p["spec"]["priorityClassName"] = json!(class);
+        p
+    };
+    let low: Vec<String> = (0..3).map(|i| format!("low-{i}")).collect();
+    for name in &low {
+        b.plane.create(&with_priority(name, 5000, "low")).unwrap();
+    }
+    wait_bound(&b, &low).await;
+
+    // 15,000 of 15,360 MiB held; 8,000 more need two of the three gone.
+    b.plane.create(&with_priority("urgent", 8000, "high")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let urgent = loop {
+        // The kubelet's part: a pod whose deletion was asked stops and is removed.
+        let pods = get(&b.plane, &["get", "pods", "-n", "default"]);
+        for p in pods["items"].as_array().unwrap() {
+            if p["metadata"]["deletionTimestamp"].is_string() {
+                let name = p["metadata"]["name"].as_str().unwrap();
+                let _ = b.plane.kubectl(&["delete", "pod", name, "--grace-period=0", "--force", "--wait=false"]);
+            }
+        }
+        let urgent = get(&b.plane, &["get", "pod", "urgent"]);
+        if urgent["spec"]["nodeName"].is_string() {
+            break urgent;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "urgent not placed after 60 s: {}\nscheduler:\n{}\nextender:\n{}",
+            urgent["status"],
+            b.plane.scheduler.as_ref().unwrap().log_tail(40),
+            b.extender.log_tail(40)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let assignment = Assignment::decode(urgent["metadata"]["annotations"][ASSIGNMENT_KEY].as_str().unwrap()).unwrap();
+    assert_eq!(assignment.containers[0].gpus[0].uuid.as_str(), "GPU-node-a-0");
+    let pods = get(&b.plane, &["get", "pods", "-n", "default"]);
+    let left: Vec<&str> = pods["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
+        .filter_map(|p| p["metadata"]["name"].as_str())
+        .filter(|n| n.starts_with("low-"))
+        .collect();
+    assert_eq!(left.len(), 1, "two victims are enough, and needed: {left:?}");
+    // The scheduler asked the extender which victims to take.
+    let (_, metrics) = http_get(b.addr, "/metrics").await.unwrap();
+    let asked = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("gpushare_extender_request_duration_seconds_count{verb=\"preempt\"} "))
+        .and_then(|n| n.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    assert!(asked >= 1, "the extender's preempt was never called:\n{metrics}");
     b.extender.kill();
 }
