@@ -12,7 +12,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
-use gpushare_core::codec::heartbeat::HEARTBEAT_KEY;
+use gpushare_core::codec::heartbeat::{HEARTBEAT_KEY, Heartbeat};
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory};
 use gpushare_testkit::cluster::{Binaries, Proc, http_get};
@@ -209,12 +209,9 @@ async fn the_real_scheduler_places_gpu_pods_through_the_extender() {
     b.extender.kill();
 }
 
-/// gpushared authenticated as its node (`system:node:node-a`, the Node authorizer and
-/// `NodeRestriction` in force) publishes its GPUs on its Node, watches the pods bound there,
-/// and serves the kubelet (the stand-in) the GPUs the real scheduler and the extender chose.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn gpushared_as_its_node_serves_the_pods_the_real_scheduler_placed() {
-    let Some(mut b) = up().await else { return };
+/// node-a as a kubelet would register it (its allocatable the device plugin's devices), with
+/// the kubelet stand-in and gpushared on two fake 15,360 MiB T4s, authenticated as the node.
+async fn start_node(b: &RealBox) -> (Kubelet, Proc) {
     let dir = b.plane.dir.clone();
     // The Node as a kubelet registers it, its allocatable the device plugin's devices.
     let resources = json!({"cpu": "32", "memory": "128Gi", "pods": "110", "gpushare.io/gpu-mem": "30720"});
@@ -263,28 +260,19 @@ async fn gpushared_as_its_node_serves_the_pods_the_real_scheduler_placed() {
         .wait_registered(1, Duration::from_secs(30))
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", daemon.log_tail(40)));
+    (kubelet, daemon)
+}
 
-    // Its GPUs and heartbeat on its Node, written with the node's own credentials.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let node = get(&b.plane, &["get", "node", "node-a"]);
-        let annotations = &node["metadata"]["annotations"];
-        if let (Some(state), Some(_)) = (annotations[NODE_STATE_KEY].as_str(), annotations[HEARTBEAT_KEY].as_str()) {
-            assert_eq!(NodeState::decode(state).unwrap().inventory.gpus().len(), 2);
-            break;
-        }
-        assert!(Instant::now() < deadline, "node-a's state not published:\n{}", daemon.log_tail(40));
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-
-    // Two pods, placed by the real scheduler through the extender, admitted by the kubelet
-    // stand-in: each container gets the GPU of its assignment.
-    let sizes = [(String::from("train"), 10_000_u64), (String::from("serve"), 8_000)];
+/// Creates pods of (name, MiB), waits until the real scheduler bound them through the
+/// extender, and admits each with the kubelet stand-in, checking that its container gets the
+/// GPU of its assignment. Returns the names.
+async fn place_and_admit(b: &RealBox, kubelet: &Kubelet, daemon: &Proc, pods: &[(&str, u64)]) -> Vec<String> {
+    let sizes: Vec<(String, u64)> = pods.iter().map(|(n, m)| ((*n).to_owned(), *m)).collect();
     for (name, mib) in &sizes {
         b.plane.create(&pod(name, *mib)).unwrap();
     }
     let names: Vec<String> = sizes.iter().map(|(n, _)| n.clone()).collect();
-    let bound = wait_bound(&b, &names).await;
+    let bound = wait_bound(b, &names).await;
     for p in &bound {
         let name = p["metadata"]["name"].as_str().unwrap();
         let mib = sizes.iter().find(|(n, _)| n == name).unwrap().1;
@@ -303,19 +291,53 @@ async fn gpushared_as_its_node_serves_the_pods_the_real_scheduler_placed() {
         let uuid = assignment.containers[0].gpus[0].uuid.as_str();
         assert_eq!(admitted.envs.get("NVIDIA_VISIBLE_DEVICES").map(String::as_str), Some(uuid), "{name}");
     }
+    names
+}
 
-    // And the daemon publishes both as held.
+/// Waits until node-a's daemon publishes every pod of `names` as holding memory, and checks
+/// that no GPU is published over its total.
+async fn wait_published(b: &RealBox, daemon: &Proc, names: &[String]) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let node = get(&b.plane, &["get", "node", "node-a"]);
         let state = NodeState::decode(node["metadata"]["annotations"][NODE_STATE_KEY].as_str().unwrap()).unwrap();
         let held: Vec<&str> = state.allocations.iter().map(|a| a.pod.name.as_str()).collect();
         if names.iter().all(|n| held.contains(&n.as_str())) {
+            for (i, g) in state.inventory.gpus().iter().enumerate() {
+                assert!(state.used[i] <= g.total, "GPU{i}: {} of {}", state.used[i], g.total);
+            }
             break;
         }
         assert!(Instant::now() < deadline, "published {held:?}:\n{}", daemon.log_tail(40));
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// gpushared authenticated as its node (`system:node:node-a`, the Node authorizer and
+/// `NodeRestriction` in force) publishes its GPUs on its Node, watches the pods bound there,
+/// and serves the kubelet (the stand-in) the GPUs the real scheduler and the extender chose.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpushared_as_its_node_serves_the_pods_the_real_scheduler_placed() {
+    let Some(mut b) = up().await else { return };
+    let (kubelet, daemon) = start_node(&b).await;
+
+    // Its GPUs and heartbeat on its Node, written with the node's own credentials.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let node = get(&b.plane, &["get", "node", "node-a"]);
+        let annotations = &node["metadata"]["annotations"];
+        if let (Some(state), Some(_)) = (annotations[NODE_STATE_KEY].as_str(), annotations[HEARTBEAT_KEY].as_str()) {
+            assert_eq!(NodeState::decode(state).unwrap().inventory.gpus().len(), 2);
+            break;
+        }
+        assert!(Instant::now() < deadline, "node-a's state not published:\n{}", daemon.log_tail(40));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Two pods, placed by the real scheduler through the extender, admitted by the kubelet
+    // stand-in with the GPU of each assignment, and published as held.
+    let names = place_and_admit(&b, &kubelet, &daemon, &[("train", 10_000), ("serve", 8_000)]).await;
+    wait_published(&b, &daemon, &names).await;
     let log = daemon.log();
     assert!(!log.contains("forbidden"), "the daemon was refused something:\n{log}");
     b.extender.kill();
@@ -392,5 +414,42 @@ async fn the_real_scheduler_preempts_lower_priority_gpu_holders() {
         .and_then(|n| n.trim().parse::<u64>().ok())
         .unwrap_or(0);
     assert!(asked >= 1, "the extender's preempt was never called:\n{metrics}");
+    b.extender.kill();
+}
+
+/// Outages of the real control plane lose nothing: the API server down for 10 s (every watch
+/// of the extender and of gpushared broken, and resumed against a restarted server) and
+/// kube-scheduler killed (`SIGKILL`) and started again. gpushared keeps the pod it serves, renews its
+/// heartbeat once the server is back, and the next pod is placed and admitted on the GPU of
+/// its assignment, with nothing published over a GPU's total.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outages_of_the_real_api_server_and_scheduler_lose_nothing() {
+    let Some(mut b) = up().await else { return };
+    let (kubelet, mut daemon) = start_node(&b).await;
+    let mut names = place_and_admit(&b, &kubelet, &daemon, &[("before", 6000)]).await;
+    wait_published(&b, &daemon, &names).await;
+
+    b.plane.apiserver.kill();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let back = std::time::SystemTime::now();
+    b.plane.apiserver.kill_and_restart().unwrap();
+    b.plane.wait_ready(Duration::from_secs(60)).unwrap();
+    b.plane.scheduler.as_mut().unwrap().kill_and_restart().unwrap();
+
+    names.extend(place_and_admit(&b, &kubelet, &daemon, &[("after", 7000)]).await);
+    wait_published(&b, &daemon, &names).await;
+    let back_ms = i64::try_from(back.duration_since(std::time::UNIX_EPOCH).unwrap().as_millis()).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let node = get(&b.plane, &["get", "node", "node-a"]);
+        let beat = Heartbeat::decode(node["metadata"]["annotations"][HEARTBEAT_KEY].as_str().unwrap()).unwrap();
+        if beat.at_ms >= back_ms {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no heartbeat since the API server came back:\n{}", daemon.log_tail(40));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(daemon.exited().is_none(), "gpushared exited:\n{}", daemon.log_tail(40));
+    assert!(b.extender.exited().is_none(), "the extender exited:\n{}", b.extender.log_tail(40));
     b.extender.kill();
 }
