@@ -173,6 +173,13 @@ struct Renewal {
     stale_after: Duration,
 }
 
+impl Renewal {
+    /// When the node turns stale without a further renewal.
+    fn stale_at(&self) -> Instant {
+        self.seen + self.stale_after
+    }
+}
+
 /// How fresh a node's published state is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Freshness {
@@ -450,11 +457,13 @@ impl ClusterView {
             return None;
         }
         let unit = inventory.unit();
-        summary::summarize(
+        let mut s = summary::summarize(
             unit,
             inventory.gpus().iter().zip(&usage.total).map(|(g, used)| (g.is_schedulable(), g.capacity(unit), *used)),
             usage.admitting.iter().map(|a| a.assignment.first_request()),
-        )
+        )?;
+        s.stale_at = entry.heartbeat.as_ref().map(Renewal::stale_at);
+        Some(s)
     }
 
     /// The summary of every node that has one and what it should be, for tests.
@@ -487,8 +496,15 @@ impl ClusterView {
         if let Some(entry) = self.nodes.get_mut(&name) {
             renew(entry, node, &name, self.config.heartbeat_by_wall_clock);
             // A heartbeat alone (every node every 20 s): the published state is unchanged, so
-            // nothing is decoded again and no usage recomputed.
+            // nothing is decoded again and no usage recomputed; only the record's deadline moves.
             if entry.state_hash == state_hash && entry.address == node.address() {
+                let stale_at = entry.heartbeat.as_ref().map(Renewal::stale_at);
+                if let Some(mut s) = self.table.get(&name).copied()
+                    && s.stale_at != stale_at
+                {
+                    s.stale_at = stale_at;
+                    self.table.set(&name, Some(s));
+                }
                 return Vec::new();
             }
         }
@@ -1032,10 +1048,11 @@ impl ClusterView {
     #[must_use]
     pub fn surely_fits(&self, node: &str, pod: &PodRequest, evicted: &Evicted<'_>) -> Option<bool> {
         let shape = Shape::of(pod)?;
-        if evicted.touches(node) || self.stale(node).is_some() {
+        let s = self.table.get(node)?;
+        if evicted.touches(node) || s.is_stale() {
             return None;
         }
-        self.table.get(node)?.fits(&shape)
+        s.fits(&shape)
     }
 
     /// filter's answer from `node`'s [`Summary`] alone: `true` when the node certainly takes
@@ -1043,9 +1060,9 @@ impl ClusterView {
     /// no further look; `false` when the long way must decide (and say why not).
     #[must_use]
     pub fn passes_at_a_glance(&self, node: &str, shape: &Shape, evicted: &Evicted<'_>) -> bool {
-        self.table.get(node).is_some_and(|s| s.fits(shape) == Some(true) && !s.may_admit_lookalike(shape.first))
-            && !evicted.touches(node)
-            && self.stale(node).is_none()
+        self.table.get(node).is_some_and(|s| {
+            s.fits(shape) == Some(true) && !s.may_admit_lookalike(shape.first) && !s.is_stale()
+        }) && !evicted.touches(node)
     }
 
     /// prioritize's score from `node`'s [`Summary`] alone: what [`Self::score`] answers when
@@ -1063,8 +1080,9 @@ impl ClusterView {
         if busy_weight != 0 {
             return None;
         }
-        let score = self.table.get(node)?.score(shape, policies.node == NodePolicy::Binpack)?;
-        (!evicted.touches(node) && self.stale(node).is_none()).then_some(score)
+        let s = self.table.get(node)?;
+        let score = s.score(shape, policies.node == NodePolicy::Binpack)?;
+        (!evicted.touches(node) && !s.is_stale()).then_some(score)
     }
 
     /// Scores `node` for `pod` (0–10) with the `evicted` pods gone (the pod itself, so an

@@ -38,6 +38,10 @@ pub struct Summary {
     pub lookalikes: [u32; LOOKALIKE_SIZES],
     /// How many of `lookalikes` are set; `None` when unknown (too many).
     pub lookalike_count: Option<u8>,
+    /// When the node's daemon turns stale unless it renews its heartbeat (the view's clock);
+    /// `None` for daemons that publish no heartbeat. Kept here so that filter and prioritize
+    /// need no second lookup per node.
+    pub stale_at: Option<std::time::Instant>,
 }
 
 /// The shape a summary decides: every GPU container of the pod is one container asking for
@@ -66,6 +70,12 @@ impl Shape {
 }
 
 impl Summary {
+    /// Whether the node's daemon is presumed gone: its heartbeat not renewed in time.
+    #[must_use]
+    pub fn is_stale(&self) -> bool {
+        self.stale_at.is_some_and(|t| std::time::Instant::now() > t)
+    }
+
     /// How many GPUs have room for `share`.
     #[must_use]
     pub fn gpus_with_room(&self, share: u64) -> usize {
@@ -129,6 +139,7 @@ pub fn summarize(
         used: 0,
         lookalikes: [0; LOOKALIKE_SIZES],
         lookalike_count: Some(0),
+        stale_at: None,
     };
     for (i, (schedulable, cap, used)) in gpus.enumerate() {
         if !schedulable || cap == Mib::ZERO {
