@@ -15,6 +15,8 @@ use kube::{Api, Client, Config};
 use serde_json::json;
 use thiserror::Error;
 
+use gpushare_core::retry::Backoff;
+
 use crate::objects::{NodeObject, PodObject};
 use crate::service::{Binding, Cluster, ClusterError, Extender};
 use crate::view::ClusterView;
@@ -132,7 +134,9 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
         async move {
             let mut stream = watcher(api, watcher::Config::default()).boxed();
             let mut relist: Vec<NodeObject> = Vec::new();
+            let mut backoff = Backoff::cluster_wide();
             while let Some(event) = stream.next().await {
+                back_again(&mut backoff, event.is_ok(), "node");
                 let found = match event {
                     Ok(watcher::Event::Apply(n)) => ext.with_view(|v| v.apply_node(&n)),
                     Ok(watcher::Event::InitApply(n)) => {
@@ -156,8 +160,7 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
                         found
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, "node watch failed; keeping the last view and retrying");
-                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        tokio::time::sleep(failed(&mut backoff, &e, "node")).await;
                         Vec::new()
                     }
                 };
@@ -173,7 +176,9 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
             // A (re)list is applied as it arrives, remembering only the UIDs seen: holding
             // 51,000 listed pods beside the view they become would double the peak.
             let mut seen: HashSet<String> = HashSet::new();
+            let mut backoff = Backoff::cluster_wide();
             while let Some(event) = stream.next().await {
+                back_again(&mut backoff, event.is_ok(), "pod");
                 match event {
                     Ok(watcher::Event::Apply(p)) => ext.with_view(|v| v.apply_pod(&p)),
                     Ok(watcher::Event::InitApply(p)) => {
@@ -198,13 +203,32 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
                         pods_synced.store(true, Ordering::SeqCst);
                         ready();
                     }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "pod watch failed; keeping the last view and retrying");
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                    }
+                    Err(e) => tokio::time::sleep(failed(&mut backoff, &e, "pod")).await,
                 }
             }
         }
     };
     tokio::join!(nodes, pods);
+}
+
+/// A watch of `what` failed: the wait before it retries. The first failure of an outage is a
+/// warning, the next ones debug lines, so a long outage does not flood the log.
+fn failed(backoff: &mut Backoff, error: &watcher::Error, what: &str) -> Duration {
+    let jitter =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos() % 1001);
+    let wait = backoff.failed(jitter);
+    if backoff.failures() == 1 {
+        tracing::warn!(%error, retry_in = ?wait, "{what} watch failed; keeping the last view and retrying with backoff \
+            (until it is back, further failures are logged at debug)");
+    } else {
+        tracing::debug!(%error, retry_in = ?wait, failures = backoff.failures(), "{what} watch still failing");
+    }
+    wait
+}
+
+/// An event from a watch: says so once when it ends an outage.
+fn back_again(backoff: &mut Backoff, ok: bool, what: &str) {
+    if ok && backoff.failures() > 0 {
+        tracing::info!(failures = backoff.succeeded(), "{what} watch back");
+    }
 }

@@ -1060,9 +1060,10 @@ impl ClusterView {
     /// no further look; `false` when the long way must decide (and say why not).
     #[must_use]
     pub fn passes_at_a_glance(&self, node: &str, shape: &Shape, evicted: &Evicted<'_>) -> bool {
-        self.table.get(node).is_some_and(|s| {
-            s.fits(shape) == Some(true) && !s.may_admit_lookalike(shape.first) && !s.is_stale()
-        }) && !evicted.touches(node)
+        self.table
+            .get(node)
+            .is_some_and(|s| s.fits(shape) == Some(true) && !s.may_admit_lookalike(shape.first) && !s.is_stale())
+            && !evicted.touches(node)
     }
 
     /// prioritize's score from `node`'s [`Summary`] alone: what [`Self::score`] answers when

@@ -449,6 +449,19 @@ async fn outages_of_the_real_api_server_and_scheduler_lose_nothing() {
         assert!(Instant::now() < deadline, "no heartbeat since the API server came back:\n{}", daemon.log_tail(40));
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    // One warning per watch for the whole outage (retries back off, at debug), and word when
+    // each is back.
+    let watches = [
+        ("gpushared", "pod", daemon.log()),
+        ("the extender", "node", b.extender.log()),
+        ("the extender", "pod", b.extender.log()),
+    ];
+    for (who, what, log) in watches {
+        let warned =
+            log.lines().filter(|l| l.contains(" WARN ") && l.contains(&format!("{what} watch failed"))).count();
+        assert_eq!(warned, 1, "{who} warned {warned} times of its {what} watch:\n{log}");
+        assert!(log.contains(&format!("{what} watch back")), "{who}: no word that its {what} watch is back:\n{log}");
+    }
     assert!(daemon.exited().is_none(), "gpushared exited:\n{}", daemon.log_tail(40));
     assert!(b.extender.exited().is_none(), "the extender exited:\n{}", b.extender.log_tail(40));
     b.extender.kill();

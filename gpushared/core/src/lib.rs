@@ -16,6 +16,7 @@ pub mod devices;
 pub mod inventory;
 pub mod placement;
 pub mod request;
+pub mod retry;
 pub mod schedule;
 pub mod time;
 pub mod units;

@@ -4,6 +4,7 @@
 //! working through an API-server outage for pods already seen. A deleted or finished pod's
 //! ledger rows are released, the history kept.
 
+use gpushare_core::retry::Backoff;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -72,7 +73,11 @@ pub async fn watch_pods(client: Client, node: String, store: PodStore, alloc: Ar
     let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
     let mut stream = watcher(api, config).boxed();
     let mut relist: Vec<PodView> = Vec::new();
+    let mut backoff = Backoff::per_node();
     while let Some(event) = stream.next().await {
+        if event.is_ok() && backoff.failures() > 0 {
+            tracing::info!(failures = backoff.succeeded(), "pod watch back");
+        }
         match event {
             Ok(watcher::Event::Apply(pod)) => {
                 let Some(v) = view(&pod) else { continue };
@@ -105,11 +110,23 @@ pub async fn watch_pods(client: Client, node: String, store: PodStore, alloc: Ar
                 store.replace_all(std::mem::take(&mut relist));
             }
             Err(e) => {
-                tracing::warn!(error = %e, "pod watch failed; serving pods as last seen and retrying");
-                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                let wait = backoff.failed(jitter_permille());
+                if backoff.failures() == 1 {
+                    tracing::warn!(error = %e, retry_in = ?wait,
+                        "pod watch failed; serving pods as last seen and retrying with backoff (until it is back, further failures are logged at debug)");
+                } else {
+                    tracing::debug!(error = %e, retry_in = ?wait, failures = backoff.failures(), "pod watch still failing");
+                }
+                tokio::time::sleep(wait).await;
             }
         }
     }
+}
+
+/// Thousandths of a backoff wait to add, from the clock's nanoseconds: enough to spread the
+/// daemons of a cluster that failed together.
+fn jitter_permille() -> u32 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos() % 1001)
 }
 
 fn release(alloc: &Allocator, v: &PodView, reason: &str) {
