@@ -553,27 +553,39 @@ mod health {
     use super::*;
     use gpushare_testkit::nvml::{FakeGpu, build, events_directive, inject, write_config};
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn faults_withdraw_a_gpu_within_a_second_and_it_recovers_on_its_own() {
+    /// A host on the fake NVML library with `gpus` and an event file, probed every second and
+    /// recovering after 2 s quiet, its daemon reaching the API-server stand-in.
+    struct NvmlHost {
+        host: Host,
+        api: ApiServer,
+        config: std::path::PathBuf,
+        nvml_config: std::path::PathBuf,
+        events: std::path::PathBuf,
+    }
+
+    async fn nvml_host(gpus: &[FakeGpu]) -> NvmlHost {
         let host = Host::new();
         let lib = build(host.dir.path()).unwrap();
         let events = host.path("nvml-events");
         std::fs::write(&events, "").unwrap();
         let nvml_config = host.path("fake-nvml.conf");
+        write_config(&nvml_config, gpus, &events_directive(&events)).unwrap();
+        let api = ApiServer::start().await.unwrap();
+        api.create_node(json!({"metadata": {"name": "node-a"}})).unwrap();
+        let kubeconfig = host.path("kubeconfig");
+        api.write_kubeconfig(&kubeconfig).unwrap();
+        let extra = format!(
+            "[nvml]\nlibrary = \"{}\"\n[health]\nprobe_interval_seconds = 1\nrecovery_seconds = 2\n",
+            lib.display()
+        );
+        let config = host.config(&kubeconfig, "", &extra);
+        NvmlHost { host, api, config, nvml_config, events }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn faults_withdraw_a_gpu_within_a_second_and_it_recovers_on_its_own() {
         let gpus = [FakeGpu::new("h", 0, 500, "Tesla T4"), FakeGpu::new("h", 1, 500, "Tesla T4")];
-        write_config(&nvml_config, &gpus, &events_directive(&events)).unwrap();
-        let (host, api, config) = {
-            let api = ApiServer::start().await.unwrap();
-            api.create_node(json!({"metadata": {"name": "node-a"}})).unwrap();
-            let kubeconfig = host.path("kubeconfig");
-            api.write_kubeconfig(&kubeconfig).unwrap();
-            let extra = format!(
-                "[nvml]\nlibrary = \"{}\"\n[health]\nprobe_interval_seconds = 1\nrecovery_seconds = 2\n",
-                lib.display()
-            );
-            let config = host.config(&kubeconfig, "", &extra);
-            (host, api, config)
-        };
+        let NvmlHost { host, api, config, nvml_config, events } = nvml_host(&gpus).await;
         let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
         let daemon = Daemon::start_with_env(
             &config,
@@ -659,22 +671,8 @@ mod health {
     /// again once it answers (its Xid events watched again too).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_gpu_lost_at_start_is_served_unhealthy_and_taken_back_when_it_answers() {
-        let host = Host::new();
-        let lib = build(host.dir.path()).unwrap();
-        let events = host.path("nvml-events");
-        std::fs::write(&events, "").unwrap();
-        let nvml_config = host.path("fake-nvml.conf");
         let gpus = [FakeGpu::new("h", 0, 500, "Tesla T4"), FakeGpu::new("h", 1, 500, "NVIDIA A10")];
-        write_config(&nvml_config, &gpus, &events_directive(&events)).unwrap();
-        let api = ApiServer::start().await.unwrap();
-        api.create_node(json!({"metadata": {"name": "node-a"}})).unwrap();
-        let kubeconfig = host.path("kubeconfig");
-        api.write_kubeconfig(&kubeconfig).unwrap();
-        let extra = format!(
-            "[nvml]\nlibrary = \"{}\"\n[health]\nprobe_interval_seconds = 1\nrecovery_seconds = 2\n",
-            lib.display()
-        );
-        let config = host.config(&kubeconfig, "", &extra);
+        let NvmlHost { host, api, config, nvml_config, events } = nvml_host(&gpus).await;
         let env = [("FAKE_NVML_CONFIG", nvml_config.to_str().unwrap())];
         let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
         let unhealthy = |d: &[gpushare_proto::deviceplugin::Device]| {
