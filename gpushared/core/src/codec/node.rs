@@ -86,8 +86,16 @@ pub fn pod_footprints<'a>(
     rows.into_iter()
         .map(|(uid, (pod, rows))| {
             let mut mib = vec![Mib::ZERO; n];
-            for (p, m) in footprint(rows.into_iter().map(|(role, p, m)| (role, [(p, m)]))) {
-                mib[p] = m;
+            if rows.iter().all(|(role, _, _)| *role != ContainerRole::Init) {
+                // No init container (nearly every pod): the sum of the containers, which is
+                // what the rule comes to, without its bookkeeping.
+                for (_, p, m) in rows {
+                    mib[p] = mib[p].saturating_add(m);
+                }
+            } else {
+                for (p, m) in footprint(rows.into_iter().map(|(role, p, m)| (role, [(p, m)]))) {
+                    mib[p] = m;
+                }
             }
             (uid, PodFootprint { pod, mib })
         })
