@@ -42,11 +42,15 @@ fn node(name: &str, model: &str, mib: u64, count: u32) -> (Value, Value) {
     let total = (mib * u64::from(count)).to_string();
     let object = json!({"apiVersion": "v1", "kind": "Node",
         "metadata": {"name": name, "annotations": {NODE_STATE_KEY: state.encode().unwrap()}}});
-    let resources = json!({"cpu": "32", "memory": "128Gi", "pods": "110", "gpushare.io/gpu-mem": total});
-    let status = json!({"capacity": resources, "allocatable": resources,
-        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "API-only node",
-                        "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}]});
-    (object, status)
+    (object, ready_status(&total))
+}
+
+/// A Ready node's status as its kubelet reports it, with `gpu_mem` devices of gpushare.io/gpu-mem.
+fn ready_status(gpu_mem: &str) -> Value {
+    let resources = json!({"cpu": "32", "memory": "128Gi", "pods": "110", "gpushare.io/gpu-mem": gpu_mem});
+    json!({"capacity": resources, "allocatable": resources,
+        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet ready",
+                        "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}]})
 }
 
 fn pod(name: &str, mib: u64) -> Value {
@@ -214,10 +218,7 @@ async fn the_real_scheduler_places_gpu_pods_through_the_extender() {
 async fn start_node(b: &RealBox) -> (Kubelet, Proc) {
     let dir = b.plane.dir.clone();
     // The Node as a kubelet registers it, its allocatable the device plugin's devices.
-    let resources = json!({"cpu": "32", "memory": "128Gi", "pods": "110", "gpushare.io/gpu-mem": "30720"});
-    let status = json!({"capacity": resources, "allocatable": resources,
-        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet stand-in",
-                        "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}]});
+    let status = ready_status("30720");
     b.plane
         .add_api_only_node(&json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"}}), &status)
         .unwrap();
