@@ -154,6 +154,13 @@ impl<C: Cluster> Extender<C> {
         self
     }
 
+    /// Whether some request or watch holds the view right now: a caller that must not wait
+    /// for it (an async worker) goes elsewhere.
+    #[must_use]
+    pub fn view_is_busy(&self) -> bool {
+        self.state.is_locked()
+    }
+
     fn state(&self) -> MutexGuard<'_, State> {
         // parking_lot's lock is not poisoned by a panic: the view cannot be left half-updated
         // in a way that matters more than stopping would, so the extender keeps serving.
