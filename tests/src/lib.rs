@@ -1,22 +1,28 @@
 //! The cluster in a box: stand-ins that speak the real protocols, for tests and the demo.
 //!
 //! - [`apiserver`]: the Kubernetes API server's HTTP/JSON for Pods and Nodes;
+//! - [`cri`]: a container runtime for the real kubelet that runs nothing and records what each container was given;
 //! - [`cluster`]: the whole box as processes (API server, kubelets, daemons, extender, scheduler);
 //! - [`invariants`]: design.md's invariants checked across the box from the outside;
 //! - [`kubelet`]: the kubelet's side of the device plugin API and its PodResources API, restarts included;
 //! - [`notify`]: systemd's end of `sd_notify`, recording what a service notifies;
 //! - [`node`]: the kubelet stand-in as a node: registers its Node, admits the pods bound to it, writes their status;
 //! - [`rng`]: a seeded xorshift for tie-breaks and fault choices;
-//! - [`nvml`]: the fake NVML library, built from C, and its configuration.
+//! - [`nvml`]: the fake NVML library, built from C, and its configuration;
+//! - [`realkube`]: the real etcd, kube-apiserver and kube-scheduler as processes;
+//! - [`realkubelet`]: the real kubelet as a node, with [`cri`] as its container runtime;
+//! - [`scheduler`]: the kube-scheduler stand-in.
 
 pub mod apiserver;
 pub mod cluster;
+pub mod cri;
 pub mod invariants;
 pub mod kubelet;
 pub mod node;
 pub mod notify;
 pub mod nvml;
 pub mod realkube;
+pub mod realkubelet;
 pub mod rng;
 pub mod scheduler;
 

@@ -1,0 +1,224 @@
+//! The real kubelet as a node of the real-cluster box: its root (pods, checkpoints, the
+//! pod-resources socket) and pod logs under one folder per node, authenticated as
+//! `system:node:<name>` (group `system:nodes`), with the recording runtime of [`crate::cri`] as
+//! its container runtime.
+//!
+//! The one path a kubelet does not let one move is the device plugins' directory: it is
+//! `/var/lib/kubelet/device-plugins/` whatever `--root-dir` says (`DevicePluginPath` in
+//! `k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1`). So one real kubelet runs on a machine at a
+//! time, and [`RealKubelet::start`] refuses to start where another kubelet serves there.
+//!
+//! The settings are those a container on cgroup v1 needs (kubelet 1.35 and later refuse cgroup
+//! v1 unless `failCgroupV1: false`): no quality-of-service cgroups, no node-allocatable
+//! enforcement, swap allowed; thresholds that would evict or collect images on a busy build
+//! machine are off. `ResourceHealthStatus` (and `ResourceHealthStatusMessage`, which needs it) is
+//! off, as docs/install.md asks of every kubelet from 1.36 on that serves gpushare's per-MiB
+//! devices: with it, each device list the kubelet receives is checked device by device against
+//! every allocation under the device manager's lock, which stalls pod admission for minutes after
+//! a kubelet restart on a node with GPU pods. Its API is served on loopback with
+//! client-certificate authentication only.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::bail;
+
+use crate::cluster::{Proc, free_port, wait_for};
+use crate::realkube::ControlPlane;
+
+/// The kubelet's device plugin directory, which `--root-dir` does not move.
+pub const DEVICE_PLUGIN_DIR: &str = "/var/lib/kubelet/device-plugins";
+
+/// Where one node's kubelet keeps its state.
+#[derive(Clone, Debug)]
+pub struct KubeletDirs {
+    /// `--root-dir`: pods, checkpoints, plugins.
+    pub root: PathBuf,
+    /// The pod logs (`podLogsDir`).
+    pub logs: PathBuf,
+}
+
+impl KubeletDirs {
+    /// The directories of a node kept under `dir`.
+    #[must_use]
+    pub fn under(dir: &Path) -> KubeletDirs {
+        KubeletDirs { root: dir.join("kubelet"), logs: dir.join("pod-logs") }
+    }
+
+    /// The device plugins' directory, where `kubelet.sock` is: the kubelet's fixed one.
+    #[must_use]
+    pub fn device_plugins(&self) -> PathBuf {
+        PathBuf::from(DEVICE_PLUGIN_DIR)
+    }
+
+    /// The PodResources socket.
+    #[must_use]
+    pub fn pod_resources(&self) -> PathBuf {
+        self.root.join("pod-resources").join("kubelet.sock")
+    }
+}
+
+/// A running real kubelet.
+#[derive(Debug)]
+pub struct RealKubelet {
+    /// The node's name.
+    pub node: String,
+    /// Its directories.
+    pub dirs: KubeletDirs,
+    /// The process.
+    pub proc: Proc,
+    /// The port of its `/healthz`.
+    healthz: u16,
+}
+
+impl RealKubelet {
+    /// Starts a kubelet for `node`, its state under `dir`, with the container runtime at
+    /// `runtime` (`unix:///...`), and waits until it has registered its Node.
+    ///
+    /// # Errors
+    /// If another kubelet serves device plugins on this machine, or the kubelet does not start
+    /// or register within a minute (with the end of its log).
+    pub fn start(plane: &ControlPlane, node: &str, dir: &Path, runtime: &str) -> anyhow::Result<RealKubelet> {
+        let socket = Path::new(DEVICE_PLUGIN_DIR).join("kubelet.sock");
+        if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+            bail!(
+                "a kubelet already serves {}: the real kubelet of the tests would take its device plugins; \
+                 run the real-kubelet tests on a machine that is not a Kubernetes node",
+                socket.display()
+            );
+        }
+        // A fresh node: no device plugin sockets or checkpoint of an earlier run (the directory
+        // outlives the test, being the kubelet's fixed one).
+        if let Err(e) = std::fs::remove_dir_all(DEVICE_PLUGIN_DIR)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            bail!("cannot clear {DEVICE_PLUGIN_DIR}: {e}");
+        }
+        let dirs = KubeletDirs::under(dir);
+        std::fs::create_dir_all(&dirs.root)?;
+        std::fs::create_dir_all(&dirs.logs)?;
+        let kubeconfig = plane.pki.kubeconfig(&plane.server, &format!("system:node:{node}"), &["system:nodes"])?;
+        let config = dir.join("kubelet-config.yaml");
+        let (port, healthz) = (free_port()?, free_port()?);
+        std::fs::write(
+            &config,
+            format!(
+                "apiVersion: kubelet.config.k8s.io/v1beta1\n\
+                 kind: KubeletConfiguration\n\
+                 address: 127.0.0.1\n\
+                 port: {port}\n\
+                 readOnlyPort: 0\n\
+                 healthzBindAddress: 127.0.0.1\n\
+                 healthzPort: {healthz}\n\
+                 authentication:\n  anonymous:\n    enabled: false\n  webhook:\n    enabled: false\n  \
+                 x509:\n    clientCAFile: {ca}\n\
+                 authorization:\n  mode: AlwaysAllow\n\
+                 cgroupDriver: cgroupfs\n\
+                 cgroupsPerQOS: false\n\
+                 enforceNodeAllocatable: [\"none\"]\n\
+                 failCgroupV1: false\n\
+                 failSwapOn: false\n\
+                 protectKernelDefaults: false\n\
+                 localStorageCapacityIsolation: false\n\
+                 containerRuntimeEndpoint: {runtime}\n\
+                 imageServiceEndpoint: {runtime}\n\
+                 podLogsDir: {logs}\n\
+                 resolvConf: \"\"\n\
+                 registerNode: true\n\
+                 nodeStatusUpdateFrequency: 2s\n\
+                 syncFrequency: 5s\n\
+                 imageGCHighThresholdPercent: 100\n\
+                 imageGCLowThresholdPercent: 99\n\
+                 featureGates:\n  ResourceHealthStatus: false\n  ResourceHealthStatusMessage: false\n\
+                 evictionHard:\n  memory.available: \"1Mi\"\n  nodefs.available: \"1%\"\n  \
+                 imagefs.available: \"1%\"\n  nodefs.inodesFree: \"1%\"\n",
+                ca = plane.pki.ca().display(),
+                logs = dirs.logs.display(),
+            ),
+        )?;
+        let proc = plane.spawn(
+            &format!("kubelet-{node}"),
+            &plane.bin.join("kubelet"),
+            vec![
+                format!("--config={}", config.display()),
+                format!("--kubeconfig={}", kubeconfig.display()),
+                format!("--root-dir={}", dirs.root.display()),
+                format!("--cert-dir={}", dirs.root.join("pki").display()),
+                format!("--hostname-override={node}"),
+                "--v=2".into(),
+            ],
+            vec![],
+        )?;
+        let mut kubelet = RealKubelet { node: node.to_owned(), dirs, proc, healthz };
+        kubelet.wait_registered(plane, Duration::from_secs(60))?;
+        // No node lifecycle controller runs to lift the taint a new node is registered with
+        // once it is Ready: done here, as it would.
+        let taints = plane.kubectl(&["get", "node", node, "-o", "jsonpath={.spec.taints[*].key}"])?;
+        if taints.split_whitespace().any(|t| t == "node.kubernetes.io/not-ready") {
+            plane.kubectl(&["taint", "node", node, "node.kubernetes.io/not-ready:NoSchedule-"])?;
+        }
+        Ok(kubelet)
+    }
+
+    /// Kills the kubelet and undoes the bind mount it makes of its root directory (onto itself,
+    /// to share it with containers' mounts), so the directory can be removed.
+    fn stop(&mut self) {
+        self.proc.kill();
+        let Ok(root) = std::ffi::CString::new(self.dirs.root.as_os_str().as_encoded_bytes()) else { return };
+        // A restarted kubelet may have mounted it again over the first.
+        for _ in 0..8 {
+            // SAFETY: `root` is a valid NUL-terminated path; MNT_DETACH only detaches the mount.
+            #[allow(unsafe_code)]
+            let unmounted = unsafe { libc::umount2(root.as_ptr(), libc::MNT_DETACH) } == 0;
+            if !unmounted {
+                break;
+            }
+        }
+    }
+
+    /// Kills the kubelet (SIGKILL) and starts it again with the same settings and state, as
+    /// `systemctl restart kubelet` after a crash would; waits until it reports its node again.
+    ///
+    /// # Errors
+    /// If it does not come back within a minute.
+    pub fn restart(&mut self, plane: &ControlPlane) -> anyhow::Result<()> {
+        self.proc.kill_and_restart()?;
+        self.wait_registered(plane, Duration::from_secs(60))
+    }
+
+    /// Waits until the kubelet answers its `/healthz` and its Node is Ready.
+    fn wait_registered(&mut self, plane: &ControlPlane, timeout: Duration) -> anyhow::Result<()> {
+        let (node, healthz) = (self.node.clone(), self.healthz);
+        wait_for(&mut self.proc, timeout, &format!("kubelet {node} to serve and report its node Ready"), || {
+            healthy(healthz)
+                && plane
+                    .kubectl(&[
+                        "get",
+                        "node",
+                        &node,
+                        "-o",
+                        "jsonpath={.status.conditions[?(@.type==\"Ready\")].status}",
+                    ])
+                    .is_ok_and(|s| s.trim() == "True")
+        })
+    }
+}
+
+impl Drop for RealKubelet {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Whether the kubelet's `/healthz` on `port` answers ok.
+fn healthy(port: u16) -> bool {
+    use std::io::{Read as _, Write as _};
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else { return false };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    if s.write_all(b"GET /healthz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").is_err() {
+        return false;
+    }
+    let mut reply = String::new();
+    let _ = s.read_to_string(&mut reply);
+    reply.starts_with("HTTP/1.") && reply.contains(" 200 ") && reply.ends_with("ok")
+}

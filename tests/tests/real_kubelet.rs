@@ -1,0 +1,188 @@
+//! gpushare under the real kubelet: a node of the real-cluster box runs the real kubelet (with
+//! the recording container runtime of `gpushare_testkit::cri`) and gpushared as that node. The
+//! real kube-scheduler places pods through the extender, the real kubelet admits them through
+//! gpushared's device plugin, and what each container was created with is checked against the
+//! assignment the extender wrote: the GPU it sees and its budget.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
+use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
+use gpushare_testkit::cluster::Proc;
+use gpushare_testkit::cri::{Created, RecordingRuntime};
+use gpushare_testkit::nvml::FakeGpu;
+use gpushare_testkit::realkubelet::RealKubelet;
+
+mod realbox;
+use realbox::{RealBox, get, pod, start_gpushared, up, wait_bound};
+
+const NODE: &str = "node-k";
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .is_ok_and(|s| s.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("0")))
+}
+
+/// A node with the real kubelet and gpushared on two T4s; waits until the kubelet reports the
+/// device plugin's memory in the node's allocatable.
+fn start_node(b: &RealBox) -> (RecordingRuntime, RealKubelet, Proc) {
+    let host = b.plane.dir.join(NODE);
+    let runtime = RecordingRuntime::serve(&host.join("cri/cri.sock")).unwrap();
+    let kubelet = RealKubelet::start(&b.plane, NODE, &host, &runtime.endpoint()).unwrap_or_else(|e| panic!("{e:#}"));
+    let gpus = [FakeGpu::new(NODE, 0, 15360, "Tesla T4"), FakeGpu::new(NODE, 1, 15360, "Tesla T4")];
+    let daemon = start_gpushared(
+        &b.plane,
+        NODE,
+        &host.join("gpushared"),
+        &kubelet.dirs.device_plugins(),
+        &kubelet.dirs.pod_resources(),
+        &gpus,
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let allocatable = b
+            .plane
+            .kubectl(&["get", "node", NODE, "-o", "jsonpath={.status.allocatable.gpushare\\.io/gpu-mem}"])
+            .unwrap();
+        if allocatable.trim() == "30720" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the kubelet reports {allocatable:?} MiB of gpushare.io/gpu-mem after 60 s\ngpushared:\n{}\nkubelet:\n{}",
+            daemon.log_tail(30),
+            kubelet.proc.log_tail(30)
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    (runtime, kubelet, daemon)
+}
+
+/// Waits until every pod of `names` is Running with one running container each; returns
+/// their containers as the runtime created them, by pod name.
+fn wait_running(
+    b: &RealBox,
+    runtime: &RecordingRuntime,
+    kubelet: &RealKubelet,
+    daemon: &Proc,
+    names: &[&str],
+) -> BTreeMap<String, Created> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let running: BTreeMap<String, Created> = runtime
+            .running()
+            .into_iter()
+            .filter(|c| names.contains(&c.pod.as_str()))
+            .map(|c| (c.pod.clone(), c))
+            .collect();
+        let phases = get(&b.plane, &["get", "pods", "-n", "default"]);
+        let all_running = names.iter().all(|n| {
+            phases["items"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|p| p["metadata"]["name"] == *n && p["status"]["phase"] == "Running")
+        });
+        if running.len() == names.len() && all_running {
+            return running;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} of {} containers running after 60 s\npods: {phases}\nkubelet:\n{}\ngpushared:\n{}",
+            running.len(),
+            names.len(),
+            kubelet.proc.log_tail(40),
+            daemon.log_tail(40)
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// Checks that each container got the GPU of its pod's assignment and the budget of it, and
+/// that no GPU holds more than it has.
+fn check_containers(b: &RealBox, containers: &BTreeMap<String, Created>) {
+    let mut per_gpu: BTreeMap<String, u64> = BTreeMap::new();
+    for (name, c) in containers {
+        let p = get(&b.plane, &["get", "pod", name, "-n", "default"]);
+        assert_eq!(p["spec"]["nodeName"], NODE, "{name}");
+        let a = Assignment::decode(p["metadata"]["annotations"][ASSIGNMENT_KEY].as_str().unwrap()).unwrap();
+        let share = &a.containers[0].gpus[0];
+        let env = |k: &str| c.envs.get(k).cloned().unwrap_or_default();
+        assert_eq!(env("NVIDIA_VISIBLE_DEVICES"), share.uuid.as_str(), "{name}: {:?}", c.envs);
+        assert_eq!(env("GPUSHARE_MEMORY_MIB"), share.mib.get().to_string(), "{name}");
+        assert_eq!(env("CUDA_DEVICE_MEMORY_LIMIT_0"), format!("{}m", share.mib.get()), "{name}");
+        assert_eq!(env("GPUSHARE_POD"), format!("default/{name}"), "{name}");
+        assert_eq!(c.container, "main");
+        *per_gpu.entry(share.uuid.as_str().to_owned()).or_default() += share.mib.get();
+    }
+    for (gpu, mib) in per_gpu {
+        assert!(mib <= 15360, "{gpu} holds {mib} MiB of 15360");
+    }
+}
+
+/// The pods gpushared publishes as holding memory on the node.
+fn published(b: &RealBox) -> Vec<String> {
+    let n = get(&b.plane, &["get", "node", NODE]);
+    let Some(v) = n["metadata"]["annotations"][NODE_STATE_KEY].as_str() else { return Vec::new() };
+    let mut pods: Vec<String> = NodeState::decode(v).unwrap().allocations.into_iter().map(|a| a.pod.name).collect();
+    pods.sort();
+    pods.dedup();
+    pods
+}
+
+fn wait_published(b: &RealBox, daemon: &Proc, want: &[&str]) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let now = published(b);
+        if now == want {
+            return;
+        }
+        assert!(Instant::now() < deadline, "gpushared publishes {now:?}, not {want:?}\n{}", daemon.log_tail(40));
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_real_kubelet_runs_each_container_on_the_gpu_of_its_assignment() {
+    if !is_root() {
+        gpushare_testkit::skip_unless_ci("the real kubelet needs root (it mounts its root directory)");
+        return;
+    }
+    let Some(b) = up().await else { return };
+    let (runtime, mut kubelet, daemon) = start_node(&b);
+
+    // Three pods that fill the two GPUs unevenly: the kubelet admits each through Allocate, and
+    // the runtime is told what gpushared answered.
+    let first = ["kb-a", "kb-b", "kb-c"];
+    for (name, mib) in first.iter().zip([6000, 7000, 8000]) {
+        b.plane.create(&pod(name, mib)).unwrap();
+    }
+    wait_bound(&b, &first.map(str::to_owned)).await;
+    let containers = wait_running(&b, &runtime, &kubelet, &daemon, &first);
+    check_containers(&b, &containers);
+    wait_published(&b, &daemon, &first);
+
+    // The kubelet killed and started again: the pods keep running, nothing is created twice,
+    // and a pod placed afterwards is admitted on the GPU of its assignment.
+    let created = runtime.created().len();
+    kubelet.restart(&b.plane).unwrap_or_else(|e| panic!("{e:#}"));
+    b.plane.create(&pod("kb-d", 5000)).unwrap();
+    wait_bound(&b, &["kb-d".to_owned()]).await;
+    let all = ["kb-a", "kb-b", "kb-c", "kb-d"];
+    let containers = wait_running(&b, &runtime, &kubelet, &daemon, &all);
+    check_containers(&b, &containers);
+    assert_eq!(
+        runtime.created().len(),
+        created + 1,
+        "containers created again after the restart: {:?}",
+        runtime.created()
+    );
+    wait_published(&b, &daemon, &all);
+
+    // A pod deleted: the kubelet stops its container and gpushared no longer counts it.
+    b.plane.kubectl(&["delete", "pod", "kb-a", "-n", "default", "--grace-period=1"]).unwrap();
+    wait_published(&b, &daemon, &["kb-b", "kb-c", "kb-d"]);
+    assert!(runtime.running().iter().all(|c| c.pod != "kb-a"), "kb-a still runs: {:?}", runtime.running());
+}
