@@ -5,6 +5,8 @@
 //! plugin's Allocate answer put there) is kept for the tests to check, and written to the
 //! container's log as `KEY=value` lines, as `env` in the container would print them.
 //!
+//! A container whose command is `true` (an init container that has done its work) exits 0 as
+//! soon as it starts; any other runs until the kubelet stops it, and then reads as killed (137).
 //! Every image is present (nothing is pulled); the node's network is ready; the cgroup driver is
 //! cgroupfs. Calls it does not serve (streaming lists, events, stats, exec) answer UNIMPLEMENTED.
 
@@ -69,6 +71,7 @@ struct Container {
     created_at: i64,
     started_at: i64,
     finished_at: i64,
+    exit_code: i32,
     log_path: String,
 }
 
@@ -205,10 +208,14 @@ impl Service {
             created_at: c.created_at,
             started_at: c.started_at,
             finished_at: c.finished_at,
-            exit_code: if exited { 137 } else { 0 },
+            exit_code: c.exit_code,
             image: c.config.image.clone(),
             image_ref: c.config.image.as_ref().map(|i| image_of(&i.image).id).unwrap_or_default(),
-            reason: if exited { "Killed".into() } else { String::new() },
+            reason: match (exited, c.exit_code) {
+                (false, _) => String::new(),
+                (true, 0) => "Completed".into(),
+                (true, _) => "Killed".into(),
+            },
             message: String::new(),
             labels: c.config.labels.clone(),
             annotations: c.config.annotations.clone(),
@@ -252,6 +259,7 @@ impl RuntimeService for Service {
             if c.state != api::ContainerState::ContainerExited {
                 c.state = api::ContainerState::ContainerExited;
                 c.finished_at = at;
+                c.exit_code = 137;
             }
         }
         Ok(Response::new(api::StopPodSandboxResponse {}))
@@ -367,6 +375,7 @@ impl RuntimeService for Service {
                 created_at: now_ns(),
                 started_at: 0,
                 finished_at: 0,
+                exit_code: 0,
                 log_path,
             },
         );
@@ -380,8 +389,13 @@ impl RuntimeService for Service {
         if c.state != api::ContainerState::ContainerCreated {
             return Err(Status::failed_precondition(format!("container {id} is not in the created state")));
         }
-        c.state = api::ContainerState::ContainerRunning;
         c.started_at = now_ns();
+        if c.config.command == ["true"] {
+            c.state = api::ContainerState::ContainerExited;
+            c.finished_at = c.started_at;
+        } else {
+            c.state = api::ContainerState::ContainerRunning;
+        }
         Ok(Response::new(api::StartContainerResponse {}))
     }
 
@@ -393,6 +407,7 @@ impl RuntimeService for Service {
         {
             c.state = api::ContainerState::ContainerExited;
             c.finished_at = now_ns();
+            c.exit_code = 137;
         }
         Ok(Response::new(api::StopContainerResponse {}))
     }

@@ -5,8 +5,11 @@
 //!
 //! The one path a kubelet does not let one move is the device plugins' directory: it is
 //! `/var/lib/kubelet/device-plugins/` whatever `--root-dir` says (`DevicePluginPath` in
-//! `k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1`). So one real kubelet runs on a machine at a
-//! time, and [`RealKubelet::start`] refuses to start where another kubelet serves there.
+//! `k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1`). So each kubelet runs in a mount namespace of
+//! its own (`unshare --mount`) where the node's own directory is bind-mounted there; gpushared
+//! reaches the same sockets through the node's directory. Kubelets of several tests then run
+//! side by side, the machine's `/var/lib/kubelet` is left alone, and the mounts the kubelet makes
+//! (its root directory onto itself) end with it.
 //!
 //! The settings are those a container on cgroup v1 needs (kubelet 1.35 and later refuse cgroup
 //! v1 unless `failCgroupV1: false`): no quality-of-service cgroups, no node-allocatable
@@ -21,12 +24,13 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::bail;
+use anyhow::Context as _;
 
 use crate::cluster::{Proc, free_port, wait_for};
 use crate::realkube::ControlPlane;
 
-/// The kubelet's device plugin directory, which `--root-dir` does not move.
+/// The kubelet's device plugin directory, which `--root-dir` does not move: in the kubelet's
+/// mount namespace, the node's [`KubeletDirs::device_plugins`] is mounted here.
 pub const DEVICE_PLUGIN_DIR: &str = "/var/lib/kubelet/device-plugins";
 
 /// Where one node's kubelet keeps its state.
@@ -45,10 +49,11 @@ impl KubeletDirs {
         KubeletDirs { root: dir.join("kubelet"), logs: dir.join("pod-logs") }
     }
 
-    /// The device plugins' directory, where `kubelet.sock` is: the kubelet's fixed one.
+    /// The device plugins' directory, where `kubelet.sock` is, as processes outside the
+    /// kubelet's mount namespace (gpushared) reach it.
     #[must_use]
     pub fn device_plugins(&self) -> PathBuf {
-        PathBuf::from(DEVICE_PLUGIN_DIR)
+        self.root.parent().unwrap_or(&self.root).join("device-plugins")
     }
 
     /// The PodResources socket.
@@ -76,26 +81,14 @@ impl RealKubelet {
     /// `runtime` (`unix:///...`), and waits until it has registered its Node.
     ///
     /// # Errors
-    /// If another kubelet serves device plugins on this machine, or the kubelet does not start
-    /// or register within a minute (with the end of its log).
+    /// If the kubelet does not start or register within a minute (with the end of its log).
     pub fn start(plane: &ControlPlane, node: &str, dir: &Path, runtime: &str) -> anyhow::Result<RealKubelet> {
-        let socket = Path::new(DEVICE_PLUGIN_DIR).join("kubelet.sock");
-        if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
-            bail!(
-                "a kubelet already serves {}: the real kubelet of the tests would take its device plugins; \
-                 run the real-kubelet tests on a machine that is not a Kubernetes node",
-                socket.display()
-            );
-        }
-        // A fresh node: no device plugin sockets or checkpoint of an earlier run (the directory
-        // outlives the test, being the kubelet's fixed one).
-        if let Err(e) = std::fs::remove_dir_all(DEVICE_PLUGIN_DIR)
-            && e.kind() != std::io::ErrorKind::NotFound
-        {
-            bail!("cannot clear {DEVICE_PLUGIN_DIR}: {e}");
-        }
         let dirs = KubeletDirs::under(dir);
         std::fs::create_dir_all(&dirs.root)?;
+        std::fs::create_dir_all(dirs.device_plugins())?;
+        // The mount point; mounting over it in the kubelet's namespace leaves the machine's as is.
+        std::fs::create_dir_all(DEVICE_PLUGIN_DIR)
+            .with_context(|| format!("creating {DEVICE_PLUGIN_DIR}, the kubelet's mount point"))?;
         std::fs::create_dir_all(&dirs.logs)?;
         let kubeconfig = plane.pki.kubeconfig(&plane.server, &format!("system:node:{node}"), &["system:nodes"])?;
         let config = dir.join("kubelet-config.yaml");
@@ -138,8 +131,16 @@ impl RealKubelet {
         )?;
         let proc = plane.spawn(
             &format!("kubelet-{node}"),
-            &plane.bin.join("kubelet"),
+            Path::new("unshare"),
             vec![
+                "--mount".into(),
+                "--propagation=private".into(),
+                "--".into(),
+                "sh".into(),
+                "-c".into(),
+                format!("mount --bind \"$0\" {DEVICE_PLUGIN_DIR} && exec \"$@\""),
+                dirs.device_plugins().display().to_string(),
+                plane.bin.join("kubelet").display().to_string(),
                 format!("--config={}", config.display()),
                 format!("--kubeconfig={}", kubeconfig.display()),
                 format!("--root-dir={}", dirs.root.display()),
@@ -158,22 +159,6 @@ impl RealKubelet {
             plane.kubectl(&["taint", "node", node, "node.kubernetes.io/not-ready:NoSchedule-"])?;
         }
         Ok(kubelet)
-    }
-
-    /// Kills the kubelet and undoes the bind mount it makes of its root directory (onto itself,
-    /// to share it with containers' mounts), so the directory can be removed.
-    fn stop(&mut self) {
-        self.proc.kill();
-        let Ok(root) = std::ffi::CString::new(self.dirs.root.as_os_str().as_encoded_bytes()) else { return };
-        // A restarted kubelet may have mounted it again over the first.
-        for _ in 0..8 {
-            // SAFETY: `root` is a valid NUL-terminated path; MNT_DETACH only detaches the mount.
-            #[allow(unsafe_code)]
-            let unmounted = unsafe { libc::umount2(root.as_ptr(), libc::MNT_DETACH) } == 0;
-            if !unmounted {
-                break;
-            }
-        }
     }
 
     /// Kills the kubelet (SIGKILL) and starts it again with the same settings and state, as
@@ -201,12 +186,6 @@ impl RealKubelet {
                     ])
                     .is_ok_and(|s| s.trim() == "True")
         })
-    }
-}
-
-impl Drop for RealKubelet {
-    fn drop(&mut self) {
-        self.stop();
     }
 }
 

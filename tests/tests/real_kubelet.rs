@@ -25,6 +25,15 @@ fn is_root() -> bool {
         .is_ok_and(|s| s.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("0")))
 }
 
+/// The real-cluster box, when this machine can run the real kubelet.
+async fn real_box() -> Option<RealBox> {
+    if !is_root() {
+        gpushare_testkit::skip_unless_ci("the real kubelet needs root (it runs in a mount namespace of its own)");
+        return None;
+    }
+    up().await
+}
+
 /// A node with the real kubelet and gpushared on two T4s; waits until the kubelet reports the
 /// device plugin's memory in the node's allocatable.
 fn start_node(b: &RealBox) -> (RecordingRuntime, RealKubelet, Proc) {
@@ -146,11 +155,7 @@ fn wait_published(b: &RealBox, daemon: &Proc, want: &[&str]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_real_kubelet_runs_each_container_on_the_gpu_of_its_assignment() {
-    if !is_root() {
-        gpushare_testkit::skip_unless_ci("the real kubelet needs root (it mounts its root directory)");
-        return;
-    }
-    let Some(b) = up().await else { return };
+    let Some(b) = real_box().await else { return };
     let (runtime, mut kubelet, daemon) = start_node(&b);
 
     // Three pods that fill the two GPUs unevenly: the kubelet admits each through Allocate, and
@@ -185,4 +190,74 @@ async fn the_real_kubelet_runs_each_container_on_the_gpu_of_its_assignment() {
     b.plane.kubectl(&["delete", "pod", "kb-a", "-n", "default", "--grace-period=1"]).unwrap();
     wait_published(&b, &daemon, &["kb-b", "kb-c", "kb-d"]);
     assert!(runtime.running().iter().all(|c| c.pod != "kb-a"), "kb-a still runs: {:?}", runtime.running());
+}
+
+/// A pod with an init container (it runs `true` and exits), a sidecar (a restartable init
+/// container) and two app containers, each asking for its own GPU memory.
+fn mixed_pod(name: &str) -> serde_json::Value {
+    let gpu = |mib: u64| serde_json::json!({"limits": {"gpushare.io/gpu-mem": mib.to_string()}});
+    serde_json::json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+        "spec": {"automountServiceAccountToken": false,
+                 "initContainers": [
+                     {"name": "fetch", "image": "registry.example/fetch:1", "command": ["true"], "resources": gpu(4000)},
+                     {"name": "proxy", "image": "registry.example/proxy:1", "restartPolicy": "Always", "resources": gpu(1000)}],
+                 "containers": [
+                     {"name": "main", "image": "registry.example/app:1", "resources": gpu(3000)},
+                     {"name": "worker", "image": "registry.example/app:1", "resources": gpu(2000)}]}})
+}
+
+/// Checks every container the runtime created for pod `name` against its assignment: the GPU it
+/// sees and its budget. Returns how many there were.
+fn check_every_container(b: &RealBox, runtime: &RecordingRuntime, name: &str) -> usize {
+    let p = get(&b.plane, &["get", "pod", name, "-n", "default"]);
+    let a = Assignment::decode(p["metadata"]["annotations"][ASSIGNMENT_KEY].as_str().unwrap()).unwrap();
+    let created: Vec<Created> = runtime.created().into_iter().filter(|c| c.pod == name).collect();
+    for c in &created {
+        let assigned = a
+            .containers
+            .iter()
+            .find(|x| x.name == c.container)
+            .unwrap_or_else(|| panic!("{name}: container {} has no assignment in {a:?}", c.container));
+        let share = &assigned.gpus[0];
+        assert_eq!(
+            c.envs.get("NVIDIA_VISIBLE_DEVICES").map(String::as_str),
+            Some(share.uuid.as_str()),
+            "{name}/{}",
+            c.container
+        );
+        assert_eq!(c.envs.get("GPUSHARE_MEMORY_MIB"), Some(&share.mib.get().to_string()), "{name}/{}", c.container);
+    }
+    created.len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn init_containers_sidecars_and_a_gpushared_restart_under_the_real_kubelet() {
+    let Some(b) = real_box().await else { return };
+    let (runtime, _kubelet, mut daemon) = start_node(&b);
+
+    // The kubelet runs the init container to completion, then the sidecar and both app
+    // containers, each created with the GPU and budget of its own assignment.
+    b.plane.create(&mixed_pod("mix-a")).unwrap();
+    wait_bound(&b, &["mix-a".to_owned()]).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while runtime.running().iter().filter(|c| c.pod == "mix-a").count() < 3 {
+        assert!(Instant::now() < deadline, "mix-a's containers: {:?}\n{}", runtime.created(), daemon.log_tail(40));
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert_eq!(check_every_container(&b, &runtime, "mix-a"), 4, "{:?}", runtime.created());
+    wait_published(&b, &daemon, &["mix-a"]);
+
+    // gpushared killed and started again: it comes back with its ledger, registers again, keeps
+    // mix-a published, and serves the next pod on the GPU of its assignment.
+    daemon.kill_and_restart().unwrap();
+    b.plane.create(&mixed_pod("mix-b")).unwrap();
+    wait_bound(&b, &["mix-b".to_owned()]).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while runtime.running().iter().filter(|c| c.pod == "mix-b").count() < 3 {
+        assert!(Instant::now() < deadline, "mix-b's containers: {:?}\n{}", runtime.created(), daemon.log_tail(40));
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert_eq!(check_every_container(&b, &runtime, "mix-b"), 4, "{:?}", runtime.created());
+    wait_published(&b, &daemon, &["mix-a", "mix-b"]);
+    assert!(daemon.exited().is_none(), "{}", daemon.log_tail(40));
 }
