@@ -37,6 +37,11 @@ async fn real_box() -> Option<RealBox> {
 /// A node with the real kubelet and gpushared on two T4s; waits until the kubelet reports the
 /// device plugin's memory in the node's allocatable.
 fn start_node(b: &RealBox) -> (RecordingRuntime, RealKubelet, Proc) {
+    start_node_with(b, ("", ""))
+}
+
+/// [`start_node`] with `extra` (fake NVML directives, gpushared.toml text).
+fn start_node_with(b: &RealBox, extra: (&str, &str)) -> (RecordingRuntime, RealKubelet, Proc) {
     let host = b.plane.dir.join(NODE);
     let runtime = RecordingRuntime::serve(&host.join("cri/cri.sock")).unwrap();
     let kubelet = RealKubelet::start(&b.plane, NODE, &host, &runtime.endpoint()).unwrap_or_else(|e| panic!("{e:#}"));
@@ -45,9 +50,9 @@ fn start_node(b: &RealBox) -> (RecordingRuntime, RealKubelet, Proc) {
         &b.plane,
         NODE,
         &host.join("gpushared"),
-        &kubelet.dirs.device_plugins(),
-        &kubelet.dirs.pod_resources(),
+        (&kubelet.dirs.device_plugins(), &kubelet.dirs.pod_resources()),
         &gpus,
+        extra,
     );
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -260,4 +265,63 @@ async fn init_containers_sidecars_and_a_gpushared_restart_under_the_real_kubelet
     assert_eq!(check_every_container(&b, &runtime, "mix-b"), 4, "{:?}", runtime.created());
     wait_published(&b, &daemon, &["mix-a", "mix-b"]);
     assert!(daemon.exited().is_none(), "{}", daemon.log_tail(40));
+}
+
+/// The node's allocatable `gpushare.io/gpu-mem`, as the kubelet reports it.
+fn allocatable(b: &RealBox) -> String {
+    b.plane
+        .kubectl(&["get", "node", NODE, "-o", "jsonpath={.status.allocatable.gpushare\\.io/gpu-mem}"])
+        .unwrap()
+        .trim()
+        .to_owned()
+}
+
+fn wait_allocatable(b: &RealBox, daemon: &Proc, want: &str) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while allocatable(b) != want {
+        assert!(Instant::now() < deadline, "allocatable {} not {want}\n{}", allocatable(b), daemon.log_tail(30));
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_with_an_xid_leaves_the_kubelets_allocatable_and_comes_back() {
+    let Some(b) = real_box().await else { return };
+    let events = b.plane.dir.join(NODE).join("nvml-events");
+    let nvml = gpushare_testkit::nvml::events_directive(&events);
+    let (runtime, kubelet, daemon) =
+        start_node_with(&b, (&nvml, "[health]\nprobe_interval_seconds = 1\nrecovery_seconds = 15\n"));
+
+    b.plane.create(&pod("x-a", 8000)).unwrap();
+    wait_bound(&b, &["x-a".to_owned()]).await;
+    let running = wait_running(&b, &runtime, &kubelet, &daemon, &["x-a"]);
+    check_containers(&b, &running);
+    let p = get(&b.plane, &["get", "pod", "x-a", "-n", "default"]);
+    let a = Assignment::decode(p["metadata"]["annotations"][ASSIGNMENT_KEY].as_str().unwrap()).unwrap();
+    let sick = a.containers[0].gpus[0].index;
+
+    // Xid 79 (fallen off the bus) on x-a's GPU: gpushared reports its devices Unhealthy and the
+    // kubelet takes them out of the node's allocatable; x-a runs on. A pod that would fit the
+    // sick GPU's room (7360) goes to the other GPU.
+    gpushare_testkit::nvml::inject(&events, &format!("xid {sick} 79")).unwrap();
+    wait_allocatable(&b, &daemon, "15360");
+    b.plane.create(&pod("x-b", 5000)).unwrap();
+    wait_bound(&b, &["x-b".to_owned()]).await;
+    let p = get(&b.plane, &["get", "pod", "x-b", "-n", "default"]);
+    let a = Assignment::decode(p["metadata"]["annotations"][ASSIGNMENT_KEY].as_str().unwrap()).unwrap();
+    assert_ne!(a.containers[0].gpus[0].index, sick, "x-b was placed on the GPU with the Xid");
+    // The kubelet's allocatable (15360) still counts x-a's 8000 MiB on the sick GPU, so kube-scheduler
+    // itself sees 2360 MiB left for a pod of 6000 (the healthy GPU has 10360): it waits.
+    b.plane.create(&pod("x-c", 6000)).unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    let p = get(&b.plane, &["get", "pod", "x-c", "-n", "default"]);
+    assert!(p["spec"]["nodeName"].is_null(), "x-c was placed beyond the kubelet's allocatable: {}", p["metadata"]);
+    assert!(runtime.running().iter().any(|c| c.pod == "x-a"), "x-a stopped running");
+
+    // No new fault for recovery_seconds and the GPU answers: healthy again, back in the
+    // allocatable, and x-c placed and admitted.
+    wait_allocatable(&b, &daemon, "30720");
+    wait_bound(&b, &["x-c".to_owned()]).await;
+    let running = wait_running(&b, &runtime, &kubelet, &daemon, &["x-a", "x-b", "x-c"]);
+    check_containers(&b, &running);
 }

@@ -145,19 +145,20 @@ pub(crate) async fn wait_bound(b: &RealBox, names: &[String]) -> Vec<Value> {
 
 /// Starts gpushared as `node` (its own `system:node:` certificate) on fake GPUs, against the
 /// kubelet whose device plugins live in `plugin_dir` and whose PodResources socket is
-/// `pod_resources`; its ledger, configuration and fake NVML library under `host`.
+/// `pod_resources`; its ledger, configuration and fake NVML library under `host`. `extra` is
+/// (fake NVML directives, further gpushared.toml text).
 pub(crate) fn start_gpushared(
     plane: &ControlPlane,
     node: &str,
     host: &Path,
-    plugin_dir: &Path,
-    pod_resources: &Path,
+    (plugin_dir, pod_resources): (&Path, &Path),
     gpus: &[FakeGpu],
+    (nvml_extra, config_extra): (&str, &str),
 ) -> Proc {
     std::fs::create_dir_all(host).unwrap();
     let library = nvml::build(host).unwrap();
     let nvml_config = host.join("fake-nvml.conf");
-    nvml::write_config(&nvml_config, gpus, "").unwrap();
+    nvml::write_config(&nvml_config, gpus, nvml_extra).unwrap();
     let node_kubeconfig =
         plane.pki.kubeconfig(&plane.server, &format!("system:node:{node}"), &["system:nodes"]).unwrap();
     let config = host.join("gpushared.toml");
@@ -165,7 +166,7 @@ pub(crate) fn start_gpushared(
         &config,
         format!(
             "node_name = \"{node}\"\n[kubelet]\ndevice_plugin_dir = \"{}\"\npod_resources_socket = \"{}\"\n\
-             [ledger]\npath = \"{}\"\n[kubernetes]\nkubeconfig = \"{}\"\n[nvml]\nlibrary = \"{}\"\n[dbus]\nenabled = false\n",
+             [ledger]\npath = \"{}\"\n[kubernetes]\nkubeconfig = \"{}\"\n[nvml]\nlibrary = \"{}\"\n[dbus]\nenabled = false\n{config_extra}",
             plugin_dir.display(),
             pod_resources.display(),
             host.join("ledger.db").display(),
