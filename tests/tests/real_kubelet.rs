@@ -16,7 +16,7 @@ use gpushare_testkit::nvml::FakeGpu;
 use gpushare_testkit::realkubelet::RealKubelet;
 
 mod realbox;
-use realbox::{RealBox, get, pod, start_gpushared, up, wait_bound};
+use realbox::{RealBox, get, pod, start_gpushared, up, up_with, wait_bound};
 
 const NODE: &str = "node-k";
 
@@ -34,14 +34,25 @@ async fn real_box() -> Option<RealBox> {
     up().await
 }
 
+/// [`real_box`] set up as a cluster moving from Alibaba's gpushare: the shipped Alibaba
+/// scheduler configuration and the extender with `compatibility = "alibaba"`.
+async fn alibaba_box() -> Option<RealBox> {
+    if !is_root() {
+        gpushare_testkit::skip_unless_ci("the real kubelet needs root (it runs in a mount namespace of its own)");
+        return None;
+    }
+    up_with("gpushare-scheduler-config-alibaba.yaml", "[resources]\ncompatibility = \"alibaba\"\n").await
+}
+
 /// A node with the real kubelet and gpushared on two T4s; waits until the kubelet reports the
 /// device plugin's memory in the node's allocatable.
 fn start_node(b: &RealBox) -> (RecordingRuntime, RealKubelet, Proc) {
-    start_node_with(b, ("", ""))
+    start_node_with(b, ("", ""), "gpushare.io/gpu-mem")
 }
 
-/// [`start_node`] with `extra` (fake NVML directives, gpushared.toml text).
-fn start_node_with(b: &RealBox, extra: (&str, &str)) -> (RecordingRuntime, RealKubelet, Proc) {
+/// [`start_node`] with `extra` (fake NVML directives, gpushared.toml text), waiting for the
+/// kubelet to report the memory as `resource`.
+fn start_node_with(b: &RealBox, extra: (&str, &str), resource: &str) -> (RecordingRuntime, RealKubelet, Proc) {
     let host = b.plane.dir.join(NODE);
     let runtime = RecordingRuntime::serve(&host.join("cri/cri.sock")).unwrap();
     let kubelet = RealKubelet::start(&b.plane, NODE, &host, &runtime.endpoint()).unwrap_or_else(|e| panic!("{e:#}"));
@@ -56,16 +67,14 @@ fn start_node_with(b: &RealBox, extra: (&str, &str)) -> (RecordingRuntime, RealK
     );
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let allocatable = b
-            .plane
-            .kubectl(&["get", "node", NODE, "-o", "jsonpath={.status.allocatable.gpushare\\.io/gpu-mem}"])
-            .unwrap();
+        let path = format!("jsonpath={{.status.allocatable.{}}}", resource.replace('.', "\\."));
+        let allocatable = b.plane.kubectl(&["get", "node", NODE, "-o", &path]).unwrap();
         if allocatable.trim() == "30720" {
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "the kubelet reports {allocatable:?} MiB of gpushare.io/gpu-mem after 60 s\ngpushared:\n{}\nkubelet:\n{}",
+            "the kubelet reports {allocatable:?} MiB of {resource} after 60 s\ngpushared:\n{}\nkubelet:\n{}",
             daemon.log_tail(30),
             kubelet.proc.log_tail(30)
         );
@@ -289,8 +298,11 @@ async fn a_gpu_with_an_xid_leaves_the_kubelets_allocatable_and_comes_back() {
     let Some(b) = real_box().await else { return };
     let events = b.plane.dir.join(NODE).join("nvml-events");
     let nvml = gpushare_testkit::nvml::events_directive(&events);
-    let (runtime, kubelet, daemon) =
-        start_node_with(&b, (&nvml, "[health]\nprobe_interval_seconds = 1\nrecovery_seconds = 15\n"));
+    let (runtime, kubelet, daemon) = start_node_with(
+        &b,
+        (&nvml, "[health]\nprobe_interval_seconds = 1\nrecovery_seconds = 15\n"),
+        "gpushare.io/gpu-mem",
+    );
 
     b.plane.create(&pod("x-a", 8000)).unwrap();
     wait_bound(&b, &["x-a".to_owned()]).await;
@@ -324,4 +336,38 @@ async fn a_gpu_with_an_xid_leaves_the_kubelets_allocatable_and_comes_back() {
     wait_bound(&b, &["x-c".to_owned()]).await;
     let running = wait_running(&b, &runtime, &kubelet, &daemon, &["x-a", "x-b", "x-c"]);
     check_containers(&b, &running);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alibaba_style_pods_run_under_the_real_kubelet_with_the_compatibility_setting() {
+    let Some(b) = alibaba_box().await else { return };
+    let (runtime, kubelet, daemon) =
+        start_node_with(&b, ("", "[resources]\ncompatibility = \"alibaba\"\n"), "aliyun.com/gpu-mem");
+
+    // Pods as Alibaba's users write them: aliyun.com/gpu-mem, nothing of gpushare's.
+    let alibaba_pod = |name: &str, mib: u64| {
+        serde_json::json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+            "spec": {"automountServiceAccountToken": false,
+                     "containers": [{"name": "main", "image": "registry.example/app:1",
+                                     "resources": {"limits": {"aliyun.com/gpu-mem": mib.to_string()}}}]}})
+    };
+    let names = ["ali-a", "ali-b", "ali-c"];
+    for (name, mib) in names.iter().zip([6000, 7000, 8000]) {
+        b.plane.create(&alibaba_pod(name, mib)).unwrap();
+    }
+    wait_bound(&b, &names.map(str::to_owned)).await;
+    let containers = wait_running(&b, &runtime, &kubelet, &daemon, &names);
+    check_containers(&b, &containers);
+    for (name, c) in &containers {
+        let p = get(&b.plane, &["get", "pod", name, "-n", "default"]);
+        let annotations = &p["metadata"]["annotations"];
+        let a = Assignment::decode(annotations[ASSIGNMENT_KEY].as_str().unwrap()).unwrap();
+        let share = &a.containers[0].gpus[0];
+        // Alibaba's annotations, written at bind, and its environment, as its device plugin set them.
+        assert_eq!(annotations["ALIYUN_COM_GPU_MEM_IDX"], share.index.to_string(), "{name}: {annotations}");
+        assert_eq!(annotations["ALIYUN_COM_GPU_MEM_POD"], share.mib.get().to_string(), "{name}");
+        assert_eq!(c.envs.get("ALIYUN_COM_GPU_MEM_CONTAINER"), Some(&share.mib.get().to_string()), "{name}");
+        assert_eq!(c.envs.get("ALIYUN_COM_GPU_MEM_DEV").map(String::as_str), Some("15360"), "{name}");
+    }
+    wait_published(&b, &daemon, &names);
 }

@@ -71,6 +71,12 @@ pub(crate) struct RealBox {
 }
 
 pub(crate) async fn up() -> Option<RealBox> {
+    up_with("gpushare-scheduler-config.yaml", "").await
+}
+
+/// [`up`] with kube-scheduler loading `etc/kube-scheduler/<scheduler_config>` and
+/// `extender_extra` added to the extender's configuration.
+pub(crate) async fn up_with(scheduler_config: &str, extender_extra: &str) -> Option<RealBox> {
     if !realkube::available() {
         gpushare_testkit::skip_unless_ci("no Go to build the real Kubernetes components");
         return None;
@@ -90,7 +96,10 @@ pub(crate) async fn up() -> Option<RealBox> {
     let config = dir.join("gpushare-extender.toml");
     std::fs::write(
         &config,
-        format!("[server]\nlisten = \"{addr}\"\n[kubernetes]\nkubeconfig = \"{}\"\n", extender_kubeconfig.display()),
+        format!(
+            "[server]\nlisten = \"{addr}\"\n[kubernetes]\nkubeconfig = \"{}\"\n{extender_extra}",
+            extender_kubeconfig.display()
+        ),
     )
     .unwrap();
     let mut extender = plane
@@ -109,7 +118,7 @@ pub(crate) async fn up() -> Option<RealBox> {
     }
     plane
         .start_scheduler(
-            &repo().join("etc/kube-scheduler/gpushare-scheduler-config.yaml"),
+            &repo().join("etc/kube-scheduler").join(scheduler_config),
             &format!("http://{addr}/gpushare-scheduler"),
         )
         .unwrap();
