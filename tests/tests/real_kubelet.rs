@@ -47,12 +47,16 @@ async fn alibaba_box() -> Option<RealBox> {
 /// A node with the real kubelet and gpushared on two T4s; waits until the kubelet reports the
 /// device plugin's memory in the node's allocatable.
 fn start_node(b: &RealBox) -> (RecordingRuntime, RealKubelet, Proc) {
-    start_node_with(b, ("", ""), "gpushare.io/gpu-mem")
+    start_node_with(b, ("", ""), ("gpushare.io/gpu-mem", "30720"))
 }
 
 /// [`start_node`] with `extra` (fake NVML directives, gpushared.toml text), waiting for the
-/// kubelet to report the memory as `resource`.
-fn start_node_with(b: &RealBox, extra: (&str, &str), resource: &str) -> (RecordingRuntime, RealKubelet, Proc) {
+/// kubelet to report `amount` of `resource`.
+fn start_node_with(
+    b: &RealBox,
+    extra: (&str, &str),
+    (resource, amount): (&str, &str),
+) -> (RecordingRuntime, RealKubelet, Proc) {
     let host = b.plane.dir.join(NODE);
     let runtime = RecordingRuntime::serve(&host.join("cri/cri.sock")).unwrap();
     let kubelet = RealKubelet::start(&b.plane, NODE, &host, &runtime.endpoint()).unwrap_or_else(|e| panic!("{e:#}"));
@@ -69,7 +73,7 @@ fn start_node_with(b: &RealBox, extra: (&str, &str), resource: &str) -> (Recordi
     loop {
         let path = format!("jsonpath={{.status.allocatable.{}}}", resource.replace('.', "\\."));
         let allocatable = b.plane.kubectl(&["get", "node", NODE, "-o", &path]).unwrap();
-        if allocatable.trim() == "30720" {
+        if allocatable.trim() == amount {
             break;
         }
         assert!(
@@ -301,7 +305,7 @@ async fn a_gpu_with_an_xid_leaves_the_kubelets_allocatable_and_comes_back() {
     let (runtime, kubelet, daemon) = start_node_with(
         &b,
         (&nvml, "[health]\nprobe_interval_seconds = 1\nrecovery_seconds = 15\n"),
-        "gpushare.io/gpu-mem",
+        ("gpushare.io/gpu-mem", "30720"),
     );
 
     b.plane.create(&pod("x-a", 8000)).unwrap();
@@ -342,7 +346,7 @@ async fn a_gpu_with_an_xid_leaves_the_kubelets_allocatable_and_comes_back() {
 async fn alibaba_style_pods_run_under_the_real_kubelet_with_the_compatibility_setting() {
     let Some(b) = alibaba_box().await else { return };
     let (runtime, kubelet, daemon) =
-        start_node_with(&b, ("", "[resources]\ncompatibility = \"alibaba\"\n"), "aliyun.com/gpu-mem");
+        start_node_with(&b, ("", "[resources]\ncompatibility = \"alibaba\"\n"), ("aliyun.com/gpu-mem", "30720"));
 
     // Pods as Alibaba's users write them: aliyun.com/gpu-mem, nothing of gpushare's.
     let alibaba_pod = |name: &str, mib: u64| {
@@ -370,4 +374,45 @@ async fn alibaba_style_pods_run_under_the_real_kubelet_with_the_compatibility_se
         assert_eq!(c.envs.get("ALIYUN_COM_GPU_MEM_DEV").map(String::as_str), Some("15360"), "{name}");
     }
     wait_published(&b, &daemon, &names);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_gpu_beside_shared_ones_under_the_real_kubelet() {
+    let Some(b) = real_box().await else { return };
+    // GPU 1 handed out whole: the kubelet reports GPU 0's memory and one whole GPU.
+    let (runtime, kubelet, daemon) =
+        start_node_with(&b, ("", "[sharing]\nwhole = [1]\n"), ("gpushare.io/gpu-mem", "15360"));
+    let whole =
+        b.plane.kubectl(&["get", "node", NODE, "-o", "jsonpath={.status.allocatable.gpushare\\.io/gpu}"]).unwrap();
+    assert_eq!(whole.trim(), "1");
+
+    let whole_pod = |name: &str| {
+        serde_json::json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+            "spec": {"automountServiceAccountToken": false,
+                     "containers": [{"name": "main", "image": "registry.example/train:1",
+                                     "resources": {"limits": {"gpushare.io/gpu": "1"}}}]}})
+    };
+    b.plane.create(&pod("s-a", 6000)).unwrap();
+    b.plane.create(&pod("s-b", 7000)).unwrap();
+    b.plane.create(&whole_pod("w-a")).unwrap();
+    wait_bound(&b, &["s-a".to_owned(), "s-b".to_owned(), "w-a".to_owned()]).await;
+    let running = wait_running(&b, &runtime, &kubelet, &daemon, &["s-a", "s-b", "w-a"]);
+    let (shares, wholes): (BTreeMap<String, Created>, BTreeMap<String, Created>) =
+        running.into_iter().partition(|(name, _)| name.starts_with("s-"));
+    check_containers(&b, &shares);
+    for (name, c) in &shares {
+        assert_eq!(c.envs.get("NVIDIA_VISIBLE_DEVICES").map(String::as_str), Some("GPU-fake-node-k-0"), "{name}");
+    }
+    assert_eq!(wholes["w-a"].envs.get("NVIDIA_VISIBLE_DEVICES").map(String::as_str), Some("GPU-fake-node-k-1"));
+
+    // The whole GPU is taken and GPU 0 has 2360 MiB left: a second whole pod and a share of
+    // 5000 MiB both wait; neither lands on the other's GPU.
+    b.plane.create(&whole_pod("w-b")).unwrap();
+    b.plane.create(&pod("s-c", 5000)).unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    for name in ["w-b", "s-c"] {
+        let p = get(&b.plane, &["get", "pod", name, "-n", "default"]);
+        assert!(p["spec"]["nodeName"].is_null(), "{name} was placed: {}", p["metadata"]);
+    }
+    assert_eq!(runtime.running().len(), 3, "{:?}", runtime.running());
 }
