@@ -18,6 +18,11 @@ use anyhow::{Context as _, bail};
 
 use crate::cluster::{Proc, free_port, wait_for};
 
+/// What the shipped kube-scheduler configurations name as their kubeconfig.
+pub const SCHEDULER_KUBECONFIG: &str = "kubeconfig: /etc/kubernetes/scheduler.conf";
+/// The extender's address in the shipped kube-scheduler configurations.
+pub const EXTENDER_URL: &str = "http://127.0.0.1:39999/gpushare-scheduler";
+
 /// The directory of the real components' binaries: `$GPUSHARE_KUBE_BIN`, or what
 /// `tests/kube/build` builds (or finds in its cache).
 ///
@@ -303,6 +308,19 @@ impl ControlPlane {
         }
     }
 
+    /// A client of the API server as the administrator.
+    ///
+    /// # Errors
+    /// If the kubeconfig cannot be read or used.
+    pub async fn admin_client(&self) -> anyhow::Result<kube::Client> {
+        let kubeconfig = kube::config::Kubeconfig::read_from(&self.admin)
+            .with_context(|| format!("reading {}", self.admin.display()))?;
+        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default())
+            .await
+            .context("the administrator's kubeconfig")?;
+        kube::Client::try_from(config).context("building a client for the API server")
+    }
+
     /// Runs kubectl as the administrator; its stdout.
     ///
     /// # Errors
@@ -386,18 +404,27 @@ impl ControlPlane {
     /// # Errors
     /// If the shipped file lacks what is filled in, or the scheduler does not start.
     pub fn start_scheduler(&mut self, shipped: &Path, extender: &str) -> anyhow::Result<()> {
-        let kubeconfig = self.pki.kubeconfig(&self.server, "system:kube-scheduler", &[])?;
         let text = std::fs::read_to_string(shipped).with_context(|| format!("reading {}", shipped.display()))?;
-        let (kc_from, url_from) =
-            ("kubeconfig: /etc/kubernetes/scheduler.conf", "http://127.0.0.1:39999/gpushare-scheduler");
-        if !text.contains(kc_from) || !text.contains(url_from) {
-            bail!("{} no longer has `{kc_from}` and `{url_from}` to fill in", shipped.display());
+        if !text.contains(SCHEDULER_KUBECONFIG) || !text.contains(EXTENDER_URL) {
+            bail!("{} no longer has `{SCHEDULER_KUBECONFIG}` and `{EXTENDER_URL}` to fill in", shipped.display());
         }
+        self.start_scheduler_config(&text.replace(EXTENDER_URL, extender))
+    }
+
+    /// Starts kube-scheduler (replacing a running one) with the configuration `text`, in which
+    /// `kubeconfig: /etc/kubernetes/scheduler.conf` is replaced by the kubeconfig of
+    /// `system:kube-scheduler`.
+    ///
+    /// # Errors
+    /// If `text` names no such kubeconfig, or the scheduler does not start.
+    pub fn start_scheduler_config(&mut self, text: &str) -> anyhow::Result<()> {
+        if !text.contains(SCHEDULER_KUBECONFIG) {
+            bail!("the scheduler configuration has no `{SCHEDULER_KUBECONFIG}` to fill in");
+        }
+        self.scheduler = None;
+        let kubeconfig = self.pki.kubeconfig(&self.server, "system:kube-scheduler", &[])?;
         let config = self.dir.join("kube-scheduler-config.yaml");
-        std::fs::write(
-            &config,
-            text.replace(kc_from, &format!("kubeconfig: {}", kubeconfig.display())).replace(url_from, extender),
-        )?;
+        std::fs::write(&config, text.replace(SCHEDULER_KUBECONFIG, &format!("kubeconfig: {}", kubeconfig.display())))?;
         let port = free_port()?;
         let scheduler = Proc::spawn(
             "kube-scheduler",

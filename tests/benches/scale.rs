@@ -1,0 +1,224 @@
+//! Scale, side by side in one run: the real kube-scheduler placing pods on many API-only nodes
+//! (Node objects with their daemon's published state and allocatable, no kubelet), (a) through
+//! gpushare's extender with `gpushare.io/gpu-mem`, (b) with the same scheduler and a plain
+//! extended resource, no extender. Reports pods/s for both, the ratio (a)/(b), and the
+//! extender's filter latency under that load.
+//!
+//! ```text
+//! cargo build --release --bins && cargo bench -p gpushare-testkit --bench scale
+//! ```
+//!
+//! `GPUSHARE_SCALE_NODES` (default 1000) nodes of 8 × 80 GiB, `GPUSHARE_SCALE_PODS` (default
+//! 5000) pods of 1–8 GiB created by 16 clients at once; pods/s runs from the first create to the
+//! list (polled every 250 ms) that first shows every pod bound. Both runs use the same
+//! kube-scheduler build with client rate limits raised (`clientConnection` qps and burst 5000):
+//! kube-scheduler's defaults (50/100) would cap the plain run's binds at 50/s, and the extender
+//! binds with its own client. (a) loads the shipped configuration; (b) a configuration with no
+//! extender. The extender's filter p50/p99 come from its own histogram (upper bucket bounds).
+//! Needs the real components (`tests/kube/build`, or `GPUSHARE_KUBE_BIN`).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::print_stderr, clippy::cast_precision_loss)]
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt as _;
+use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
+use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory};
+use gpushare_testkit::cluster::{Binaries, http_get};
+use gpushare_testkit::realkube::{self, ControlPlane, EXTENDER_URL};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+
+const GPUS: u32 = 8;
+const GPU_MIB: u64 = 81_920;
+/// The plain run's extended resource: the same quantity, no extender.
+const PLAIN: &str = "example.com/gpu-mem";
+const RATE: &str = "  qps: 5000\n  burst: 5000\n";
+
+fn env(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn node_object(name: &str) -> Value {
+    let gpus: Vec<Gpu> = (0..GPUS)
+        .map(|i| {
+            Gpu::new(i, GpuUuid::new(format!("GPU-{name}-{i}")).unwrap(), "NVIDIA A100-SXM4-80GB", Mib::new(GPU_MIB))
+        })
+        .collect();
+    let state = NodeState {
+        generation: 1,
+        daemon_version: "0.1.0".into(),
+        inventory: NodeInventory::new(MemoryUnit::Mib, gpus).unwrap(),
+        used: vec![Mib::ZERO; GPUS as usize],
+        allocations: vec![],
+        over_budget: vec![],
+    };
+    json!({"apiVersion": "v1", "kind": "Node",
+           "metadata": {"name": name, "annotations": {NODE_STATE_KEY: state.encode().unwrap()}}})
+}
+
+fn node_status() -> Value {
+    let total = (GPU_MIB * u64::from(GPUS)).to_string();
+    let resources = json!({"cpu": "128", "memory": "1Ti", "pods": "110", "gpushare.io/gpu-mem": total, PLAIN: total});
+    json!({"status": {"capacity": resources, "allocatable": resources,
+        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet ready",
+                        "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}})
+}
+
+fn pod_object(name: &str, resource: &str, mib: u64) -> Pod {
+    serde_json::from_value(
+        json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+        "spec": {"automountServiceAccountToken": false,
+                 "containers": [{"name": "main", "image": "registry.example/app:1",
+                                 "resources": {"limits": {resource: mib.to_string()}}}]}}),
+    )
+    .unwrap()
+}
+
+/// Creates `nodes` API-only nodes: the object, its Ready status, and no `not-ready` taint.
+async fn add_nodes(client: &kube::Client, nodes: usize) {
+    let api: Api<Node> = Api::all(client.clone());
+    let t = Instant::now();
+    futures::stream::iter(0..nodes)
+        .map(|i| {
+            let api = api.clone();
+            async move {
+                let name = format!("node-{i:05}");
+                let node: Node = serde_json::from_value(node_object(&name)).unwrap();
+                api.create(&PostParams::default(), &node).await.unwrap();
+                api.patch_status(&name, &PatchParams::default(), &Patch::Merge(node_status())).await.unwrap();
+                // The API server taints a new node not-ready; the node lifecycle controller would
+                // lift it for a Ready node.
+                api.patch(&name, &PatchParams::default(), &Patch::Merge(json!({"spec": {"taints": null}})))
+                    .await
+                    .unwrap();
+            }
+        })
+        .buffer_unordered(32)
+        .collect::<Vec<()>>()
+        .await;
+    eprintln!("{nodes} API-only nodes in {:.1} s", t.elapsed().as_secs_f64());
+}
+
+/// Creates `count` pods asking `resource` (prefix `prefix`), waits until all are bound; pods/s.
+async fn place(client: &kube::Client, prefix: &str, resource: &str, count: usize) -> f64 {
+    let api: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let t = Instant::now();
+    futures::stream::iter(0..count)
+        .map(|i| {
+            let api = api.clone();
+            let pod = pod_object(&format!("{prefix}-{i:05}"), resource, 1024 * (1 + (i as u64 % 8)));
+            async move {
+                api.create(&PostParams::default(), &pod).await.unwrap();
+            }
+        })
+        .buffer_unordered(16)
+        .collect::<Vec<()>>()
+        .await;
+    let created = t.elapsed();
+    loop {
+        let pods = api.list(&ListParams::default()).await.unwrap();
+        let bound = pods
+            .items
+            .iter()
+            .filter(|p| {
+                p.metadata.name.as_deref().is_some_and(|n| n.starts_with(prefix))
+                    && p.spec.as_ref().is_some_and(|s| s.node_name.is_some())
+            })
+            .count();
+        if bound == count {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(1800), "{bound} of {count} pods bound after 30 minutes");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    eprintln!("{prefix}: {count} pods created in {:.1} s, all bound in {secs:.1} s", created.as_secs_f64());
+    count as f64 / secs
+}
+
+/// The upper bound of the bucket holding quantile `q` of the extender's `verb` histogram, in ms.
+fn quantile_ms(metrics: &str, verb: &str, q: f64) -> Option<f64> {
+    let prefix = format!("gpushare_extender_request_duration_seconds_bucket{{verb=\"{verb}\",le=\"");
+    let buckets: Vec<(f64, f64)> = metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix(&prefix))
+        .filter_map(|rest| {
+            let (le, count) = rest.split_once("\"} ")?;
+            let le = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
+            Some((le, count.trim().parse().ok()?))
+        })
+        .collect();
+    let total = buckets.last()?.1;
+    buckets.iter().find(|(_, c)| *c >= q * total).map(|(le, _)| le * 1e3)
+}
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(run());
+}
+
+async fn run() {
+    let nodes = env("GPUSHARE_SCALE_NODES", 1000);
+    let pods = env("GPUSHARE_SCALE_PODS", 5000);
+    let temp = tempfile::Builder::new().prefix("gpushare-scale.").tempdir().unwrap();
+    let dir = std::env::var_os("GPUSHARE_BOX_DIR").map_or_else(|| temp.path().to_owned(), std::path::PathBuf::from);
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let mut plane = ControlPlane::start(&dir, &realkube::binaries().unwrap()).unwrap();
+    plane.apply(&repo.join("etc/kubernetes/gpushare-extender-rbac.yaml")).unwrap();
+    let client = plane.admin_client().await.unwrap();
+    add_nodes(&client, nodes).await;
+
+    // (a) The extender, under its shipped RBAC, and the shipped scheduler configuration.
+    let ours = Binaries::beside_current_exe().unwrap();
+    let kubeconfig = plane.pki.kubeconfig(&plane.server, "gpushare-extender", &[]).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let config = dir.join("gpushare-extender.toml");
+    std::fs::write(
+        &config,
+        format!("[server]\nlisten = \"{addr}\"\n[kubernetes]\nkubeconfig = \"{}\"\n", kubeconfig.display()),
+    )
+    .unwrap();
+    let mut extender = plane
+        .spawn(
+            "extender",
+            &ours.extender,
+            vec!["--config".into(), config.display().to_string()],
+            vec![("RUST_LOG".into(), "warn".into())],
+        )
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while http_get(addr, "/readyz").await.is_none_or(|(s, _)| s != 200) {
+        assert!(extender.exited().is_none(), "the extender exited:\n{}", extender.log_tail(20));
+        assert!(Instant::now() < deadline, "the extender is not ready:\n{}", extender.log_tail(20));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let shipped = std::fs::read_to_string(repo.join("etc/kube-scheduler/gpushare-scheduler-config.yaml")).unwrap();
+    let with_rate = shipped.replacen("clientConnection:\n", &format!("clientConnection:\n{RATE}"), 1);
+    assert_ne!(with_rate, shipped, "the shipped configuration has no clientConnection section");
+    plane
+        .start_scheduler_config(&with_rate.replace(EXTENDER_URL, &format!("http://{addr}/gpushare-scheduler")))
+        .unwrap();
+    let with_extender = place(&client, "ext", "gpushare.io/gpu-mem", pods).await;
+    let (_, metrics) = http_get(addr, "/metrics").await.unwrap();
+    let (p50, p99) = (quantile_ms(&metrics, "filter", 0.5), quantile_ms(&metrics, "filter", 0.99));
+    drop(extender);
+
+    // (b) The same scheduler, no extender, a plain extended resource.
+    let plain_config = format!(
+        "apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\nclientConnection:\n{RATE}  {}\n",
+        realkube::SCHEDULER_KUBECONFIG
+    );
+    plane.start_scheduler_config(&plain_config).unwrap();
+    let plain = place(&client, "plain", PLAIN, pods).await;
+
+    println!("real kube-scheduler, {nodes} API-only nodes x {GPUS} GPUs, {pods} pods each run");
+    println!("| run | pods/s |");
+    println!("|---|---|");
+    println!("| (a) extender, gpushare.io/gpu-mem | {with_extender:.0} |");
+    println!("| (b) no extender, {PLAIN} | {plain:.0} |");
+    println!("ratio (a)/(b): {:.2}", with_extender / plain);
+    let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v}"));
+    println!("extender filter under load: p50 <= {} ms, p99 <= {} ms (histogram bucket bounds)", ms(p50), ms(p99));
+}
