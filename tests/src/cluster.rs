@@ -500,10 +500,13 @@ impl Cluster {
                         let published = found
                             .and_then(|x| x.metadata.annotations.as_ref())
                             .is_some_and(|a| a.contains_key(NODE_STATE_KEY));
+                        // A kubelet reports the resource at 0 once the plugin registers, before
+                        // its device list arrives (the real kubelet does too): not ready yet.
                         let capacity = found
                             .and_then(|x| x.status.as_ref())
                             .and_then(|s| s.allocatable.as_ref())
-                            .is_some_and(|a| a.contains_key(resource));
+                            .and_then(|a| a.get(resource))
+                            .is_some_and(|q| q.0.parse::<u64>().is_ok_and(|n| n > 0));
                         if !published || !capacity {
                             missing.push(format!("node {} (annotation {published}, capacity {capacity})", n.spec.name));
                         }
