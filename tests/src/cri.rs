@@ -547,7 +547,7 @@ fn chrono_like_now() -> String {
     let d = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
     let secs = d.as_secs();
     let (days, rem) = (secs / 86_400, secs % 86_400);
-    let (y, m, day) = civil_from_days(i64::try_from(days).unwrap_or(0));
+    let (y, m, day) = gpushare_core::time::civil_from_days(i64::try_from(days).unwrap_or(0));
     format!(
         "{y:04}-{m:02}-{day:02}T{:02}:{:02}:{:02}.{:09}Z",
         rem / 3600,
@@ -557,27 +557,17 @@ fn chrono_like_now() -> String {
     )
 }
 
-/// The civil date of a day count since 1970-01-01 (Howard Hinnant's algorithm).
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = u32::try_from(doy - (153 * mp + 2) / 5 + 1).unwrap_or(1);
-    let m = u32::try_from(if mp < 10 { mp + 3 } else { mp - 9 }).unwrap_or(1);
-    (if m <= 2 { yoe + era * 400 + 1 } else { yoe + era * 400 }, m, d)
-}
-
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::chrono_like_now;
 
     #[test]
     fn log_dates_are_civil() {
+        use gpushare_core::time::civil_from_days;
         assert_eq!(civil_from_days(0), (1970, 1, 1));
         assert_eq!(civil_from_days(20_782), (2026, 11, 25));
         assert_eq!(civil_from_days(11_016), (2000, 2, 29));
+        let now = chrono_like_now();
+        assert_eq!((now.len(), &now[4..5], &now[10..11], &now[29..]), (30, "-", "T", "Z"), "{now}");
     }
 }
