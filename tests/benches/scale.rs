@@ -23,7 +23,8 @@ use std::time::{Duration, Instant};
 use futures::StreamExt as _;
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory};
-use gpushare_testkit::cluster::{Binaries, http_get};
+use gpushare_testkit::cluster::http_get;
+use gpushare_testkit::realbox;
 use gpushare_testkit::realkube::{self, ControlPlane, EXTENDER_URL};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
@@ -163,31 +164,14 @@ async fn run() {
     let pods = env("GPUSHARE_SCALE_PODS", 5000);
     let temp = tempfile::Builder::new().prefix("gpushare-scale.").tempdir().unwrap();
     let dir = std::env::var_os("GPUSHARE_BOX_DIR").map_or_else(|| temp.path().to_owned(), std::path::PathBuf::from);
-    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let repo = realbox::repo();
     let mut plane = ControlPlane::start(&dir, &realkube::binaries().unwrap()).unwrap();
     plane.apply(&repo.join("etc/kubernetes/gpushare-extender-rbac.yaml")).unwrap();
     let client = plane.admin_client().await.unwrap();
     add_nodes(&client, nodes).await;
 
     // (a) The extender, under its shipped RBAC, and the shipped scheduler configuration.
-    let ours = Binaries::beside_current_exe().unwrap();
-    let kubeconfig = plane.pki.kubeconfig(&plane.server, "gpushare-extender", &[]).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-    let config = dir.join("gpushare-extender.toml");
-    std::fs::write(
-        &config,
-        format!("[server]\nlisten = \"{addr}\"\n[kubernetes]\nkubeconfig = \"{}\"\n", kubeconfig.display()),
-    )
-    .unwrap();
-    let mut extender = plane
-        .spawn(
-            "extender",
-            &ours.extender,
-            vec!["--config".into(), config.display().to_string()],
-            vec![("RUST_LOG".into(), "warn".into())],
-        )
-        .unwrap();
+    let (mut extender, addr) = realbox::start_extender(&plane, "", "warn").unwrap();
     let deadline = Instant::now() + Duration::from_secs(120);
     while http_get(addr, "/readyz").await.is_none_or(|(s, _)| s != 200) {
         assert!(extender.exited().is_none(), "the extender exited:\n{}", extender.log_tail(20));

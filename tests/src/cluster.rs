@@ -765,6 +765,22 @@ impl Drop for Cluster {
     }
 }
 
+/// The simulated GPUs of a cluster file's node, in index order (four to a NUMA node).
+#[must_use]
+pub fn fake_gpus(node: &NodeSpec) -> Vec<FakeGpu> {
+    node.gpus
+        .iter()
+        .flat_map(|g| (0..g.count).map(move |_| g))
+        .enumerate()
+        .map(|(k, g)| {
+            let k = u32::try_from(k).unwrap_or(u32::MAX);
+            let mut gpu = FakeGpu::new(&node.name, k, g.memory_mib, &g.model);
+            gpu.numa = Some(k / 4);
+            gpu
+        })
+        .collect()
+}
+
 #[allow(clippy::too_many_arguments)]
 fn start_node(
     bin: &Binaries,
@@ -785,18 +801,7 @@ fn start_node(
     let record = ndir.join("kubelet-record.jsonl");
     let events = ndir.join("nvml-events");
     std::fs::write(&events, "")?;
-    let gpus: Vec<FakeGpu> = node
-        .gpus
-        .iter()
-        .flat_map(|g| (0..g.count).map(move |_| g))
-        .enumerate()
-        .map(|(k, g)| {
-            let k = u32::try_from(k).unwrap_or(u32::MAX);
-            let mut gpu = FakeGpu::new(&node.name, k, g.memory_mib, &g.model);
-            gpu.numa = Some(k / 4);
-            gpu
-        })
-        .collect();
+    let gpus = fake_gpus(node);
     let nvml_config = ndir.join("nvml.conf");
     nvml::write_config(&nvml_config, &gpus, &nvml::events_directive(&events))?;
     let address =

@@ -9,6 +9,7 @@
 //! - [`node`]: the kubelet stand-in as a node: registers its Node, admits the pods bound to it, writes their status;
 //! - [`rng`]: a seeded xorshift for tie-breaks and fault choices;
 //! - [`nvml`]: the fake NVML library, built from C, and its configuration;
+//! - [`realbox`]: the real-cluster box: control plane, extender, kube-scheduler, and nodes of real kubelets and gpushared;
 //! - [`realkube`]: the real etcd, kube-apiserver and kube-scheduler as processes;
 //! - [`realkubelet`]: the real kubelet as a node, with [`cri`] as its container runtime;
 //! - [`scheduler`]: the kube-scheduler stand-in.
@@ -21,6 +22,7 @@ pub mod kubelet;
 pub mod node;
 pub mod notify;
 pub mod nvml;
+pub mod realbox;
 pub mod realkube;
 pub mod realkubelet;
 pub mod rng;

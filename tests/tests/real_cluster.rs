@@ -100,7 +100,7 @@ async fn start_node(b: &RealBox) -> (Kubelet, Proc) {
     let pod_resources = host.join("pod-resources/kubelet.sock");
     let kubelet = Kubelet::start_with_pod_resources(&plugin_dir, &pod_resources).await.unwrap();
     let gpus = [FakeGpu::new("node-a", 0, 15360, "Tesla T4"), FakeGpu::new("node-a", 1, 15360, "Tesla T4")];
-    let daemon = start_gpushared(&b.plane, "node-a", &host, (&plugin_dir, &pod_resources), &gpus, ("", ""));
+    let daemon = start_gpushared(&b.plane, "node-a", &host, (&plugin_dir, &pod_resources), &gpus, ("", "")).unwrap();
     kubelet
         .wait_registered(1, Duration::from_secs(30))
         .await

@@ -10,20 +10,14 @@ use std::time::{Duration, Instant};
 
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
-use gpushare_testkit::cluster::Proc;
-use gpushare_testkit::cri::{Created, RecordingRuntime};
+use gpushare_testkit::cri::Created;
 use gpushare_testkit::nvml::FakeGpu;
-use gpushare_testkit::realkubelet::RealKubelet;
+use gpushare_testkit::realbox::{RealNode, is_root};
 
 mod realbox;
-use realbox::{RealBox, get, pod, start_gpushared, up, up_with, wait_bound};
+use realbox::{RealBox, get, pod, up, up_with, wait_bound};
 
 const NODE: &str = "node-k";
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .is_ok_and(|s| s.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("0")))
-}
 
 /// The real-cluster box, when this machine can run the real kubelet.
 async fn real_box() -> Option<RealBox> {
@@ -44,73 +38,44 @@ async fn alibaba_box() -> Option<RealBox> {
     up_with("gpushare-scheduler-config-alibaba.yaml", "[resources]\ncompatibility = \"alibaba\"\n").await
 }
 
-/// A node with the real kubelet and gpushared on two T4s; waits until the kubelet reports the
-/// device plugin's memory in the node's allocatable.
-fn start_node(b: &RealBox) -> (RecordingRuntime, RealKubelet, Proc) {
-    start_node_with(b, ("", ""), ("gpushare.io/gpu-mem", "30720"))
+/// Adds the node with the real kubelet and gpushared on two T4s; waits until the kubelet
+/// reports the device plugin's memory in the node's allocatable.
+fn start_node(b: &mut RealBox) {
+    start_node_with(b, "", ("gpushare.io/gpu-mem", "30720"));
 }
 
-/// [`start_node`] with `extra` (fake NVML directives, gpushared.toml text), waiting for the
-/// kubelet to report `amount` of `resource`.
-fn start_node_with(
-    b: &RealBox,
-    extra: (&str, &str),
-    (resource, amount): (&str, &str),
-) -> (RecordingRuntime, RealKubelet, Proc) {
-    let host = b.plane.dir.join(NODE);
-    let runtime = RecordingRuntime::serve(&host.join("cri/cri.sock")).unwrap();
-    let kubelet = RealKubelet::start(&b.plane, NODE, &host, &runtime.endpoint()).unwrap_or_else(|e| panic!("{e:#}"));
+/// [`start_node`] with `config_extra` added to gpushared.toml, waiting for the kubelet to
+/// report `amount` of `resource`.
+fn start_node_with(b: &mut RealBox, config_extra: &str, (resource, amount): (&str, &str)) {
     let gpus = [FakeGpu::new(NODE, 0, 15360, "Tesla T4"), FakeGpu::new(NODE, 1, 15360, "Tesla T4")];
-    let daemon = start_gpushared(
-        &b.plane,
-        NODE,
-        &host.join("gpushared"),
-        (&kubelet.dirs.device_plugins(), &kubelet.dirs.pod_resources()),
-        &gpus,
-        extra,
-    );
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let path = format!("jsonpath={{.status.allocatable.{}}}", resource.replace('.', "\\."));
-        let allocatable = b.plane.kubectl(&["get", "node", NODE, "-o", &path]).unwrap();
-        if allocatable.trim() == amount {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the kubelet reports {allocatable:?} MiB of {resource} after 60 s\ngpushared:\n{}\nkubelet:\n{}",
-            daemon.log_tail(30),
-            kubelet.proc.log_tail(30)
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
-    (runtime, kubelet, daemon)
+    b.add_node(NODE, &gpus, ("", config_extra)).unwrap_or_else(|e| panic!("{e:#}"));
+    b.wait_allocatable(NODE, resource, amount, Duration::from_secs(60)).unwrap_or_else(|e| panic!("{e:#}"));
+}
+
+fn the_node(b: &RealBox) -> &RealNode {
+    b.node(NODE).unwrap()
 }
 
 /// Waits until every pod of `names` is Running with one running container each; returns
 /// their containers as the runtime created them, by pod name.
-fn wait_running(
-    b: &RealBox,
-    runtime: &RecordingRuntime,
-    kubelet: &RealKubelet,
-    daemon: &Proc,
-    names: &[&str],
-) -> BTreeMap<String, Created> {
+fn wait_running(b: &RealBox, names: &[&str]) -> BTreeMap<String, Created> {
+    let n = the_node(b);
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let running: BTreeMap<String, Created> = runtime
+        let running: BTreeMap<String, Created> = n
+            .runtime
             .running()
             .into_iter()
             .filter(|c| names.contains(&c.pod.as_str()))
             .map(|c| (c.pod.clone(), c))
             .collect();
         let phases = get(&b.plane, &["get", "pods", "-n", "default"]);
-        let all_running = names.iter().all(|n| {
+        let all_running = names.iter().all(|name| {
             phases["items"]
                 .as_array()
                 .unwrap()
                 .iter()
-                .any(|p| p["metadata"]["name"] == *n && p["status"]["phase"] == "Running")
+                .any(|p| p["metadata"]["name"] == *name && p["status"]["phase"] == "Running")
         });
         if running.len() == names.len() && all_running {
             return running;
@@ -120,8 +85,8 @@ fn wait_running(
             "{} of {} containers running after 60 s\npods: {phases}\nkubelet:\n{}\ngpushared:\n{}",
             running.len(),
             names.len(),
-            kubelet.proc.log_tail(40),
-            daemon.log_tail(40)
+            n.kubelet.proc.log_tail(40),
+            n.daemon.log_tail(40)
         );
         std::thread::sleep(Duration::from_millis(250));
     }
@@ -159,22 +124,26 @@ fn published(b: &RealBox) -> Vec<String> {
     pods
 }
 
-fn wait_published(b: &RealBox, daemon: &Proc, want: &[&str]) {
+fn wait_published(b: &RealBox, want: &[&str]) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let now = published(b);
         if now == want {
             return;
         }
-        assert!(Instant::now() < deadline, "gpushared publishes {now:?}, not {want:?}\n{}", daemon.log_tail(40));
+        assert!(
+            Instant::now() < deadline,
+            "gpushared publishes {now:?}, not {want:?}\n{}",
+            the_node(b).daemon.log_tail(40)
+        );
         std::thread::sleep(Duration::from_millis(250));
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_real_kubelet_runs_each_container_on_the_gpu_of_its_assignment() {
-    let Some(b) = real_box().await else { return };
-    let (runtime, mut kubelet, daemon) = start_node(&b);
+    let Some(mut b) = real_box().await else { return };
+    start_node(&mut b);
 
     // Three pods that fill the two GPUs unevenly: the kubelet admits each through Allocate, and
     // the runtime is told what gpushared answered.
@@ -183,31 +152,35 @@ async fn the_real_kubelet_runs_each_container_on_the_gpu_of_its_assignment() {
         b.plane.create(&pod(name, mib)).unwrap();
     }
     wait_bound(&b, &first.map(str::to_owned)).await;
-    let containers = wait_running(&b, &runtime, &kubelet, &daemon, &first);
+    let containers = wait_running(&b, &first);
     check_containers(&b, &containers);
-    wait_published(&b, &daemon, &first);
+    wait_published(&b, &first);
 
     // The kubelet killed and started again: the pods keep running, nothing is created twice,
     // and a pod placed afterwards is admitted on the GPU of its assignment.
-    let created = runtime.created().len();
-    kubelet.restart(&b.plane).unwrap_or_else(|e| panic!("{e:#}"));
+    let created = the_node(&b).runtime.created().len();
+    b.nodes[0].kubelet.restart(&b.plane).unwrap_or_else(|e| panic!("{e:#}"));
     b.plane.create(&pod("kb-d", 5000)).unwrap();
     wait_bound(&b, &["kb-d".to_owned()]).await;
     let all = ["kb-a", "kb-b", "kb-c", "kb-d"];
-    let containers = wait_running(&b, &runtime, &kubelet, &daemon, &all);
+    let containers = wait_running(&b, &all);
     check_containers(&b, &containers);
     assert_eq!(
-        runtime.created().len(),
+        the_node(&b).runtime.created().len(),
         created + 1,
         "containers created again after the restart: {:?}",
-        runtime.created()
+        the_node(&b).runtime.created()
     );
-    wait_published(&b, &daemon, &all);
+    wait_published(&b, &all);
 
     // A pod deleted: the kubelet stops its container and gpushared no longer counts it.
     b.plane.kubectl(&["delete", "pod", "kb-a", "-n", "default", "--grace-period=1"]).unwrap();
-    wait_published(&b, &daemon, &["kb-b", "kb-c", "kb-d"]);
-    assert!(runtime.running().iter().all(|c| c.pod != "kb-a"), "kb-a still runs: {:?}", runtime.running());
+    wait_published(&b, &["kb-b", "kb-c", "kb-d"]);
+    assert!(
+        the_node(&b).runtime.running().iter().all(|c| c.pod != "kb-a"),
+        "kb-a still runs: {:?}",
+        the_node(&b).runtime.running()
+    );
 }
 
 /// A pod with an init container (it runs `true` and exits), a sidecar (a restartable init
@@ -226,10 +199,10 @@ fn mixed_pod(name: &str) -> serde_json::Value {
 
 /// Checks every container the runtime created for pod `name` against its assignment: the GPU it
 /// sees and its budget. Returns how many there were.
-fn check_every_container(b: &RealBox, runtime: &RecordingRuntime, name: &str) -> usize {
+fn check_every_container(b: &RealBox, name: &str) -> usize {
     let p = get(&b.plane, &["get", "pod", name, "-n", "default"]);
     let a = Assignment::decode(p["metadata"]["annotations"][ASSIGNMENT_KEY].as_str().unwrap()).unwrap();
-    let created: Vec<Created> = runtime.created().into_iter().filter(|c| c.pod == name).collect();
+    let created: Vec<Created> = the_node(b).runtime.created().into_iter().filter(|c| c.pod == name).collect();
     for c in &created {
         let assigned = a
             .containers
@@ -250,67 +223,63 @@ fn check_every_container(b: &RealBox, runtime: &RecordingRuntime, name: &str) ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn init_containers_sidecars_and_a_gpushared_restart_under_the_real_kubelet() {
-    let Some(b) = real_box().await else { return };
-    let (runtime, _kubelet, mut daemon) = start_node(&b);
+    let Some(mut b) = real_box().await else { return };
+    start_node(&mut b);
 
     // The kubelet runs the init container to completion, then the sidecar and both app
     // containers, each created with the GPU and budget of its own assignment.
     b.plane.create(&mixed_pod("mix-a")).unwrap();
     wait_bound(&b, &["mix-a".to_owned()]).await;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while runtime.running().iter().filter(|c| c.pod == "mix-a").count() < 3 {
-        assert!(Instant::now() < deadline, "mix-a's containers: {:?}\n{}", runtime.created(), daemon.log_tail(40));
+    while the_node(&b).runtime.running().iter().filter(|c| c.pod == "mix-a").count() < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "mix-a's containers: {:?}\n{}",
+            the_node(&b).runtime.created(),
+            the_node(&b).daemon.log_tail(40)
+        );
         std::thread::sleep(Duration::from_millis(250));
     }
-    assert_eq!(check_every_container(&b, &runtime, "mix-a"), 4, "{:?}", runtime.created());
-    wait_published(&b, &daemon, &["mix-a"]);
+    assert_eq!(check_every_container(&b, "mix-a"), 4, "{:?}", the_node(&b).runtime.created());
+    wait_published(&b, &["mix-a"]);
 
     // gpushared killed and started again: it comes back with its ledger, registers again, keeps
     // mix-a published, and serves the next pod on the GPU of its assignment.
-    daemon.kill_and_restart().unwrap();
+    b.nodes[0].daemon.kill_and_restart().unwrap();
     b.plane.create(&mixed_pod("mix-b")).unwrap();
     wait_bound(&b, &["mix-b".to_owned()]).await;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while runtime.running().iter().filter(|c| c.pod == "mix-b").count() < 3 {
-        assert!(Instant::now() < deadline, "mix-b's containers: {:?}\n{}", runtime.created(), daemon.log_tail(40));
+    while the_node(&b).runtime.running().iter().filter(|c| c.pod == "mix-b").count() < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "mix-b's containers: {:?}\n{}",
+            the_node(&b).runtime.created(),
+            the_node(&b).daemon.log_tail(40)
+        );
         std::thread::sleep(Duration::from_millis(250));
     }
-    assert_eq!(check_every_container(&b, &runtime, "mix-b"), 4, "{:?}", runtime.created());
-    wait_published(&b, &daemon, &["mix-a", "mix-b"]);
-    assert!(daemon.exited().is_none(), "{}", daemon.log_tail(40));
+    assert_eq!(check_every_container(&b, "mix-b"), 4, "{:?}", the_node(&b).runtime.created());
+    wait_published(&b, &["mix-a", "mix-b"]);
+    assert!(b.nodes[0].daemon.exited().is_none(), "{}", the_node(&b).daemon.log_tail(40));
 }
 
-/// The node's allocatable `gpushare.io/gpu-mem`, as the kubelet reports it.
-fn allocatable(b: &RealBox) -> String {
-    b.plane
-        .kubectl(&["get", "node", NODE, "-o", "jsonpath={.status.allocatable.gpushare\\.io/gpu-mem}"])
-        .unwrap()
-        .trim()
-        .to_owned()
-}
-
-fn wait_allocatable(b: &RealBox, daemon: &Proc, want: &str) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while allocatable(b) != want {
-        assert!(Instant::now() < deadline, "allocatable {} not {want}\n{}", allocatable(b), daemon.log_tail(30));
-        std::thread::sleep(Duration::from_millis(250));
-    }
+fn wait_allocatable(b: &RealBox, want: &str) {
+    b.wait_allocatable(NODE, "gpushare.io/gpu-mem", want, Duration::from_secs(60)).unwrap_or_else(|e| panic!("{e:#}"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpu_with_an_xid_leaves_the_kubelets_allocatable_and_comes_back() {
-    let Some(b) = real_box().await else { return };
-    let events = b.plane.dir.join(NODE).join("nvml-events");
-    let nvml = gpushare_testkit::nvml::events_directive(&events);
-    let (runtime, kubelet, daemon) = start_node_with(
-        &b,
-        (&nvml, "[health]\nprobe_interval_seconds = 1\nrecovery_seconds = 15\n"),
+    let Some(mut b) = real_box().await else { return };
+    start_node_with(
+        &mut b,
+        "[health]\nprobe_interval_seconds = 1\nrecovery_seconds = 15\n",
         ("gpushare.io/gpu-mem", "30720"),
     );
+    let events = the_node(&b).events.clone();
 
     b.plane.create(&pod("x-a", 8000)).unwrap();
     wait_bound(&b, &["x-a".to_owned()]).await;
-    let running = wait_running(&b, &runtime, &kubelet, &daemon, &["x-a"]);
+    let running = wait_running(&b, &["x-a"]);
     check_containers(&b, &running);
     let p = get(&b.plane, &["get", "pod", "x-a", "-n", "default"]);
     let a = Assignment::decode(p["metadata"]["annotations"][ASSIGNMENT_KEY].as_str().unwrap()).unwrap();
@@ -320,7 +289,7 @@ async fn a_gpu_with_an_xid_leaves_the_kubelets_allocatable_and_comes_back() {
     // kubelet takes them out of the node's allocatable; x-a runs on. A pod that would fit the
     // sick GPU's room (7360) goes to the other GPU.
     gpushare_testkit::nvml::inject(&events, &format!("xid {sick} 79")).unwrap();
-    wait_allocatable(&b, &daemon, "15360");
+    wait_allocatable(&b, "15360");
     b.plane.create(&pod("x-b", 5000)).unwrap();
     wait_bound(&b, &["x-b".to_owned()]).await;
     let p = get(&b.plane, &["get", "pod", "x-b", "-n", "default"]);
@@ -332,21 +301,20 @@ async fn a_gpu_with_an_xid_leaves_the_kubelets_allocatable_and_comes_back() {
     std::thread::sleep(Duration::from_secs(3));
     let p = get(&b.plane, &["get", "pod", "x-c", "-n", "default"]);
     assert!(p["spec"]["nodeName"].is_null(), "x-c was placed beyond the kubelet's allocatable: {}", p["metadata"]);
-    assert!(runtime.running().iter().any(|c| c.pod == "x-a"), "x-a stopped running");
+    assert!(the_node(&b).runtime.running().iter().any(|c| c.pod == "x-a"), "x-a stopped running");
 
     // No new fault for recovery_seconds and the GPU answers: healthy again, back in the
     // allocatable, and x-c placed and admitted.
-    wait_allocatable(&b, &daemon, "30720");
+    wait_allocatable(&b, "30720");
     wait_bound(&b, &["x-c".to_owned()]).await;
-    let running = wait_running(&b, &runtime, &kubelet, &daemon, &["x-a", "x-b", "x-c"]);
+    let running = wait_running(&b, &["x-a", "x-b", "x-c"]);
     check_containers(&b, &running);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn alibaba_style_pods_run_under_the_real_kubelet_with_the_compatibility_setting() {
-    let Some(b) = alibaba_box().await else { return };
-    let (runtime, kubelet, daemon) =
-        start_node_with(&b, ("", "[resources]\ncompatibility = \"alibaba\"\n"), ("aliyun.com/gpu-mem", "30720"));
+    let Some(mut b) = alibaba_box().await else { return };
+    start_node_with(&mut b, "[resources]\ncompatibility = \"alibaba\"\n", ("aliyun.com/gpu-mem", "30720"));
 
     // Pods as Alibaba's users write them: aliyun.com/gpu-mem, nothing of gpushare's.
     let alibaba_pod = |name: &str, mib: u64| {
@@ -360,7 +328,7 @@ async fn alibaba_style_pods_run_under_the_real_kubelet_with_the_compatibility_se
         b.plane.create(&alibaba_pod(name, mib)).unwrap();
     }
     wait_bound(&b, &names.map(str::to_owned)).await;
-    let containers = wait_running(&b, &runtime, &kubelet, &daemon, &names);
+    let containers = wait_running(&b, &names);
     check_containers(&b, &containers);
     for (name, c) in &containers {
         let p = get(&b.plane, &["get", "pod", name, "-n", "default"]);
@@ -373,15 +341,14 @@ async fn alibaba_style_pods_run_under_the_real_kubelet_with_the_compatibility_se
         assert_eq!(c.envs.get("ALIYUN_COM_GPU_MEM_CONTAINER"), Some(&share.mib.get().to_string()), "{name}");
         assert_eq!(c.envs.get("ALIYUN_COM_GPU_MEM_DEV").map(String::as_str), Some("15360"), "{name}");
     }
-    wait_published(&b, &daemon, &names);
+    wait_published(&b, &names);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_whole_gpu_beside_shared_ones_under_the_real_kubelet() {
-    let Some(b) = real_box().await else { return };
+    let Some(mut b) = real_box().await else { return };
     // GPU 1 handed out whole: the kubelet reports GPU 0's memory and one whole GPU.
-    let (runtime, kubelet, daemon) =
-        start_node_with(&b, ("", "[sharing]\nwhole = [1]\n"), ("gpushare.io/gpu-mem", "15360"));
+    start_node_with(&mut b, "[sharing]\nwhole = [1]\n", ("gpushare.io/gpu-mem", "15360"));
     let whole =
         b.plane.kubectl(&["get", "node", NODE, "-o", "jsonpath={.status.allocatable.gpushare\\.io/gpu}"]).unwrap();
     assert_eq!(whole.trim(), "1");
@@ -396,7 +363,7 @@ async fn a_whole_gpu_beside_shared_ones_under_the_real_kubelet() {
     b.plane.create(&pod("s-b", 7000)).unwrap();
     b.plane.create(&whole_pod("w-a")).unwrap();
     wait_bound(&b, &["s-a".to_owned(), "s-b".to_owned(), "w-a".to_owned()]).await;
-    let running = wait_running(&b, &runtime, &kubelet, &daemon, &["s-a", "s-b", "w-a"]);
+    let running = wait_running(&b, &["s-a", "s-b", "w-a"]);
     let (shares, wholes): (BTreeMap<String, Created>, BTreeMap<String, Created>) =
         running.into_iter().partition(|(name, _)| name.starts_with("s-"));
     check_containers(&b, &shares);
@@ -414,5 +381,5 @@ async fn a_whole_gpu_beside_shared_ones_under_the_real_kubelet() {
         let p = get(&b.plane, &["get", "pod", name, "-n", "default"]);
         assert!(p["spec"]["nodeName"].is_null(), "{name} was placed: {}", p["metadata"]);
     }
-    assert_eq!(runtime.running().len(), 3, "{:?}", runtime.running());
+    assert_eq!(the_node(&b).runtime.running().len(), 3, "{:?}", the_node(&b).runtime.running());
 }

@@ -1,22 +1,21 @@
-//! What the real-cluster suites share: the control plane with the shipped RBAC, the extender
-//! under its own identity and kube-scheduler with the shipped configuration ([`up`]); gpushared
-//! as a node on the fake NVML library ([`start_gpushared`]); pods and nodes as the tests write
-//! them. Each suite uses part of it.
+//! What the real-cluster suites share: the real-cluster box of
+//! [`gpushare_testkit::realbox`] brought up, or the test skipped where it cannot run ([`up`]);
+//! pods and nodes as the tests write them. Each suite uses part of it.
 #![allow(dead_code)]
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory};
-use gpushare_testkit::cluster::{Binaries, Proc, http_get};
-use gpushare_testkit::nvml::{self, FakeGpu};
+use gpushare_testkit::realbox::{RealCluster, RealOptions};
 use gpushare_testkit::realkube::{self, ControlPlane};
 use serde_json::{Value, json};
 
-pub(crate) fn repo() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap()
-}
+#[allow(unused_imports)]
+pub(crate) use gpushare_testkit::realbox::{repo, start_gpushared};
+
+/// The real-cluster box of a suite.
+pub(crate) type RealBox = RealCluster;
 
 /// A Node as its daemon would leave it: GPUs of `mib` in the node state, the memory as the
 /// kubelet's allocatable `gpushare.io/gpu-mem`.
@@ -59,70 +58,26 @@ pub(crate) fn get(plane: &ControlPlane, args: &[&str]) -> Value {
     serde_json::from_str(&plane.kubectl(&all).unwrap()).unwrap()
 }
 
-/// The control plane with the shipped RBAC applied, the extender under its own identity, and
-/// kube-scheduler with the shipped configuration; `None` when the components cannot be had
-/// here (outside CI).
-pub(crate) struct RealBox {
-    pub(crate) plane: ControlPlane,
-    pub(crate) extender: Proc,
-    /// The extender's address.
-    pub(crate) addr: std::net::SocketAddr,
-    _temp: tempfile::TempDir,
-}
-
+/// The real-cluster box with the shipped configurations; `None` when the components cannot
+/// be had here (outside CI).
 pub(crate) async fn up() -> Option<RealBox> {
     up_with("gpushare-scheduler-config.yaml", "").await
 }
 
 /// [`up`] with kube-scheduler loading `etc/kube-scheduler/<scheduler_config>` and
-/// `extender_extra` added to the extender's configuration.
+/// `extender_extra` added to the extender's configuration. `GPUSHARE_BOX_DIR` keeps every log,
+/// certificate and etcd's data to study.
 pub(crate) async fn up_with(scheduler_config: &str, extender_extra: &str) -> Option<RealBox> {
     if !realkube::available() {
         gpushare_testkit::skip_unless_ci("no Go to build the real Kubernetes components");
         return None;
     }
-    let bin = realkube::binaries().unwrap();
-    // GPUSHARE_BOX_DIR keeps every log, certificate and etcd's data to study.
-    let temp = tempfile::Builder::new().prefix("gpushare-real.").tempdir().unwrap();
-    let dir = std::env::var_os("GPUSHARE_BOX_DIR").map_or_else(|| temp.path().to_owned(), std::path::PathBuf::from);
-    let mut plane = ControlPlane::start(&dir, &bin).unwrap();
-    // The shipped RBAC: the extender's identity may read Nodes and Pods and bind Pods.
-    plane.apply(&repo().join("etc/kubernetes/gpushare-extender-rbac.yaml")).unwrap();
-
-    let ours = Binaries::beside_current_exe().unwrap();
-    let extender_kubeconfig = plane.pki.kubeconfig(&plane.server, "gpushare-extender", &[]).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-    let config = dir.join("gpushare-extender.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[server]\nlisten = \"{addr}\"\n[kubernetes]\nkubeconfig = \"{}\"\n{extender_extra}",
-            extender_kubeconfig.display()
-        ),
-    )
-    .unwrap();
-    let mut extender = plane
-        .spawn(
-            "extender",
-            &ours.extender,
-            vec!["--config".into(), config.display().to_string()],
-            vec![("RUST_LOG".into(), "info".into())],
-        )
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while http_get(addr, "/readyz").await.is_none_or(|(s, _)| s != 200) {
-        assert!(extender.exited().is_none(), "the extender exited:\n{}", extender.log_tail(30));
-        assert!(Instant::now() < deadline, "the extender is not ready:\n{}", extender.log_tail(30));
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    plane
-        .start_scheduler(
-            &repo().join("etc/kube-scheduler").join(scheduler_config),
-            &format!("http://{addr}/gpushare-scheduler"),
-        )
-        .unwrap();
-    Some(RealBox { plane, extender, addr, _temp: temp })
+    let options = RealOptions {
+        dir: std::env::var_os("GPUSHARE_BOX_DIR").map(std::path::PathBuf::from),
+        scheduler_config: scheduler_config.into(),
+        extender_extra: extender_extra.into(),
+    };
+    Some(RealCluster::up(&options).await.unwrap_or_else(|e| panic!("{e:#}")))
 }
 
 /// Waits until `names` are all bound; returns the pods.
@@ -150,47 +105,4 @@ pub(crate) async fn wait_bound(b: &RealBox, names: &[String]) -> Vec<Value> {
         );
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-}
-
-/// Starts gpushared as `node` (its own `system:node:` certificate) on fake GPUs, against the
-/// kubelet whose device plugins live in `plugin_dir` and whose PodResources socket is
-/// `pod_resources`; its ledger, configuration and fake NVML library under `host`. `extra` is
-/// (fake NVML directives, further gpushared.toml text).
-pub(crate) fn start_gpushared(
-    plane: &ControlPlane,
-    node: &str,
-    host: &Path,
-    (plugin_dir, pod_resources): (&Path, &Path),
-    gpus: &[FakeGpu],
-    (nvml_extra, config_extra): (&str, &str),
-) -> Proc {
-    std::fs::create_dir_all(host).unwrap();
-    let library = nvml::build(host).unwrap();
-    let nvml_config = host.join("fake-nvml.conf");
-    nvml::write_config(&nvml_config, gpus, nvml_extra).unwrap();
-    let node_kubeconfig =
-        plane.pki.kubeconfig(&plane.server, &format!("system:node:{node}"), &["system:nodes"]).unwrap();
-    let config = host.join("gpushared.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "node_name = \"{node}\"\n[kubelet]\ndevice_plugin_dir = \"{}\"\npod_resources_socket = \"{}\"\n\
-             [ledger]\npath = \"{}\"\n[kubernetes]\nkubeconfig = \"{}\"\n[nvml]\nlibrary = \"{}\"\n[dbus]\nenabled = false\n{config_extra}",
-            plugin_dir.display(),
-            pod_resources.display(),
-            host.join("ledger.db").display(),
-            node_kubeconfig.display(),
-            library.display()
-        ),
-    )
-    .unwrap();
-    let ours = Binaries::beside_current_exe().unwrap();
-    plane
-        .spawn(
-            &format!("gpushared-{node}"),
-            &ours.gpushared,
-            vec!["--config".into(), config.display().to_string()],
-            vec![("RUST_LOG".into(), "info".into()), ("FAKE_NVML_CONFIG".into(), nvml_config.display().to_string())],
-        )
-        .unwrap()
 }

@@ -1,0 +1,411 @@
+//! The real-cluster box: the real control plane ([`crate::realkube`]) with gpushare's shipped
+//! RBAC applied, the extender under its own identity, kube-scheduler loading a shipped
+//! configuration, and per node the real kubelet ([`crate::realkubelet`], with the recording
+//! runtime of [`crate::cri`]) and gpushared on the fake NVML library, authenticated as its node.
+//! The real-cluster suites and `gpushare-box demo --real` are built on it.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+
+use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
+
+use crate::cluster::{Binaries, ClusterSpec, Proc, fake_gpus, free_port, http_get};
+use crate::cri::RecordingRuntime;
+use crate::nvml::{self, FakeGpu};
+use crate::realkube::{self, ControlPlane};
+use crate::realkubelet::RealKubelet;
+
+/// The repository the box's shipped files (`etc/`) come from.
+#[must_use]
+pub fn repo() -> &'static Path {
+    let tests = Path::new(env!("CARGO_MANIFEST_DIR"));
+    tests.parent().unwrap_or(tests)
+}
+
+/// Whether this process runs as root, as the real kubelet needs (it runs in a mount namespace
+/// of its own).
+#[must_use]
+pub fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .is_ok_and(|s| s.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("0")))
+}
+
+/// How to start a [`RealCluster`].
+#[derive(Clone, Debug)]
+pub struct RealOptions {
+    /// Keep the state (logs, certificates, etcd's data) here instead of a temporary directory.
+    pub dir: Option<PathBuf>,
+    /// The kube-scheduler configuration, a file of `etc/kube-scheduler`.
+    pub scheduler_config: String,
+    /// Added to the extender's configuration (TOML).
+    pub extender_extra: String,
+}
+
+impl Default for RealOptions {
+    fn default() -> Self {
+        RealOptions {
+            dir: None,
+            scheduler_config: "gpushare-scheduler-config.yaml".into(),
+            extender_extra: String::new(),
+        }
+    }
+}
+
+/// One node: the real kubelet, its runtime, and gpushared.
+#[derive(Debug)]
+pub struct RealNode {
+    /// The node's name.
+    pub name: String,
+    /// Its directory: the kubelet's state, gpushared's ledger and configuration.
+    pub host: PathBuf,
+    /// The container runtime the kubelet drives.
+    pub runtime: RecordingRuntime,
+    /// The kubelet.
+    pub kubelet: RealKubelet,
+    /// gpushared.
+    pub daemon: Proc,
+    /// The fake NVML library's event file: [`nvml::inject`] a line to raise an event.
+    pub events: PathBuf,
+}
+
+/// The real cluster: control plane, extender, kube-scheduler, and the nodes added to it.
+#[derive(Debug)]
+pub struct RealCluster {
+    /// etcd, kube-apiserver and kube-scheduler.
+    pub plane: ControlPlane,
+    /// The extender.
+    pub extender: Proc,
+    /// The extender's address.
+    pub addr: SocketAddr,
+    /// The nodes, as [`Self::add_node`] added them.
+    pub nodes: Vec<RealNode>,
+    _temp: Option<tempfile::TempDir>,
+}
+
+impl RealCluster {
+    /// Starts the control plane, applies `etc/kubernetes/gpushare-extender-rbac.yaml`, starts
+    /// the extender as `gpushare-extender` and kube-scheduler with `options.scheduler_config`
+    /// calling it. No node yet.
+    ///
+    /// # Errors
+    /// A component that cannot be built or started, or does not get ready, with its log.
+    pub async fn up(options: &RealOptions) -> anyhow::Result<RealCluster> {
+        let bin = realkube::binaries()?;
+        let (dir, temp) = match &options.dir {
+            Some(d) => {
+                std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+                (d.clone(), None)
+            }
+            None => {
+                let t = tempfile::Builder::new().prefix("gpushare-real.").tempdir()?;
+                (t.path().to_path_buf(), Some(t))
+            }
+        };
+        let mut plane = ControlPlane::start(&dir, &bin)?;
+        // The shipped RBAC: the extender's identity may read Nodes and Pods and bind Pods.
+        plane.apply(&repo().join("etc/kubernetes/gpushare-extender-rbac.yaml"))?;
+        let (mut extender, addr) = start_extender(&plane, &options.extender_extra, "info")?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while http_get(addr, "/readyz").await.is_none_or(|(s, _)| s != 200) {
+            if let Some(status) = extender.exited() {
+                bail!("the extender exited ({status}):\n{}", extender.log_tail(30));
+            }
+            if Instant::now() > deadline {
+                bail!("the extender is not ready after 30 s:\n{}", extender.log_tail(30));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        plane.start_scheduler(
+            &repo().join("etc/kube-scheduler").join(&options.scheduler_config),
+            &format!("http://{addr}/gpushare-scheduler"),
+        )?;
+        Ok(RealCluster { plane, extender, addr, nodes: Vec::new(), _temp: temp })
+    }
+
+    /// The real-cluster box for a cluster file ([`crate::cluster::read_cluster`]): [`Self::up`]
+    /// with the file's unit, then per node the real kubelet and gpushared on its simulated GPUs,
+    /// each waited for until its kubelet reports the devices; GPUs the file marks unhealthy get
+    /// their Xid from NVML and are waited for until gpushared publishes them so.
+    ///
+    /// # Errors
+    /// A GPU marked cordoned (cordoning needs gpushared's D-Bus API, which this box does not
+    /// run), or a component that does not start or get ready.
+    pub async fn for_spec(spec: &ClusterSpec, options: &RealOptions) -> anyhow::Result<RealCluster> {
+        if let Some(node) = spec.nodes.iter().find(|n| n.gpus.iter().any(|g| g.cordoned)) {
+            bail!(
+                "node {} has a cordoned GPU: cordoning goes through gpushared's D-Bus API, which the \
+                 real-cluster box does not run; leave `cordoned` out, or use the demo without --real",
+                node.name
+            );
+        }
+        let mut options = options.clone();
+        options.extender_extra = format!("[resources]\nunit = \"{}\"\n{}", spec.unit, options.extender_extra);
+        let mut cluster = RealCluster::up(&options).await?;
+        for node in &spec.nodes {
+            let unit = node.unit.unwrap_or(spec.unit);
+            cluster.add_node(&node.name, &fake_gpus(node), ("", &format!("[resources]\nunit = \"{unit}\"\n")))?;
+        }
+        for node in &spec.nodes {
+            cluster.wait_devices(&node.name, Duration::from_secs(60))?;
+        }
+        let mut faulty = Vec::new();
+        for node in &spec.nodes {
+            for (i, gpu) in node.gpus.iter().flat_map(|g| (0..g.count).map(move |_| g)).enumerate() {
+                if let Some(fault) = &gpu.unhealthy {
+                    let xid = fault.trim().strip_prefix("Xid ").unwrap_or("79");
+                    let events = &cluster.node(&node.name).context("a node just added")?.events;
+                    nvml::inject(events, &format!("xid {i} {xid}"))?;
+                    faulty.push((node.name.clone(), i));
+                }
+            }
+        }
+        for (node, i) in faulty {
+            cluster.wait_gpu_health(&node, i, false, Duration::from_secs(30))?;
+        }
+        Ok(cluster)
+    }
+
+    /// Adds node `name`: the recording runtime, the real kubelet (registered and Ready), and
+    /// gpushared as that node on `gpus`. `extra` is (fake NVML directives, further
+    /// gpushared.toml text). Does not wait for the device plugin: see
+    /// [`Self::wait_allocatable`].
+    ///
+    /// # Errors
+    /// A component that does not start, with its log.
+    pub fn add_node(&mut self, name: &str, gpus: &[FakeGpu], extra: (&str, &str)) -> anyhow::Result<&mut RealNode> {
+        let host = self.plane.dir.join(name);
+        let runtime = RecordingRuntime::serve(&host.join("cri/cri.sock"))?;
+        let kubelet = RealKubelet::start(&self.plane, name, &host, &runtime.endpoint())?;
+        let events = host.join("nvml-events");
+        let nvml_extra = format!("{}{}", nvml::events_directive(&events), extra.0);
+        let daemon = start_gpushared(
+            &self.plane,
+            name,
+            &host.join("gpushared"),
+            (&kubelet.dirs.device_plugins(), &kubelet.dirs.pod_resources()),
+            gpus,
+            (&nvml_extra, extra.1),
+        )?;
+        self.nodes.push(RealNode { name: name.to_owned(), host, runtime, kubelet, daemon, events });
+        self.nodes.last_mut().context("the node just added")
+    }
+
+    /// The node called `name`.
+    #[must_use]
+    pub fn node(&self, name: &str) -> Option<&RealNode> {
+        self.nodes.iter().find(|n| n.name == name)
+    }
+
+    /// The node's allocatable `resource`, as its kubelet reports it (empty when none).
+    ///
+    /// # Errors
+    /// If kubectl fails.
+    pub fn allocatable(&self, node: &str, resource: &str) -> anyhow::Result<String> {
+        let path = format!("jsonpath={{.status.allocatable.{}}}", resource.replace('.', "\\."));
+        Ok(self.plane.kubectl(&["get", "node", node, "-o", &path])?.trim().to_owned())
+    }
+
+    /// Waits until `node`'s kubelet reports `amount` of `resource` allocatable.
+    ///
+    /// # Errors
+    /// On timeout, with the ends of gpushared's and the kubelet's logs.
+    pub fn wait_allocatable(&self, node: &str, resource: &str, amount: &str, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let now = self.allocatable(node, resource)?;
+            if now == amount {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let logs = self.node(node).map_or_else(String::new, |n| {
+                    format!("\ngpushared:\n{}\nkubelet:\n{}", n.daemon.log_tail(30), n.kubelet.proc.log_tail(30))
+                });
+                bail!("node {node}'s kubelet reports {now:?} of {resource}, not {amount}, after {timeout:?}{logs}");
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
+    /// Waits until `node`'s kubelet reports some of gpushare's devices (GPU memory or whole
+    /// GPUs) allocatable.
+    ///
+    /// # Errors
+    /// On timeout, with the ends of gpushared's and the kubelet's logs.
+    pub fn wait_devices(&self, node: &str, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let some = |r: &str| self.allocatable(node, r).is_ok_and(|a| !a.is_empty() && a != "0");
+            if some("gpushare.io/gpu-mem") || some("gpushare.io/gpu") || some("aliyun.com/gpu-mem") {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let logs = self.node(node).map_or_else(String::new, |n| {
+                    format!("\ngpushared:\n{}\nkubelet:\n{}", n.daemon.log_tail(30), n.kubelet.proc.log_tail(30))
+                });
+                bail!("node {node}'s kubelet reports none of gpushare's devices after {timeout:?}{logs}");
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
+    /// The node state `node`'s gpushared published, decoded.
+    ///
+    /// # Errors
+    /// If kubectl fails, or the node has no (valid) annotation.
+    pub fn node_state(&self, node: &str) -> anyhow::Result<NodeState> {
+        let path = format!("jsonpath={{.metadata.annotations.{}}}", NODE_STATE_KEY.replace('.', "\\."));
+        let value = self.plane.kubectl(&["get", "node", node, "-o", &path])?;
+        if value.trim().is_empty() {
+            bail!("node {node} has no {NODE_STATE_KEY} annotation");
+        }
+        Ok(NodeState::decode(value.trim())?)
+    }
+
+    /// Waits until `node`'s gpushared publishes GPU `index` as healthy (or not).
+    ///
+    /// # Errors
+    /// On timeout.
+    pub fn wait_gpu_health(&self, node: &str, index: usize, healthy: bool, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(state) = self.node_state(node)
+                && state.inventory.gpus().get(index).is_some_and(|g| g.health.is_healthy() == healthy)
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let state = if healthy { "healthy" } else { "unhealthy" };
+                bail!("node {node} GPU {index} is not published {state} after {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Makes namespace `ns` ready for pods as kube-controller-manager would (none runs here):
+    /// the namespace, its `default` service account and its `kube-root-ca.crt` config map, which
+    /// the kubelet mounts into pods with a service-account token.
+    ///
+    /// # Errors
+    /// If kubectl fails for another reason than the object being there already.
+    pub fn prepare_namespace(&self, ns: &str) -> anyhow::Result<()> {
+        let ca = std::fs::read_to_string(self.plane.pki.ca()).context("reading the cluster's CA")?;
+        let objects = [
+            serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
+            serde_json::json!({"apiVersion": "v1", "kind": "ServiceAccount",
+                "metadata": {"name": "default", "namespace": ns}}),
+            serde_json::json!({"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": "kube-root-ca.crt", "namespace": ns}, "data": {"ca.crt": ca}}),
+        ];
+        for object in objects {
+            if let Err(e) = self.plane.create(&object)
+                && !format!("{e:#}").contains("AlreadyExists")
+            {
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs `kubectl-inspect-gpushare` with `args` as the administrator.
+    ///
+    /// # Errors
+    /// If it cannot run or fails.
+    pub fn inspect(&self, args: &[&str]) -> anyhow::Result<String> {
+        let ours = Binaries::beside_current_exe()?;
+        let out = std::process::Command::new(&ours.inspect)
+            .args(args)
+            .env("KUBECONFIG", &self.plane.admin)
+            .output()
+            .context("running kubectl-inspect-gpushare")?;
+        if !out.status.success() {
+            bail!("kubectl-inspect-gpushare failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Stops everything: kube-scheduler and the extender, each node's gpushared (SIGTERM) and
+    /// kubelet, then the API server and etcd.
+    pub fn shutdown(&mut self) {
+        if let Some(s) = self.plane.scheduler.as_mut() {
+            s.stop(Duration::from_secs(2));
+        }
+        self.extender.stop(Duration::from_secs(2));
+        for n in &mut self.nodes {
+            n.daemon.stop(Duration::from_secs(5));
+            n.kubelet.proc.stop(Duration::from_secs(5));
+        }
+        self.plane.apiserver.stop(Duration::from_secs(5));
+        self.plane.etcd.stop(Duration::from_secs(5));
+    }
+}
+
+/// Starts the extender against `plane` as `gpushare-extender` (its own client certificate, the
+/// shipped cluster role's rights) on a free port, with `extra` added to its configuration and
+/// `RUST_LOG` set to `log_filter`. Returns it and its address; it may not be ready yet.
+///
+/// # Errors
+/// If its certificate or configuration cannot be written, or it cannot be started.
+pub fn start_extender(plane: &ControlPlane, extra: &str, log_filter: &str) -> anyhow::Result<(Proc, SocketAddr)> {
+    let ours = Binaries::beside_current_exe()?;
+    let kubeconfig = plane.pki.kubeconfig(&plane.server, "gpushare-extender", &[])?;
+    let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+    let config = plane.dir.join("gpushare-extender.toml");
+    std::fs::write(
+        &config,
+        format!("[server]\nlisten = \"{addr}\"\n[kubernetes]\nkubeconfig = \"{}\"\n{extra}", kubeconfig.display()),
+    )
+    .with_context(|| format!("writing {}", config.display()))?;
+    let extender = plane.spawn(
+        "extender",
+        &ours.extender,
+        vec!["--config".into(), config.display().to_string()],
+        vec![("RUST_LOG".into(), log_filter.into())],
+    )?;
+    Ok((extender, addr))
+}
+
+/// Starts gpushared as `node` (its own `system:node:` certificate) on fake GPUs, against the
+/// kubelet whose device plugins live in `plugin_dir` and whose PodResources socket is
+/// `pod_resources`; its ledger, configuration and fake NVML library under `host`. `extra` is
+/// (fake NVML directives, further gpushared.toml text).
+///
+/// # Errors
+/// If the fake library cannot be built, a file cannot be written, or it cannot be started.
+pub fn start_gpushared(
+    plane: &ControlPlane,
+    node: &str,
+    host: &Path,
+    (plugin_dir, pod_resources): (&Path, &Path),
+    gpus: &[FakeGpu],
+    (nvml_extra, config_extra): (&str, &str),
+) -> anyhow::Result<Proc> {
+    std::fs::create_dir_all(host).with_context(|| format!("creating {}", host.display()))?;
+    let library = nvml::build(host)?;
+    let nvml_config = host.join("fake-nvml.conf");
+    nvml::write_config(&nvml_config, gpus, nvml_extra)?;
+    let node_kubeconfig = plane.pki.kubeconfig(&plane.server, &format!("system:node:{node}"), &["system:nodes"])?;
+    let config = host.join("gpushared.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "node_name = \"{node}\"\n[kubelet]\ndevice_plugin_dir = \"{}\"\npod_resources_socket = \"{}\"\n\
+             [ledger]\npath = \"{}\"\n[kubernetes]\nkubeconfig = \"{}\"\n[nvml]\nlibrary = \"{}\"\n[dbus]\nenabled = false\n{config_extra}",
+            plugin_dir.display(),
+            pod_resources.display(),
+            host.join("ledger.db").display(),
+            node_kubeconfig.display(),
+            library.display()
+        ),
+    )
+    .with_context(|| format!("writing {}", config.display()))?;
+    let ours = Binaries::beside_current_exe()?;
+    plane.spawn(
+        &format!("gpushared-{node}"),
+        &ours.gpushared,
+        vec!["--config".into(), config.display().to_string()],
+        vec![("RUST_LOG".into(), "info".into()), ("FAKE_NVML_CONFIG".into(), nvml_config.display().to_string())],
+    )
+}
