@@ -5,8 +5,9 @@
 //! plugin's Allocate answer put there) is kept for the tests to check, and written to the
 //! container's log as `KEY=value` lines, as `env` in the container would print them.
 //!
-//! A container whose command is `true` (an init container that has done its work) exits 0 as
-//! soon as it starts; any other runs until the kubelet stops it, and then reads as killed (137).
+//! A container whose command is `true`, or one named to [`RecordingRuntime::finish_at_start`]
+//! (an init container that has done its work), exits 0 as soon as it starts; any other runs
+//! until the kubelet stops it, and then reads as killed (137).
 //! Every image is present (nothing is pulled); the node's network is ready; the cgroup driver is
 //! cgroupfs. Calls it does not serve (streaming lists, events, stats, exec) answer UNIMPLEMENTED.
 
@@ -82,6 +83,8 @@ struct Store {
     containers: HashMap<String, Container>,
     /// Every container ever created, in order, with what it was given.
     created: Vec<Created>,
+    /// (namespace, pod, container) that exit 0 as soon as they start.
+    finishing: std::collections::HashSet<(String, String, String)>,
 }
 
 impl Store {
@@ -153,6 +156,13 @@ impl RecordingRuntime {
                 ..c.clone()
             })
             .collect()
+    }
+
+    /// Makes container `container` of pod `namespace/pod` exit 0 as soon as it starts, as an
+    /// init container that has done its work would (its command need not be `true`).
+    pub fn finish_at_start(&self, namespace: &str, pod: &str, container: &str) {
+        let mut store = self.store.lock().unwrap_or_else(PoisonError::into_inner);
+        store.finishing.insert((namespace.to_owned(), pod.to_owned(), container.to_owned()));
     }
 
     /// The containers running now.
@@ -385,12 +395,15 @@ impl RuntimeService for Service {
     async fn start_container(&self, req: Request<api::StartContainerRequest>) -> Answer<api::StartContainerResponse> {
         let id = req.into_inner().container_id;
         let mut store = self.store();
+        let store = &mut *store;
         let c = store.containers.get_mut(&id).ok_or_else(|| Status::not_found(format!("no container {id}")))?;
         if c.state != api::ContainerState::ContainerCreated {
             return Err(Status::failed_precondition(format!("container {id} is not in the created state")));
         }
         c.started_at = now_ns();
-        if c.config.command == ["true"] {
+        let pod = store.sandboxes.get(&c.sandbox).and_then(|s| s.config.metadata.clone()).unwrap_or_default();
+        let name = c.config.metadata.as_ref().map(|m| m.name.clone()).unwrap_or_default();
+        if c.config.command == ["true"] || store.finishing.contains(&(pod.namespace, pod.name, name)) {
             c.state = api::ContainerState::ContainerExited;
             c.finished_at = c.started_at;
         } else {

@@ -1,22 +1,24 @@
 //! README command 1, as a user runs it: `gpushare-box demo` on the sample cluster and workload
 //! brings the box up as processes, places the workload and explains it, and (with `--exit`)
-//! stops everything.
+//! stops everything; `gpushare-box demo --real` does the same on the real Kubernetes components.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::process::Command;
 
-#[test]
-fn the_demo_places_the_sample_workload_and_explains_what_waits() {
+/// Runs the demo on the sample cluster and workload with `extra` arguments, and checks what it
+/// printed and that it left no process behind.
+fn sample_demo(extra: &[&str]) -> String {
     let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples");
     let dir = tempfile::tempdir().unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_gpushare-box"))
         .args(["demo", "--exit", "--cluster", &format!("{examples}/cluster.yaml")])
         .args(["--workload", &format!("{examples}/workload.yaml")])
+        .args(extra)
         .arg("--dir")
         .arg(dir.path())
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stdout}\n{stderr}");
     // The inspect table, with every node.
@@ -45,6 +47,31 @@ fn the_demo_places_the_sample_workload_and_explains_what_waits() {
         .filter(|c| c.contains(&needle))
         .collect();
     assert!(leftovers.is_empty(), "still running: {leftovers:?}");
+    stdout
+}
+
+#[test]
+fn the_demo_places_the_sample_workload_and_explains_what_waits() {
+    sample_demo(&[]);
+}
+
+/// The same on the real components: the real kube-scheduler places the workload through the
+/// extender and the real kubelets admit it through gpushared; every pod that fits runs, each
+/// container created with the GPU of its assignment.
+#[test]
+fn the_real_demo_places_the_sample_workload_on_real_kubelets() {
+    if !gpushare_testkit::realbox::is_root() || !gpushare_testkit::realkube::available() {
+        gpushare_testkit::skip_unless_ci("the real demo needs root and the real Kubernetes components");
+        return;
+    }
+    let stdout = sample_demo(&["--real"]);
+    assert!(stdout.contains("Settled in "), "{stdout}");
+    let received = stdout.split("What each container received:").nth(1).unwrap().split("Waiting").next().unwrap();
+    for pod in ["infer-small", "infer-medium", "chat", "train", "notebook", "embed", "vision"] {
+        assert!(received.contains(&format!("/{pod} ")), "{pod} did not run: {stdout}");
+    }
+    // The GPU that fell off the bus (gpu-node-c's GPU 1) got no pod.
+    assert!(!received.contains("GPU-fake-gpu-node-c-1"), "{stdout}");
 }
 
 /// A Deployment-like workload: 40 pods of the same size, which the extender binds one at a time

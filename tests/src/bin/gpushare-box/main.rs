@@ -5,6 +5,8 @@
 //!   `gpushare-extender`, the kube-scheduler stand-in — applies a workload, prints where every
 //!   container landed and why the rest wait, and stays up for `kubectl`, `gpusharectl` and
 //!   `kubectl-inspect-gpushare` until Ctrl-C.
+//! - `gpushare-box demo --real` does the same with the real Kubernetes components instead of
+//!   the stand-ins (the `real` module).
 //! - `gpushare-box apiserver | kubelet | scheduler` run one stand-in; the demo and the suites
 //!   start them as processes.
 
@@ -21,6 +23,8 @@ use gpushare_testkit::cluster::{self, Cluster, Options};
 use gpushare_testkit::node::{NodeAgent, NodeConfig};
 use gpushare_testkit::scheduler::{Scheduler, SchedulerConfig};
 use tokio::signal::unix::{SignalKind, signal};
+
+mod real;
 
 #[derive(Parser, Debug)]
 #[command(name = "gpushare-box", version, about = "gpushare's cluster in a box: stand-ins and the demo")]
@@ -45,6 +49,11 @@ enum Cmd {
         /// Stop after printing the result instead of staying up.
         #[arg(long)]
         exit: bool,
+        /// Run the real Kubernetes components instead of the stand-ins: etcd, kube-apiserver,
+        /// kube-scheduler with the shipped configuration, and per node the real kubelet (needs
+        /// root, and Go to build the components or a directory of them; docs/box.md).
+        #[arg(long)]
+        real: bool,
     },
     /// The Kubernetes API-server stand-in (SIGUSR1 starts an outage, SIGUSR2 ends it).
     Apiserver {
@@ -189,7 +198,8 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                 }
             }
         }
-        Cmd::Demo { cluster, workload, dir, exit } => demo(&cluster, &workload, dir, exit).await,
+        Cmd::Demo { cluster, workload, dir, exit, real: false } => demo(&cluster, &workload, dir, exit).await,
+        Cmd::Demo { cluster, workload, dir, exit, real: true } => real::demo(&cluster, &workload, dir, exit).await,
     }
 }
 
@@ -239,7 +249,7 @@ async fn demo(
         }
     };
     println!("{}", cluster.inspect(&[])?);
-    print_pods(&cluster, &settled);
+    print_pods(&settled, &received(&cluster));
     println!("\nExplore it:");
     println!("  export KUBECONFIG={}", cluster.kubeconfig.display());
     println!("  kubectl get pods -A -o wide");
@@ -259,20 +269,45 @@ async fn demo(
     Ok(())
 }
 
-fn print_pods(cluster: &Cluster, pods: &[k8s_openapi::api::core::v1::Pod]) {
-    let mut sorted: Vec<&k8s_openapi::api::core::v1::Pod> = pods.iter().collect();
-    sorted.sort_by_key(|p| cluster::pod_key(p));
+/// What one container was given, as the demo shows it.
+struct Received {
+    name: String,
+    init: bool,
+    gpu: bool,
+    env: BTreeMap<String, String>,
+}
+
+/// What the stand-in kubelets recorded of each pod's containers, by pod UID.
+fn received(cluster: &Cluster) -> BTreeMap<String, Vec<Received>> {
     let records: BTreeMap<String, gpushare_testkit::node::Record> =
         cluster.nodes.iter().flat_map(gpushare_testkit::cluster::BoxNode::admissions).collect();
+    records
+        .into_iter()
+        .map(|(uid, r)| {
+            let containers = r
+                .containers
+                .into_iter()
+                .map(|c| Received { name: c.name, init: c.init, gpu: c.units > 0, env: c.env })
+                .collect();
+            (uid, containers)
+        })
+        .collect()
+}
+
+/// Prints where each pod's containers landed and what they received, then the pods that wait
+/// and why, and those that failed.
+fn print_pods(pods: &[k8s_openapi::api::core::v1::Pod], received: &BTreeMap<String, Vec<Received>>) {
+    let mut sorted: Vec<&k8s_openapi::api::core::v1::Pod> = pods.iter().collect();
+    sorted.sort_by_key(|p| cluster::pod_key(p));
     println!("What each container received:");
     for pod in &sorted {
         let uid = pod.metadata.uid.clone().unwrap_or_default();
         let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
-        if let Some(record) = records.get(&uid) {
+        if let Some(containers) = received.get(&uid) {
             println!("  {:<22} on {}", cluster::pod_key(pod), node.unwrap_or_default());
-            for c in &record.containers {
+            for c in containers {
                 let env = |k: &str| c.env.get(k).cloned().unwrap_or_default();
-                if c.units == 0 {
+                if !c.gpu {
                     println!("      {:<21} no GPU", c.name);
                     continue;
                 }
