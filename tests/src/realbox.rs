@@ -370,7 +370,7 @@ pub fn start_extender(plane: &ControlPlane, extra: &str, log_filter: &str) -> an
 /// Starts gpushared as `node` (its own `system:node:` certificate) on fake GPUs, against the
 /// kubelet whose device plugins live in `plugin_dir` and whose PodResources socket is
 /// `pod_resources`; its ledger, configuration and fake NVML library under `host`. `extra` is
-/// (fake NVML directives, further gpushared.toml text).
+/// (fake NVML directives, gpushared.toml text merged over the generated file).
 ///
 /// # Errors
 /// If the fake library cannot be built, a file cannot be written, or it cannot be started.
@@ -387,20 +387,18 @@ pub fn start_gpushared(
     let nvml_config = host.join("fake-nvml.conf");
     nvml::write_config(&nvml_config, gpus, nvml_extra)?;
     let node_kubeconfig = plane.pki.kubeconfig(&plane.server, &format!("system:node:{node}"), &["system:nodes"])?;
+    let base = format!(
+        "node_name = \"{node}\"\n[kubelet]\ndevice_plugin_dir = \"{}\"\npod_resources_socket = \"{}\"\n\
+         [ledger]\npath = \"{}\"\n[kubernetes]\nkubeconfig = \"{}\"\n[nvml]\nlibrary = \"{}\"\n[dbus]\nenabled = false\n",
+        plugin_dir.display(),
+        pod_resources.display(),
+        host.join("ledger.db").display(),
+        node_kubeconfig.display(),
+        library.display()
+    );
     let config = host.join("gpushared.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "node_name = \"{node}\"\n[kubelet]\ndevice_plugin_dir = \"{}\"\npod_resources_socket = \"{}\"\n\
-             [ledger]\npath = \"{}\"\n[kubernetes]\nkubeconfig = \"{}\"\n[nvml]\nlibrary = \"{}\"\n[dbus]\nenabled = false\n{config_extra}",
-            plugin_dir.display(),
-            pod_resources.display(),
-            host.join("ledger.db").display(),
-            node_kubeconfig.display(),
-            library.display()
-        ),
-    )
-    .with_context(|| format!("writing {}", config.display()))?;
+    std::fs::write(&config, merge_toml(&base, config_extra)?)
+        .with_context(|| format!("writing {}", config.display()))?;
     let ours = Binaries::beside_current_exe()?;
     plane.spawn(
         &format!("gpushared-{node}"),
@@ -408,4 +406,22 @@ pub fn start_gpushared(
         vec!["--config".into(), config.display().to_string()],
         vec![("RUST_LOG".into(), "info".into()), ("FAKE_NVML_CONFIG".into(), nvml_config.display().to_string())],
     )
+}
+
+/// `extra` laid over `base` (both TOML): its tables merged into those of `base` key by key, so
+/// an extra `[kubernetes]` section adds to the one `base` has rather than repeating it.
+fn merge_toml(base: &str, extra: &str) -> anyhow::Result<String> {
+    fn merge(into: &mut toml::Table, from: toml::Table) {
+        for (key, value) in from {
+            match (into.get_mut(&key), value) {
+                (Some(toml::Value::Table(old)), toml::Value::Table(new)) => merge(old, new),
+                (_, value) => {
+                    into.insert(key, value);
+                }
+            }
+        }
+    }
+    let mut table: toml::Table = base.parse().context("the generated gpushared.toml")?;
+    merge(&mut table, extra.parse().with_context(|| format!("the extra gpushared.toml text {extra:?}"))?);
+    Ok(toml::to_string(&table)?)
 }
