@@ -3,7 +3,10 @@
 //! - **Registration** on `<dir>/kubelet.sock`: on `Register` it does what the kubelet does —
 //!   dials the plugin's socket back, calls `GetDevicePluginOptions`, and streams `ListAndWatch`
 //!   with the kubelet's 4 MiB receive limit. A newer registration replaces the older one: only
-//!   the newest `ListAndWatch` stream feeds the device list.
+//!   the newest `ListAndWatch` stream feeds the device list. When that stream ends (the plugin
+//!   died or closed it), every device of the list turns unhealthy, as the kubelet's
+//!   `PluginDisconnected` marks them: the node's allocatable drops to 0 until the plugin
+//!   registers again.
 //! - **Admission**: [`Kubelet::admit_pod`] admits a named pod's containers the way the kubelet's
 //!   device manager does (`devicesToAllocate`): init containers first, then the others; each
 //!   container takes the pod's reusable devices (those its init containers held) first, and only
@@ -41,7 +44,7 @@ use gpushare_proto::podresources::{
     GetPodResourcesRequest, GetPodResourcesResponse, ListPodResourcesRequest, ListPodResourcesResponse, NumaNode,
     PodResources, TopologyInfo,
 };
-use gpushare_proto::{DEVICE_PLUGIN_VERSION, HEALTHY};
+use gpushare_proto::{DEVICE_PLUGIN_VERSION, HEALTHY, UNHEALTHY};
 use prost::Message as _;
 use tokio::sync::watch;
 use tokio_stream::StreamExt as _;
@@ -364,11 +367,17 @@ impl Registration for Service {
                         s.largest_message = s.largest_message.max(len);
                         devices.send_replace(list.devices);
                     }
-                    Ok(None) => break,
+                    Ok(None) => {
+                        if lock(&state).generation == generation {
+                            mark_unhealthy(&devices);
+                        }
+                        break;
+                    }
                     Err(e) => {
                         let mut s = lock(&state);
                         if s.generation == generation {
                             s.stream_errors.push(e.to_string());
+                            mark_unhealthy(&devices);
                         }
                         break;
                     }
@@ -377,6 +386,15 @@ impl Registration for Service {
         }));
         Ok(Response::new(Empty {}))
     }
+}
+
+/// Every device of the list unhealthy: what the kubelet does when the plugin's stream ends.
+fn mark_unhealthy(devices: &watch::Sender<Vec<Device>>) {
+    devices.send_modify(|list| {
+        for d in list {
+            d.health = UNHEALTHY.to_owned();
+        }
+    });
 }
 
 /// The `v1.PodResourcesLister` service.

@@ -79,6 +79,8 @@ struct TestPlugin {
     preferred_available: bool,
     calls: Arc<Mutex<Calls>>,
     open_streams: Arc<AtomicUsize>,
+    /// End each `ListAndWatch` stream after this many lists, as a plugin that dies would.
+    lists_per_stream: Option<usize>,
 }
 
 impl TestPlugin {
@@ -88,7 +90,14 @@ impl TestPlugin {
             preferred_available,
             calls: Arc::default(),
             open_streams: Arc::default(),
+            lists_per_stream: None,
         }
+    }
+
+    /// This plugin, ending each `ListAndWatch` stream after `n` lists.
+    fn ending_after(mut self, n: usize) -> TestPlugin {
+        self.lists_per_stream = Some(n);
+        self
     }
 
     fn preferred_calls(&self) -> Vec<ContainerPreferredAllocationRequest> {
@@ -148,7 +157,8 @@ impl DevicePlugin for TestPlugin {
     async fn list_and_watch(&self, _: Request<Empty>) -> Result<Response<Counted>, Status> {
         self.open_streams.fetch_add(1, Ordering::SeqCst);
         let inner = tokio_stream::wrappers::WatchStream::new(self.devices.subscribe())
-            .map(|devices| Ok(ListAndWatchResponse { devices, source: None }));
+            .map(|devices| Ok(ListAndWatchResponse { devices, source: None }))
+            .take(self.lists_per_stream.unwrap_or(usize::MAX));
         Ok(Response::new(Counted { inner: Box::pin(inner), open: Arc::clone(&self.open_streams) }))
     }
 
@@ -542,6 +552,30 @@ async fn a_newer_registration_replaces_the_older_device_stream() {
         assert_eq!(a[0].devices, ["e1"]);
         assert_eq!(newer.allocate_calls().len(), 1);
         assert!(node.plugin.allocate_calls().is_empty());
+    })
+    .await;
+}
+
+/// What the real kubelet does when a plugin's stream ends (`PluginDisconnected`): every device
+/// of it turns unhealthy, so the node's allocatable is 0, until a plugin registers again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ended_device_stream_leaves_every_device_unhealthy() {
+    within(async {
+        let node = Node::new(true).await;
+        let k = &node.kubelet;
+        let dp = node.dp();
+        let dying =
+            TestPlugin::new(vec![device("e0", HEALTHY, None), device("e1", HEALTHY, None)], true).ending_after(1);
+        dying.serve(&dp.join("dying.sock"));
+        register(&dp, "dying.sock", true).await;
+        k.wait_devices(LIMIT, |d| d.len() == 2 && d.iter().all(|d| d.health == UNHEALTHY)).await.unwrap();
+        assert_eq!(k.device_counts(), (2, 0));
+        let refused = k.admit_pod("ml", "p", &[ContainerSpec::app("a", 1)]).await.unwrap_err();
+        assert!(format!("{refused:#}").contains("no healthy devices"), "{refused:#}");
+        // A plugin registering again brings its devices back.
+        register(&dp, "test.sock", true).await;
+        k.wait_devices(LIMIT, |d| d.len() == 8 && d.iter().filter(|d| d.health == HEALTHY).count() == 7).await.unwrap();
+        assert_eq!(k.device_counts(), (8, 7));
     })
     .await;
 }
