@@ -16,7 +16,7 @@ use crate::cluster::{Binaries, ClusterSpec, Proc, fake_gpus, free_port, http_get
 use crate::cri::RecordingRuntime;
 use crate::nvml::{self, FakeGpu};
 use crate::realkube::{self, ControlPlane};
-use crate::realkubelet::RealKubelet;
+use crate::realkubelet::{DEFAULT_GATES, RealKubelet};
 
 /// The repository the box's shipped files (`etc/`) come from.
 #[must_use]
@@ -176,9 +176,23 @@ impl RealCluster {
     /// # Errors
     /// A component that does not start, with its log.
     pub fn add_node(&mut self, name: &str, gpus: &[FakeGpu], extra: (&str, &str)) -> anyhow::Result<&mut RealNode> {
+        self.add_node_with_gates(name, gpus, extra, DEFAULT_GATES)
+    }
+
+    /// [`Self::add_node`] with the kubelet's feature gates `gates`.
+    ///
+    /// # Errors
+    /// A component that does not start, with its log.
+    pub fn add_node_with_gates(
+        &mut self,
+        name: &str,
+        gpus: &[FakeGpu],
+        extra: (&str, &str),
+        gates: &[(&str, bool)],
+    ) -> anyhow::Result<&mut RealNode> {
         let host = self.plane.dir.join(name);
         let runtime = RecordingRuntime::serve(&host.join("cri/cri.sock"))?;
-        let kubelet = RealKubelet::start(&self.plane, name, &host, &runtime.endpoint())?;
+        let kubelet = RealKubelet::start_with_gates(&self.plane, name, &host, &runtime.endpoint(), gates)?;
         let events = host.join("nvml-events");
         let nvml_extra = format!("{}{}", nvml::events_directive(&events), extra.0);
         let daemon = start_gpushared(

@@ -63,6 +63,11 @@ impl KubeletDirs {
     }
 }
 
+/// The feature gates the kubelet runs with: per-device health in pod status off, as
+/// docs/install.md asks of kubelets serving gpushare in MiB (one device per MiB makes kubelet
+/// 1.36+ stall after a restart).
+pub const DEFAULT_GATES: &[(&str, bool)] = &[("ResourceHealthStatus", false), ("ResourceHealthStatusMessage", false)];
+
 /// A running real kubelet.
 #[derive(Debug)]
 pub struct RealKubelet {
@@ -83,6 +88,21 @@ impl RealKubelet {
     /// # Errors
     /// If the kubelet does not start or register within a minute (with the end of its log).
     pub fn start(plane: &ControlPlane, node: &str, dir: &Path, runtime: &str) -> anyhow::Result<RealKubelet> {
+        Self::start_with_gates(plane, node, dir, runtime, DEFAULT_GATES)
+    }
+
+    /// [`Self::start`] with the feature gates `gates` instead of [`DEFAULT_GATES`].
+    ///
+    /// # Errors
+    /// If the kubelet does not start or register within a minute (with the end of its log).
+    pub fn start_with_gates(
+        plane: &ControlPlane,
+        node: &str,
+        dir: &Path,
+        runtime: &str,
+        gates: &[(&str, bool)],
+    ) -> anyhow::Result<RealKubelet> {
+        let gates: String = gates.iter().map(|(gate, on)| format!("  {gate}: {on}\n")).collect();
         let dirs = KubeletDirs::under(dir);
         std::fs::create_dir_all(&dirs.root)?;
         std::fs::create_dir_all(dirs.device_plugins())?;
@@ -122,7 +142,7 @@ impl RealKubelet {
                  syncFrequency: 5s\n\
                  imageGCHighThresholdPercent: 100\n\
                  imageGCLowThresholdPercent: 99\n\
-                 featureGates:\n  ResourceHealthStatus: false\n  ResourceHealthStatusMessage: false\n\
+                 featureGates:\n{gates}\
                  evictionHard:\n  memory.available: \"1Mi\"\n  nodefs.available: \"1%\"\n  \
                  imagefs.available: \"1%\"\n  nodefs.inodesFree: \"1%\"\n",
                 ca = plane.pki.ca().display(),

@@ -383,3 +383,40 @@ async fn a_whole_gpu_beside_shared_ones_under_the_real_kubelet() {
     }
     assert_eq!(the_node(&b).runtime.running().len(), 3, "{:?}", the_node(&b).runtime.running());
 }
+
+/// A kubelet left with `ResourceHealthStatus` on (the default from 1.36) writes each allocated
+/// device's health into pod status, one entry per MiB: gpushared sees it in the pods it watches
+/// and tells the operator to turn the gate off. Small GPUs keep the kubelet's own cost low.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpushared_points_out_a_kubelet_reporting_per_mib_device_health() {
+    let Some(mut b) = real_box().await else { return };
+    let gpus = [FakeGpu::new(NODE, 0, 1024, "Tesla T4"), FakeGpu::new(NODE, 1, 1024, "Tesla T4")];
+    b.add_node_with_gates(NODE, &gpus, ("", ""), &[("ResourceHealthStatus", true)]).unwrap_or_else(|e| panic!("{e:#}"));
+    b.wait_allocatable(NODE, "gpushare.io/gpu-mem", "2048", Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    b.plane.create(&pod("h-a", 300)).unwrap();
+    wait_bound(&b, &["h-a".to_owned()]).await;
+    wait_running(&b, &["h-a"]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let p = get(&b.plane, &["get", "pod", "h-a", "-n", "default"]);
+        let reported: usize = p["status"]["containerStatuses"][0]["allocatedResourcesStatus"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|r| r["name"] == "gpushare.io/gpu-mem")
+            .map(|r| r["resources"].as_array().map_or(0, Vec::len))
+            .sum();
+        let log = the_node(&b).daemon.log();
+        let warned = log.lines().filter(|l| l.contains(" WARN ") && l.contains("ResourceHealthStatus")).count();
+        if reported == 300 && warned == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the kubelet reports {reported} devices' health; gpushared warned {warned} times\n{}",
+            the_node(&b).daemon.log_tail(20)
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}

@@ -2,7 +2,8 @@
 //! `spec.nodeName`), with the node's own credentials, feeding the [`PodStore`]. The watch
 //! relists after errors and keeps the store as last seen in between, so `Allocate` keeps
 //! working through an API-server outage for pods already seen. A deleted or finished pod's
-//! ledger rows are released, the history kept.
+//! ledger rows are released, the history kept. A kubelet reporting per-MiB device health is
+//! pointed out ([`DeviceHealthNotice`]).
 
 use gpushare_core::retry::Backoff;
 use std::collections::BTreeMap;
@@ -66,6 +67,48 @@ pub fn view(pod: &PodObject) -> Option<PodView> {
     })
 }
 
+/// Tells the operator, once per run, that the kubelet reports the health of each allocated
+/// device in pod status (`allocatedResourcesStatus`, the `ResourceHealthStatus` feature gate, on
+/// by default from Kubernetes 1.36) while gpushared serves memory in MiB: one device per MiB makes
+/// that kubelet look devices up for minutes after a restart, admitting nothing meanwhile
+/// (docs/install.md, section 3).
+#[derive(Debug)]
+pub struct DeviceHealthNotice {
+    resource: String,
+    armed: bool,
+}
+
+impl DeviceHealthNotice {
+    /// A notice for the memory `resource`, armed only in MiB mode.
+    #[must_use]
+    pub fn new(resource: &str, unit: gpushare_core::MemoryUnit) -> Self {
+        DeviceHealthNotice { resource: resource.to_owned(), armed: unit == gpushare_core::MemoryUnit::Mib }
+    }
+
+    /// Looks at a pod's status; warns (and returns true) the first time one shows the kubelet
+    /// reporting device health for the memory resource.
+    pub fn see(&mut self, pod: &PodObject) -> bool {
+        if !self.armed {
+            return false;
+        }
+        let entries = pod.status.device_health_entries(&self.resource);
+        if entries == 0 {
+            return false;
+        }
+        self.armed = false;
+        let meta = &pod.metadata;
+        tracing::warn!(
+            pod = %format!("{}/{}", meta.namespace.as_deref().unwrap_or_default(), meta.name.as_deref().unwrap_or_default()),
+            resource = %self.resource,
+            entries,
+            "the kubelet reports each allocated device's health in pod status (feature gate ResourceHealthStatus), one \
+             entry per MiB here: kubelets 1.36 and later then stall for minutes after a restart; set the kubelet's \
+             featureGates ResourceHealthStatus and ResourceHealthStatusMessage to false (docs/install.md, section 3)"
+        );
+        true
+    }
+}
+
 /// Watches the pods bound to `node` forever, keeping `store` current and releasing the ledger
 /// rows of pods that are deleted or finished.
 pub async fn watch_pods(client: Client, node: String, store: PodStore, alloc: Arc<Allocator>) {
@@ -74,12 +117,14 @@ pub async fn watch_pods(client: Client, node: String, store: PodStore, alloc: Ar
     let mut stream = watcher(api, config).boxed();
     let mut relist: Vec<PodView> = Vec::new();
     let mut backoff = Backoff::per_node();
+    let mut notice = DeviceHealthNotice::new(alloc.resource(), alloc.inventory().unit());
     while let Some(event) = stream.next().await {
         if event.is_ok() && backoff.failures() > 0 {
             tracing::info!(failures = backoff.succeeded(), "pod watch back");
         }
         match event {
             Ok(watcher::Event::Apply(pod)) => {
+                notice.see(&pod);
                 let Some(v) = view(&pod) else { continue };
                 if v.terminal {
                     release(&alloc, &v, "pod finished or deleted");
@@ -88,6 +133,7 @@ pub async fn watch_pods(client: Client, node: String, store: PodStore, alloc: Ar
             }
             // A relist: the store keeps serving what it had until the list is complete.
             Ok(watcher::Event::InitApply(pod)) => {
+                notice.see(&pod);
                 let Some(v) = view(&pod) else { continue };
                 if v.terminal {
                     release(&alloc, &v, "pod finished or deleted");
@@ -200,4 +246,33 @@ async fn evict(client: Client, request: crate::overuse::Eviction, alloc: Arc<All
         }
     }
     record("eviction-refused", format!("{who}: still turned away after {EVICTION_ATTEMPTS} attempts"));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpushare_core::MemoryUnit;
+
+    fn pod_reporting(entries: usize) -> PodObject {
+        let resources: Vec<serde_json::Value> =
+            (0..entries).map(|i| serde_json::json!({"resourceID": format!("Q0-{i}"), "health": "Healthy"})).collect();
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p", "namespace": "ns"},
+            "status": {"containerStatuses": [{"name": "main", "allocatedResourcesStatus": [
+                {"name": "gpushare.io/gpu-mem", "resources": resources}]}]}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn device_health_in_pod_status_is_pointed_out_once_in_mib_mode() {
+        let mut mib = DeviceHealthNotice::new("gpushare.io/gpu-mem", MemoryUnit::Mib);
+        assert!(!mib.see(&pod_reporting(0)));
+        assert!(mib.see(&pod_reporting(3000)));
+        assert!(!mib.see(&pod_reporting(3000)), "warned twice");
+        let mut gib = DeviceHealthNotice::new("gpushare.io/gpu-mem", MemoryUnit::Gib);
+        assert!(!gib.see(&pod_reporting(3)));
+        let mut other = DeviceHealthNotice::new("aliyun.com/gpu-mem", MemoryUnit::Mib);
+        assert!(!other.see(&pod_reporting(3000)));
+    }
 }

@@ -77,9 +77,23 @@ impl PodObjectStatus {
             })
             .collect()
     }
+
+    /// How many devices of `resource` the kubelet reports the health of in the containers'
+    /// `allocatedResourcesStatus` (the `ResourceHealthStatus` feature gate): one per device.
+    #[must_use]
+    pub fn device_health_entries(&self, resource: &str) -> usize {
+        self.init_container_statuses
+            .iter()
+            .chain(&self.container_statuses)
+            .flat_map(|c| &c.allocated_resources_status)
+            .filter(|r| r.name == resource)
+            .map(|r| r.resources.len())
+            .sum()
+    }
 }
 
-/// One entry of `status.containerStatuses`, reduced to its name and runtime ID.
+/// One entry of `status.containerStatuses`, reduced to its name, runtime ID and the devices
+/// whose health the kubelet reports.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ContainerStatus {
@@ -89,6 +103,21 @@ pub struct ContainerStatus {
     /// `containerd://<64 hex>` (or `docker://`, `cri-o://`) once started.
     #[serde(default, rename = "containerID")]
     pub container_id: Option<String>,
+    /// `allocatedResourcesStatus`: per resource, the health of each allocated device.
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub allocated_resources_status: Vec<ResourceHealth>,
+}
+
+/// One entry of `allocatedResourcesStatus`: a resource and its devices, counted, not kept (in
+/// MiB mode there is one per MiB).
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct ResourceHealth {
+    /// The resource's name.
+    #[serde(default)]
+    pub name: String,
+    /// One per device; their IDs and health are not read.
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub resources: Vec<serde::de::IgnoredAny>,
 }
 
 /// A Node, reduced to its metadata (the daemon reads and writes one annotation).
@@ -155,6 +184,20 @@ mod tests {
         assert!(pod.spec.init_containers.is_empty());
         assert_eq!(pod.status.phase.as_deref(), Some("Running"));
         assert_eq!(pod.status.container_ids(), vec![("main".to_owned(), "4f2a".to_owned())]);
+        assert_eq!(pod.status.device_health_entries("gpushare.io/gpu-mem"), 0);
+        let reported: PodObject = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p"},
+            "status": {"containerStatuses": [{"name": "main", "allocatedResourcesStatus": [
+                {"name": "gpushare.io/gpu-mem", "resources": [{"resourceID": "Q0-0", "health": "Healthy"},
+                                                              {"resourceID": "Q0-1", "health": "Healthy"}]},
+                {"name": "example.com/nic", "resources": [{"resourceID": "n0", "health": "Healthy"}]}]}],
+                       "initContainerStatuses": [{"name": "init", "allocatedResourcesStatus": [
+                {"name": "gpushare.io/gpu-mem", "resources": [{"resourceID": "Q0-2", "health": "Unknown"}]}]},
+                                                 {"name": "other", "allocatedResourcesStatus": null}]}
+        }))
+        .unwrap();
+        assert_eq!(reported.status.device_health_entries("gpushare.io/gpu-mem"), 3);
+        assert_eq!(reported.status.device_health_entries("aliyun.com/gpu-mem"), 0);
         let bare: PodObject = serde_json::from_value(serde_json::json!({"metadata": null, "spec": null})).unwrap();
         assert!(bare.spec.node_name.is_none());
         let node: NodeObject =
