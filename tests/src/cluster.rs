@@ -139,6 +139,9 @@ pub struct Options {
     pub daemon_extra: String,
     /// The scheduler stand-in's initial backoff, milliseconds.
     pub scheduler_backoff_ms: u64,
+    /// The kubelet stand-ins report each allocated device's health in pod status (the
+    /// kubelet's `ResourceHealthStatus` gate, which docs/install.md asks to turn off).
+    pub kubelet_resource_health: bool,
 }
 
 impl Default for Options {
@@ -149,6 +152,7 @@ impl Default for Options {
             log_filter: "info".into(),
             daemon_extra: String::new(),
             scheduler_backoff_ms: 1000,
+            kubelet_resource_health: false,
         }
     }
 }
@@ -826,7 +830,10 @@ fn start_node(
             path(&record),
             "--pod-subnet".into(),
             (i % 250).to_string(),
-        ],
+        ]
+        .into_iter()
+        .chain(options.kubelet_resource_health.then(|| "--resource-health-status".to_owned()))
+        .collect(),
         env.clone(),
         &logs,
     )?;

@@ -18,7 +18,9 @@
 //!   its devices as an app container does (the kubelet's device manager).
 //! - **Marks an admitted pod Running** (`pods/status`: phase, conditions, container statuses,
 //!   host and pod IPs) and a refused one `Failed` with the kubelet's reason
-//!   (`UnexpectedAdmissionError`, "Allocate failed due to …, which is unexpected").
+//!   (`UnexpectedAdmissionError`, "Allocate failed due to …, which is unexpected"). With
+//!   [`NodeConfig::resource_health_status`] each container status lists its devices' health
+//!   (`allocatedResourcesStatus`), as the kubelet's `ResourceHealthStatus` gate does.
 //! - **Releases** a pod's devices when it is deleted, finishes, or is replaced by a new pod of
 //!   the same name.
 //! - **Records** every admission, refusal and release as a JSON line in its record file
@@ -66,6 +68,10 @@ pub struct NodeConfig {
     pub labels: BTreeMap<String, String>,
     /// The third octet of pod IPs (`10.244.<subnet>.<n>`).
     pub pod_subnet: u8,
+    /// Report each allocated device's health in the containers' `allocatedResourcesStatus`,
+    /// as the kubelet does with its `ResourceHealthStatus` feature gate (on by default from
+    /// 1.36).
+    pub resource_health_status: bool,
 }
 
 /// What happened to a pod on this node, one JSON line in the record file.
@@ -421,6 +427,8 @@ impl NodeAgent {
             }
             match self.kubelet.admit_pod(&k.namespace, &k.name, &specs).await {
                 Ok(admitted) => {
+                    let devices: BTreeMap<String, Vec<String>> =
+                        specs.iter().zip(&admitted).map(|(s, a)| (s.name.clone(), a.devices.clone())).collect();
                     let containers = specs
                         .iter()
                         .zip(admitted)
@@ -443,7 +451,7 @@ impl NodeAgent {
                         containers,
                         reason: None,
                     });
-                    let status = self.running_status(&pod);
+                    let status = self.running_status(&pod, resource.as_deref(), &devices);
                     self.state.lock().await.status_pending.insert(k.uid.clone(), (k, status));
                 }
                 Err(e) => {
@@ -474,8 +482,22 @@ impl NodeAgent {
     }
 
     /// The status the kubelet writes once a pod's containers run.
-    fn running_status(&self, pod: &Pod) -> Value {
+    /// The status of an admitted pod; `devices`, by container, are those of `resource` it was
+    /// given.
+    fn running_status(&self, pod: &Pod, resource: Option<&str>, devices: &BTreeMap<String, Vec<String>>) -> Value {
         let now = now_rfc3339();
+        // The kubelet's ResourceHealthStatus: each allocated device and its health.
+        let health = |c: &Container| -> Value {
+            let ids = devices.get(&c.name).filter(|d| !d.is_empty() && self.config.resource_health_status);
+            match (ids, resource) {
+                (Some(ids), Some(resource)) => {
+                    let entries: Vec<Value> =
+                        ids.iter().map(|id| json!({"resourceID": id, "health": "Healthy"})).collect();
+                    json!([{"name": resource, "resources": entries}])
+                }
+                _ => Value::Null,
+            }
+        };
         let ip = self.next_ip.fetch_add(1, Ordering::Relaxed);
         let pod_ip = format!("10.244.{}.{}", self.config.pod_subnet, ip % 250 + 2);
         let spec = pod.spec.clone().unwrap_or_default();
@@ -484,12 +506,14 @@ impl NodeAgent {
             json!({"name": c.name, "ready": true, "started": true, "restartCount": 0,
                    "image": c.image.clone().unwrap_or_default(), "imageID": "",
                    "containerID": format!("box://{uid}/{}", c.name),
+                   "allocatedResourcesStatus": health(c),
                    "state": {"running": {"startedAt": now}}})
         };
         let done = |c: &Container| {
             json!({"name": c.name, "ready": true, "restartCount": 0,
                    "image": c.image.clone().unwrap_or_default(), "imageID": "",
                    "containerID": format!("box://{uid}/{}", c.name),
+                   "allocatedResourcesStatus": health(c),
                    "state": {"terminated": {"exitCode": 0, "reason": "Completed", "startedAt": now, "finishedAt": now}}})
         };
         let condition = |t: &str| json!({"type": t, "status": "True", "lastTransitionTime": now});

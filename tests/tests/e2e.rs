@@ -203,3 +203,29 @@ async fn every_request_shape_lands_on_a_gpu_with_room() {
     assert_eq!(wide.spec.as_ref().unwrap().node_name.as_deref(), Some("a10"));
     assert_eq!(phase(find(&pods, "default/too-big")), "Pending", "still fits no GPU");
 }
+
+/// The kubelet stand-in reporting per-device health in pod status, as the kubelet's
+/// `ResourceHealthStatus` gate does (found on the real kubelet 1.37): gpushared tells the
+/// operator, once, to turn it off in MiB mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpushared_points_out_a_kubelet_reporting_device_health() {
+    let options = Options { dbus: false, kubelet_resource_health: true, ..Options::default() };
+    let mut spec = spec();
+    spec.nodes.truncate(1);
+    let c = Cluster::up(&spec, &options).await.unwrap();
+    c.apply(&[pod("default", "h-1", &[("main", 300, 1)], &[]), pod("default", "h-2", &[("main", 200, 1)], &[])])
+        .await
+        .unwrap();
+    c.wait_phase("default", "h-1", "Running", SETTLE).await.unwrap();
+    c.wait_phase("default", "h-2", "Running", SETTLE).await.unwrap();
+    let daemon = &c.nodes[0].daemon;
+    let deadline = std::time::Instant::now() + SETTLE;
+    loop {
+        let warned = daemon.log().lines().filter(|l| l.contains("ResourceHealthStatus")).count();
+        if warned == 1 {
+            break;
+        }
+        assert!(warned == 0 && std::time::Instant::now() < deadline, "warned {warned} times:\n{}", daemon.log_tail(20));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -87,6 +87,10 @@ enum Cmd {
         /// The third octet of pod IPs.
         #[arg(long, default_value_t = 0)]
         pod_subnet: u8,
+        /// Report each allocated device's health in pod status, as the kubelet's
+        /// `ResourceHealthStatus` feature gate does.
+        #[arg(long)]
+        resource_health_status: bool,
     },
     /// The kube-scheduler stand-in, calling the extender as kube-scheduler does.
     Scheduler {
@@ -150,7 +154,16 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                 }
             }
         }
-        Cmd::Kubelet { node, address, kubeconfig, plugin_dir, pod_resources_socket, record, pod_subnet } => {
+        Cmd::Kubelet {
+            node,
+            address,
+            kubeconfig,
+            plugin_dir,
+            pod_resources_socket,
+            record,
+            pod_subnet,
+            resource_health_status,
+        } => {
             let client = client(&kubeconfig)?;
             let config = NodeConfig {
                 node,
@@ -160,6 +173,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                 address,
                 labels: BTreeMap::new(),
                 pod_subnet,
+                resource_health_status,
             };
             let agent = NodeAgent::start(config, client).await?;
             let mut hup = signal(SignalKind::hangup())?;
