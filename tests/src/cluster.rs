@@ -657,18 +657,7 @@ impl Cluster {
     /// # Errors
     /// On timeout, naming the pods still on their way.
     pub async fn settle(&self, timeout: Duration) -> anyhow::Result<Vec<Pod>> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let pods = self.pods().await?;
-            let moving: Vec<String> = pods.iter().filter(|p| !is_settled(p)).map(pod_key).collect();
-            if moving.is_empty() {
-                return Ok(pods);
-            }
-            if Instant::now() > deadline {
-                bail!("pods still on their way after {timeout:?}: {}", moving.join(", "));
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        settle(&self.client, timeout).await
     }
 
     /// Checks the invariants once ([`crate::invariants::check`]).
@@ -730,15 +719,7 @@ impl Cluster {
     /// # Errors
     /// If it cannot run or fails.
     pub fn inspect(&self, args: &[&str]) -> anyhow::Result<String> {
-        let out = Command::new(&self.bin.inspect)
-            .args(args)
-            .env("KUBECONFIG", &self.kubeconfig)
-            .output()
-            .context("running kubectl-inspect-gpushare")?;
-        if !out.status.success() {
-            bail!("kubectl-inspect-gpushare failed: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        inspect(&self.bin.inspect, &self.kubeconfig, args)
     }
 
     /// Stops everything: the scheduler and extender, the daemons (SIGTERM), the kubelets, the
@@ -895,6 +876,42 @@ fn start_node(
         &logs,
     )?;
     Ok(BoxNode { spec: node.clone(), dir: ndir, kubelet, daemon, bus, bus_address, events, record })
+}
+
+/// Runs `kubectl-inspect-gpushare` (`program`) with `args` against the cluster of `kubeconfig`.
+///
+/// # Errors
+/// If it cannot run or fails.
+pub fn inspect(program: &Path, kubeconfig: &Path, args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new(program)
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .output()
+        .context("running kubectl-inspect-gpushare")?;
+    if !out.status.success() {
+        bail!("kubectl-inspect-gpushare failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Waits until no pod is still on its way ([`is_settled`]); every pod.
+///
+/// # Errors
+/// On timeout, naming the pods still on their way; the API server's error.
+pub async fn settle(client: &kube::Client, timeout: Duration) -> anyhow::Result<Vec<Pod>> {
+    let api: Api<Pod> = Api::all(client.clone());
+    let deadline = Instant::now() + timeout;
+    loop {
+        let pods = api.list(&ListParams::default()).await?.items;
+        let moving: Vec<String> = pods.iter().filter(|p| !is_settled(p)).map(pod_key).collect();
+        if moving.is_empty() {
+            return Ok(pods);
+        }
+        if Instant::now() > deadline {
+            bail!("pods still on their way after {timeout:?}: {}", moving.join(", "));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// A pod's phase (`Pending` until the API server has one).

@@ -328,16 +328,7 @@ impl RealCluster {
     /// # Errors
     /// If it cannot run or fails.
     pub fn inspect(&self, args: &[&str]) -> anyhow::Result<String> {
-        let ours = Binaries::beside_current_exe()?;
-        let out = std::process::Command::new(&ours.inspect)
-            .args(args)
-            .env("KUBECONFIG", &self.plane.admin)
-            .output()
-            .context("running kubectl-inspect-gpushare")?;
-        if !out.status.success() {
-            bail!("kubectl-inspect-gpushare failed: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        crate::cluster::inspect(&Binaries::beside_current_exe()?.inspect, &self.plane.admin, args)
     }
 
     /// Stops everything: kube-scheduler and the extender, each node's gpushared (SIGTERM) and

@@ -13,13 +13,15 @@ use std::time::{Duration, Instant};
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
 use gpushare_core::codec::heartbeat::{HEARTBEAT_KEY, Heartbeat};
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
-use gpushare_testkit::cluster::{Proc, http_get};
+use gpushare_testkit::cluster::Proc;
 use gpushare_testkit::kubelet::{ContainerSpec, Kubelet};
 use gpushare_testkit::nvml::FakeGpu;
 use serde_json::json;
 
 mod realbox;
-use realbox::{RealBox, get, node, pod, ready_status, start_gpushared, up, wait_bound};
+use realbox::{
+    RealBox, get, node, pod, preempt_calls, priority_classes, ready_status, start_gpushared, up, wait_bound,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_real_scheduler_places_gpu_pods_through_the_extender() {
@@ -197,12 +199,7 @@ async fn the_real_scheduler_preempts_lower_priority_gpu_holders() {
     let Some(mut b) = up().await else { return };
     let (object, status) = node("node-a", "Tesla T4", 15360, 1);
     b.plane.add_api_only_node(&object, &status).unwrap();
-    for (name, value) in [("low", 100), ("high", 1000)] {
-        b.plane
-            .create(&json!({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
-                            "metadata": {"name": name}, "value": value}))
-            .unwrap();
-    }
+    priority_classes(&b);
     let with_priority = |name: &str, mib: u64, class: &str| {
         let mut p = pod(name, mib);
         p["spec"]["priorityClassName"] = json!(class);
@@ -252,13 +249,7 @@ async fn the_real_scheduler_preempts_lower_priority_gpu_holders() {
         .collect();
     assert_eq!(left.len(), 1, "two victims are enough, and needed: {left:?}");
     // The scheduler asked the extender which victims to take.
-    let (_, metrics) = http_get(b.addr, "/metrics").await.unwrap();
-    let asked = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("gpushare_extender_request_duration_seconds_count{verb=\"preempt\"} "))
-        .and_then(|n| n.trim().parse::<u64>().ok())
-        .unwrap_or(0);
-    assert!(asked >= 1, "the extender's preempt was never called:\n{metrics}");
+    assert!(preempt_calls(&b).await >= 1, "the extender's preempt was never called");
     b.extender.kill();
 }
 

@@ -106,3 +106,23 @@ pub(crate) async fn wait_bound(b: &RealBox, names: &[String]) -> Vec<Value> {
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }
+
+/// Priority classes `low` (100) and `high` (1000), for the preemption tests.
+pub(crate) fn priority_classes(b: &RealBox) {
+    for (name, value) in [("low", 100), ("high", 1000)] {
+        b.plane
+            .create(&json!({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+                            "metadata": {"name": name}, "value": value}))
+            .unwrap();
+    }
+}
+
+/// How many times kube-scheduler called the extender's `preempt`, from its metrics.
+pub(crate) async fn preempt_calls(b: &RealBox) -> u64 {
+    let (_, metrics) = gpushare_testkit::cluster::http_get(b.addr, "/metrics").await.unwrap_or_default();
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("gpushare_extender_request_duration_seconds_count{verb=\"preempt\"} "))
+        .and_then(|n| n.trim().parse::<u64>().ok())
+        .unwrap_or(0)
+}

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
-use gpushare_testkit::cluster::{self, Binaries, is_settled};
+use gpushare_testkit::cluster::{self, Binaries};
 use gpushare_testkit::realbox::{self, RealCluster, RealOptions};
 use gpushare_testkit::realkube;
 use k8s_openapi::api::core::v1::Pod;
@@ -82,7 +82,7 @@ pub(crate) async fn demo(
         cluster.plane.create(pod)?;
     }
     let client = cluster.plane.admin_client().await?;
-    let settled = match settle(&client, Duration::from_secs(90)).await {
+    let settled = match cluster::settle(&client, Duration::from_secs(90)).await {
         Ok(pods) => {
             println!("Settled in {:.1} s.\n", applied.elapsed().as_secs_f64());
             pods
@@ -107,23 +107,6 @@ pub(crate) async fn demo(
     }
     cluster.shutdown();
     Ok(())
-}
-
-/// Waits until no pod is still on its way ([`is_settled`]); every pod.
-async fn settle(client: &kube::Client, timeout: Duration) -> anyhow::Result<Vec<Pod>> {
-    let api: Api<Pod> = Api::all(client.clone());
-    let deadline = Instant::now() + timeout;
-    loop {
-        let pods = api.list(&ListParams::default()).await?.items;
-        let moving: Vec<String> = pods.iter().filter(|p| !is_settled(p)).map(cluster::pod_key).collect();
-        if moving.is_empty() {
-            return Ok(pods);
-        }
-        if Instant::now() > deadline {
-            bail!("pods still on their way after {timeout:?}: {}", moving.join(", "));
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
 }
 
 /// What each node's runtime was asked to create, by pod UID, in the order the kubelet created
