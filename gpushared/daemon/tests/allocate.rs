@@ -437,6 +437,8 @@ async fn sigkill_during_an_admission_burst_loses_no_answered_allocation() {
     // Restarted on the same ledger, it answers the same devices the same way and goes on.
     let daemon = Daemon::start(&c.config, c.host.path("daemon-2.log"));
     c.kubelet.wait_registered(2, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+    // The kubelet took the killed daemon's devices as unhealthy; the new stream brings them back.
+    c.kubelet.wait_devices(WAIT, |d| d.iter().any(|d| d.health == "Healthy")).await.unwrap();
     let (devices, envs) = &answered[3];
     let deadline = Instant::now() + WAIT;
     let again = loop {

@@ -515,7 +515,10 @@ async fn a_ledger_that_lost_allocations_is_rebuilt_before_serving() {
         "{kinds:?}"
     );
     // A 10 000 MiB pod assigned to the same GPU (the kubelet counts devices of both GPUs) is
-    // refused: 15 003 of 16 384 are booked.
+    // refused: 15 003 of 16 384 are booked. The kubelet took the first daemon's devices as
+    // unhealthy when its stream ended; they are back once the rebuilt daemon registers.
+    kubelet.wait_registered(2, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+    kubelet.wait_devices(WAIT, |d| d.iter().any(|d| d.health == "Healthy")).await.unwrap();
     bound_pod(&api, "more", &[("main", ContainerRole::App, &[(0, 10_000)])]);
     let err = loop {
         let err = kubelet.admit(&[10_000]).await.unwrap_err().to_string();
