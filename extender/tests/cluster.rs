@@ -354,7 +354,7 @@ async fn a_starting_extender_finds_no_disagreement_with_an_agreeing_daemon() {
     h.api.create_node(node_object("gpu-a", 2, 15_360)).unwrap();
     let pods: Vec<Value> =
         (0..20).map(|i| h.api.create_pod("default", pod_object(&format!("p{i:02}"), 500 + i * 10)).unwrap()).collect();
-    until("ready", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().1 == 20)).await;
+    until("ready", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().0 == 1 && v.counts().1 == 20)).await;
     for p in &pods {
         let (_, body) = http(h.addr, "POST", "/gpushare-scheduler/bind", &bind_body(p, "gpu-a")).await;
         assert_eq!(body, r#"{"Error":""}"#);
@@ -363,7 +363,10 @@ async fn a_starting_extender_finds_no_disagreement_with_an_agreeing_daemon() {
     assert_eq!(publish_allocations(&h.api, 2), 20);
     for _ in 0..8 {
         h.restart(false).await;
-        until("the new extender ready", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().1 == 20)).await;
+        until("the new extender ready", async || {
+            h.ext.is_ready() && h.ext.with_view(|v| v.counts().0 == 1 && v.counts().1 == 20)
+        })
+        .await;
         let (_, metrics) = http(h.addr, "GET", "/metrics", "").await;
         assert!(metrics.contains("gpushare_extender_view_disagreements_total 0\n"), "{metrics}");
     }
