@@ -142,7 +142,8 @@ impl RealCluster {
             );
         }
         let mut options = options.clone();
-        options.extender_extra = format!("[resources]\nunit = \"{}\"\n{}", spec.unit, options.extender_extra);
+        options.extender_extra =
+            merge_toml(&format!("[resources]\nunit = \"{}\"\n", spec.unit), &options.extender_extra)?;
         let mut cluster = RealCluster::up(&options).await?;
         for node in &spec.nodes {
             let unit = node.unit.unwrap_or(spec.unit);
@@ -358,11 +359,8 @@ pub fn start_extender(plane: &ControlPlane, extra: &str, log_filter: &str) -> an
     let kubeconfig = plane.pki.kubeconfig(&plane.server, "gpushare-extender", &[])?;
     let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
     let config = plane.dir.join("gpushare-extender.toml");
-    std::fs::write(
-        &config,
-        format!("[server]\nlisten = \"{addr}\"\n[kubernetes]\nkubeconfig = \"{}\"\n{extra}", kubeconfig.display()),
-    )
-    .with_context(|| format!("writing {}", config.display()))?;
+    let base = format!("[server]\nlisten = \"{addr}\"\n[kubernetes]\nkubeconfig = \"{}\"\n", kubeconfig.display());
+    std::fs::write(&config, merge_toml(&base, extra)?).with_context(|| format!("writing {}", config.display()))?;
     let extender = plane.spawn(
         "extender",
         &ours.extender,
@@ -414,7 +412,8 @@ pub fn start_gpushared(
 }
 
 /// `extra` laid over `base` (both TOML): its tables merged into those of `base` key by key, so
-/// an extra `[kubernetes]` section adds to the one `base` has rather than repeating it.
+/// an extra `[kubernetes]` (gpushared) or `[resources]` (the extender) section adds to the one
+/// `base` has rather than repeating it.
 fn merge_toml(base: &str, extra: &str) -> anyhow::Result<String> {
     fn merge(into: &mut toml::Table, from: toml::Table) {
         for (key, value) in from {
@@ -426,7 +425,7 @@ fn merge_toml(base: &str, extra: &str) -> anyhow::Result<String> {
             }
         }
     }
-    let mut table: toml::Table = base.parse().context("the generated gpushared.toml")?;
-    merge(&mut table, extra.parse().with_context(|| format!("the extra gpushared.toml text {extra:?}"))?);
+    let mut table: toml::Table = base.parse().context("the generated configuration")?;
+    merge(&mut table, extra.parse().with_context(|| format!("the extra configuration text {extra:?}"))?);
     Ok(toml::to_string(&table)?)
 }

@@ -20,7 +20,7 @@ use serde_json::json;
 
 mod realbox;
 use realbox::{
-    RealBox, get, node, pod, preempt_calls, priority_classes, ready_status, start_gpushared, up, wait_bound,
+    RealBox, get, live_named, node, pod, preempt_calls, priority_classes, ready_status, start_gpushared, up, wait_bound,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -238,15 +238,7 @@ async fn the_real_scheduler_preempts_lower_priority_gpu_holders() {
     };
     let assignment = Assignment::decode(urgent["metadata"]["annotations"][ASSIGNMENT_KEY].as_str().unwrap()).unwrap();
     assert_eq!(assignment.containers[0].gpus[0].uuid.as_str(), "GPU-node-a-0");
-    let pods = get(&b.plane, &["get", "pods", "-n", "default"]);
-    let left: Vec<&str> = pods["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
-        .filter_map(|p| p["metadata"]["name"].as_str())
-        .filter(|n| n.starts_with("low-"))
-        .collect();
+    let left = live_named(&b, "low-");
     assert_eq!(left.len(), 1, "two victims are enough, and needed: {left:?}");
     // The scheduler asked the extender which victims to take.
     assert!(preempt_calls(&b).await >= 1, "the extender's preempt was never called");

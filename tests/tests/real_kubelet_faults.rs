@@ -16,7 +16,7 @@ use gpushare_testkit::realbox::is_root;
 use serde_json::{Value, json};
 
 mod realbox;
-use realbox::{RealBox, get, pod, preempt_calls, priority_classes, up, wait_bound};
+use realbox::{RealBox, get, live_named, pod, preempt_calls, priority_classes, up, wait_bound};
 
 const NODES: [&str; 2] = ["fa-a", "fa-b"];
 const T4: u64 = 15360;
@@ -293,15 +293,7 @@ async fn higher_priority_pods_preempt_gpu_holders_under_real_kubelets() {
     let urgent = create(&b, &[with_priority("urgent", 8000, "high")]);
     wait_bound(&b, &urgent).await;
     wait_running(&b, &urgent);
-    let pods = get(&b.plane, &["get", "pods", "-n", "default"]);
-    let left: Vec<&str> = pods["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
-        .filter_map(|p| p["metadata"]["name"].as_str())
-        .filter(|n| n.starts_with("low-"))
-        .collect();
+    let left = live_named(&b, "low-");
     assert_eq!(left.len(), 4, "two victims are enough, and needed: {left:?}");
     let running = b.node(node).unwrap().runtime.running();
     assert_eq!(running.len(), 5, "{running:?}");

@@ -126,3 +126,17 @@ pub(crate) async fn preempt_calls(b: &RealBox) -> u64 {
         .and_then(|n| n.trim().parse::<u64>().ok())
         .unwrap_or(0)
 }
+
+/// The pods of `default` named `prefix…` that are not being deleted.
+pub(crate) fn live_named(b: &RealBox, prefix: &str) -> Vec<String> {
+    let pods = get(&b.plane, &["get", "pods", "-n", "default"]);
+    pods["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
+        .filter_map(|p| p["metadata"]["name"].as_str())
+        .filter(|n| n.starts_with(prefix))
+        .map(str::to_owned)
+        .collect()
+}
