@@ -70,8 +70,13 @@ pub trait Cluster: Send + Sync + 'static {
     fn bind(&self, binding: &Binding) -> impl Future<Output = Result<(), ClusterError>> + Send;
 }
 
-/// Nodes a filter looks at under one hold of the view's lock.
-const FILTER_CHUNK: usize = 1024;
+/// Nodes a filter looks at between two glances at the clock.
+const FILTER_CHUNK: usize = 256;
+
+/// How long a filter holds the view's lock before it hands it to a request waiting for it:
+/// long enough that an ordinary filter (5,000 names: under a millisecond) runs in one hold,
+/// short enough that a huge one does not hold up the others.
+const FILTER_SLICE: Duration = Duration::from_millis(1);
 
 /// One node's candidate victims: (node, victims as (UID, priority when known), PDB violations).
 type Candidates = (String, Vec<(String, Option<i32>)>, i64);
@@ -154,11 +159,11 @@ impl<C: Cluster> Extender<C> {
         self
     }
 
-    /// Whether some request or watch holds the view right now: a caller that must not wait
-    /// for it (an async worker) goes elsewhere.
+    /// Whether the view is free now or within `patience`: a caller that must not wait long
+    /// for it (an async worker) goes elsewhere when it is not.
     #[must_use]
-    pub fn view_is_busy(&self) -> bool {
-        self.state.is_locked()
+    pub fn view_free_within(&self, patience: Duration) -> bool {
+        self.state.try_lock_for(patience).is_some()
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -250,12 +255,16 @@ impl<C: Cluster> Extender<C> {
             Ok(request) => {
                 let uid = args.pod.uid();
                 let shape = Shape::of(&request);
-                // The view's lock is taken per chunk of nodes, so that a request naming
+                // The view's lock is handed on every FILTER_SLICE, so that a request naming
                 // hundreds of thousands of nodes does not hold up the others for its whole run.
                 let mut s = self.state();
+                let mut held_since = Instant::now();
                 for chunk in candidates.chunks(FILTER_CHUNK) {
-                    // Hands the lock to any request waiting for it, then takes it back.
-                    MutexGuard::bump(&mut s);
+                    if held_since.elapsed() >= FILTER_SLICE {
+                        // Hands the lock to any request waiting for it, then takes it back.
+                        MutexGuard::bump(&mut s);
+                        held_since = Instant::now();
+                    }
                     let State { view, placer } = &mut *s;
                     let gone = view.evicted(&[uid]);
                     for n in chunk {
