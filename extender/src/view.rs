@@ -75,11 +75,13 @@ impl Hasher for FxHasher {
 pub type FxMap<K, V> = HashMap<K, V, BuildHasherDefault<FxHasher>>;
 
 /// Pods to count as gone (the pod being placed, preemption victims) and the nodes where they
-/// hold memory, found once per request so that untouched nodes cost nothing extra.
-#[derive(Clone, Debug, Default)]
+/// hold memory, found once per request so that untouched nodes cost nothing extra; and the
+/// moment the request is judged at, so that heartbeat deadlines cost no clock read per node.
+#[derive(Clone, Debug)]
 pub struct Evicted<'a> {
     uids: HashSet<&'a str>,
     nodes: Vec<String>,
+    now: Instant,
 }
 
 impl Evicted<'_> {
@@ -592,7 +594,7 @@ impl ClusterView {
                 }
             }
         }
-        Evicted { uids: uids.iter().copied().collect(), nodes }
+        Evicted { uids: uids.iter().copied().collect(), nodes, now: Instant::now() }
     }
 
     /// Replaces every node (a watch restart's full list).
@@ -865,13 +867,13 @@ impl ClusterView {
         let inventory = &state.inventory;
         let n = inventory.gpus().len();
         // What the daemon attributes to each pod, by the rule its `usedMiB` follows.
-        let mut reported: BTreeMap<&str, (String, Vec<Mib>)> = BTreeMap::new();
+        let mut reported: BTreeMap<&str, (&gpushare_core::codec::node::PodRef, Vec<Mib>)> = BTreeMap::new();
         let mut attributed = vec![Mib::ZERO; n];
         for (uid, f) in pod_footprints(inventory, &state.allocations) {
             for (t, m) in attributed.iter_mut().zip(&f.mib) {
                 *t = t.saturating_add(*m);
             }
-            reported.insert(uid, (format!("{}/{}", f.pod.namespace, f.pod.name), f.mib));
+            reported.insert(uid, (f.pod, f.mib));
         }
         let base = state.used.iter().zip(&attributed).map(|(u, a)| u.saturating_sub(*a)).collect();
         let mut usage = Usage { base, pods: Vec::new(), admitting: Vec::new(), pending: Vec::new(), total: Vec::new() };
@@ -912,8 +914,9 @@ impl ClusterView {
             });
         }
         // Pods the daemon holds that the view has elsewhere or not at all: the daemon wins.
-        for (uid, (key, mib)) in reported {
+        for (uid, (pod, mib)) in reported {
             counted.insert(uid);
+            let key = format!("{}/{}", pod.namespace, pod.name);
             usage.pods.push(Holder { uid: uid.to_owned(), pod: key, mib, assumed: false });
         }
         for (uid, a) in &self.assumed {
@@ -941,12 +944,15 @@ impl ClusterView {
     fn disagreements_on(&self, node: &str) -> Vec<String> {
         let Some(entry) = self.nodes.get(node) else { return Vec::new() };
         let NodeGpus::Reported(state) = &entry.gpus else { return Vec::new() };
-        let mut by_pod: BTreeMap<&str, (&gpushare_core::codec::node::PodRef, BTreeSet<u32>)> = BTreeMap::new();
-        for a in &state.allocations {
-            by_pod.entry(a.pod.uid.as_str()).or_insert_with(|| (&a.pod, BTreeSet::new())).1.insert(a.gpu);
-        }
+        // The daemon's rows by pod, in one sorted list rather than a map of sets: this runs on
+        // every change of a node's state, over all of its allocations.
+        let mut rows: Vec<(&str, u32, &gpushare_core::codec::node::PodRef)> =
+            state.allocations.iter().map(|a| (a.pod.uid.as_str(), a.gpu, &a.pod)).collect();
+        rows.sort_unstable_by(|a, b| a.0.cmp(b.0).then(a.1.cmp(&b.1)));
+        rows.dedup_by(|a, b| a.0 == b.0 && a.1 == b.1);
         let mut out = Vec::new();
-        for (uid, (pod, gpus)) in by_pod {
+        for same_pod in rows.chunk_by(|a, b| a.0 == b.0) {
+            let (uid, _, pod) = same_pod[0];
             // The extender's own bind to this node, which its pod watch has not shown yet: the
             // daemon agrees with it.
             if self.assumed.get(uid).is_some_and(|a| a.node == node)
@@ -954,20 +960,26 @@ impl ClusterView {
             {
                 continue;
             }
-            let who = format!("{}/{} (uid {uid})", pod.namespace, pod.name);
+            let who = || format!("{}/{} (uid {uid})", pod.namespace, pod.name);
             match self.pods.get(uid) {
-                None => out
-                    .push(format!("node {node}'s daemon holds memory for pod {who}, which the extender does not know")),
+                None => out.push(format!(
+                    "node {node}'s daemon holds memory for pod {}, which the extender does not know",
+                    who()
+                )),
                 Some(p) if p.node.as_deref() != Some(node) => out.push(format!(
-                    "node {node}'s daemon holds memory for pod {who}, which the extender has on {}",
+                    "node {node}'s daemon holds memory for pod {}, which the extender has on {}",
+                    who(),
                     p.node.as_deref().unwrap_or("no node")
                 )),
                 Some(PodEntry { holding: Holding::Assigned(a), .. }) => {
-                    let assigned: BTreeSet<u32> =
-                        a.containers.iter().flat_map(|c| c.gpus.iter().map(|g| g.index)).collect();
-                    if !gpus.is_subset(&assigned) {
+                    let assigned = |gpu: u32| a.containers.iter().any(|c| c.gpus.iter().any(|g| g.index == gpu));
+                    if !same_pod.iter().all(|(_, gpu, _)| assigned(*gpu)) {
+                        let gpus: BTreeSet<u32> = same_pod.iter().map(|(_, gpu, _)| *gpu).collect();
+                        let assigned: BTreeSet<u32> =
+                            a.containers.iter().flat_map(|c| c.gpus.iter().map(|g| g.index)).collect();
                         out.push(format!(
-                            "node {node}'s daemon holds pod {who} on GPU {gpus:?}, its assignment says GPU {assigned:?}; counting the daemon's"
+                            "node {node}'s daemon holds pod {} on GPU {gpus:?}, its assignment says GPU {assigned:?}; counting the daemon's",
+                            who()
                         ));
                     }
                 }
@@ -1049,7 +1061,7 @@ impl ClusterView {
     pub fn surely_fits(&self, node: &str, pod: &PodRequest, evicted: &Evicted<'_>) -> Option<bool> {
         let shape = Shape::of(pod)?;
         let s = self.table.get(node)?;
-        if evicted.touches(node) || s.is_stale() {
+        if evicted.touches(node) || s.is_stale_at(evicted.now) {
             return None;
         }
         s.fits(&shape)
@@ -1060,10 +1072,9 @@ impl ClusterView {
     /// no further look; `false` when the long way must decide (and say why not).
     #[must_use]
     pub fn passes_at_a_glance(&self, node: &str, shape: &Shape, evicted: &Evicted<'_>) -> bool {
-        self.table
-            .get(node)
-            .is_some_and(|s| s.fits(shape) == Some(true) && !s.may_admit_lookalike(shape.first) && !s.is_stale())
-            && !evicted.touches(node)
+        self.table.get(node).is_some_and(|s| {
+            s.fits(shape) == Some(true) && !s.may_admit_lookalike(shape.first) && !s.is_stale_at(evicted.now)
+        }) && !evicted.touches(node)
     }
 
     /// prioritize's score from `node`'s [`Summary`] alone: what [`Self::score`] answers when
@@ -1083,7 +1094,7 @@ impl ClusterView {
         }
         let s = self.table.get(node)?;
         let score = s.score(shape, policies.node == NodePolicy::Binpack)?;
-        (!evicted.touches(node) && !s.is_stale()).then_some(score)
+        (!evicted.touches(node) && !s.is_stale_at(evicted.now)).then_some(score)
     }
 
     /// Scores `node` for `pod` (0–10) with the `evicted` pods gone (the pod itself, so an

@@ -70,10 +70,10 @@ impl Shape {
 }
 
 impl Summary {
-    /// Whether the node's daemon is presumed gone: its heartbeat not renewed in time.
+    /// Whether the node's daemon is presumed gone at `now`: its heartbeat not renewed in time.
     #[must_use]
-    pub fn is_stale(&self) -> bool {
-        self.stale_at.is_some_and(|t| std::time::Instant::now() > t)
+    pub fn is_stale_at(&self, now: std::time::Instant) -> bool {
+        self.stale_at.is_some_and(|t| now > t)
     }
 
     /// How many GPUs have room for `share`.

@@ -163,7 +163,7 @@ fn in_flight_binds_count_until_the_watch_shows_them_and_roll_back_on_failure() {
     assert_eq!(used(&mut v, "n1"), [600]);
     let mut placer = Placer::new();
     let req = v.request_of(&pod("b", 600, None, "Pending")).unwrap();
-    let none = Evicted::default();
+    let none = v.evicted(&[]);
     assert!(v.score(&mut placer, "n1", &req, Policies::default(), 0, &none).unwrap_err().is_resolvable());
     // The pod's own bind does not count against itself.
     assert!(v.score(&mut placer, "n1", &req, Policies::default(), 0, &v.evicted(&["uid-a"])).is_ok());
@@ -248,7 +248,7 @@ fn bound_pods_without_a_placement_are_pending_and_refusals_say_why() {
     v.apply_node(&broken);
     let req = v.request_of(&pod("x", 100, None, "Pending")).unwrap();
     let mut placer = Placer::new();
-    let none = Evicted::default();
+    let none = v.evicted(&[]);
     let why = |v: &mut ClusterView, placer: &mut Placer, n: &str| {
         v.score(placer, n, &req, Policies::default(), 0, &none).unwrap_err()
     };
@@ -292,7 +292,7 @@ fn the_filter_shortcut_agrees_with_the_placer() {
         names.push(name);
     }
     v.refresh();
-    let none = Evicted::default();
+    let none = v.evicted(&[]);
     let mut placer = Placer::new();
     let mut shortcuts = 0;
     for mib in (50..=1000).step_by(50) {
@@ -367,7 +367,7 @@ fn the_summary_scores_and_filters_as_the_placer() {
     }
     v.refresh();
     assert!(v.summaries_in_step());
-    let none = Evicted::default();
+    let none = v.evicted(&[]);
     let mut placer = Placer::new();
     let mut glances = 0;
     for gpus in 1..=3u32 {
@@ -407,7 +407,7 @@ fn a_node_admitting_a_pod_of_the_same_first_request_is_left_to_the_long_way() {
     // Bound with its assignment, not reported by the daemon yet: in admission.
     v.apply_pod(&pod("a", 300, Some(("n1", assignment("n1", &[("main", &[(0, 300)])]))), "Pending"));
     v.refresh();
-    let none = Evicted::default();
+    let none = v.evicted(&[]);
     let same = Shape::of(&v.request_of(&pod("b", 300, None, "Pending")).unwrap()).unwrap();
     let other = Shape::of(&v.request_of(&pod("c", 200, None, "Pending")).unwrap()).unwrap();
     assert!(!v.passes_at_a_glance("n1", &same, &none));
@@ -427,7 +427,7 @@ fn summaries_stay_in_step_as_pods_and_nodes_change() {
         v.refresh();
         assert!(v.summaries_in_step(), "after {what}");
     };
-    let none = Evicted::default();
+    let none = v.evicted(&[]);
     let shape = |v: &ClusterView, mib: u64| Shape::of(&v.request_of(&pod("x", mib, None, "Pending")).unwrap()).unwrap();
     for i in 0..40 {
         v.apply_node(&node(&format!("n{i}"), 2, 1000, 1, vec![]));
