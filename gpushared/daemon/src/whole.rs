@@ -148,11 +148,16 @@ impl DevicePlugin for WholePlugin {
             let envs = std::collections::HashMap::from([("NVIDIA_VISIBLE_DEVICES".to_owned(), uuids.join(","))]);
             responses.push(ContainerAllocateResponse { envs, ..Default::default() });
         }
-        let detail = format!("{} handed out whole", handed.join(", "));
-        tracing::info!(gpus = %handed.join(", "), "whole GPUs allocated");
-        if let Err(e) = self.alloc.record_event("whole-allocated", &detail) {
-            tracing::error!(error = %e, "the whole-GPU allocation could not be recorded in the ledger history");
+        let gpus = handed.join(", ");
+        // Success only once the ledger has the hand-out (invariant 2): the kubelet retries an
+        // UNAVAILABLE answer.
+        if let Err(e) = self.alloc.record_event("whole-allocated", &format!("{gpus} handed out whole")) {
+            tracing::error!(gpus = %gpus, error = %e, "whole-GPU allocation refused: the ledger cannot record it");
+            return Err(Status::unavailable(format!(
+                "{gpus} not handed out: the ledger cannot record it ({e}); the kubelet retries"
+            )));
         }
+        tracing::info!(gpus = %gpus, "whole GPUs allocated");
         Ok(Response::new(AllocateResponse { container_responses: responses }))
     }
 

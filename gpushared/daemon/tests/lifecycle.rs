@@ -917,6 +917,17 @@ mod whole {
             .collect();
         assert_eq!(history, vec!["GPU1 (GPU-static-1), GPU2 (GPU-static-2) handed out whole".to_owned()]);
 
+        // A ledger the daemon cannot write (another writer holds it past the busy timeout): the
+        // hand-out is refused as UNAVAILABLE, so the kubelet retries, and answered once it can.
+        let blocker = rusqlite::Connection::open(host.ledger()).unwrap();
+        blocker.execute_batch("BEGIN EXCLUSIVE").unwrap();
+        let err = kubelet.allocate_of(WHOLE, &["GPU-static-1".into()]).await.unwrap_err().to_string();
+        assert!(err.contains("Unavailable") && err.contains("the ledger cannot record it"), "{err}");
+        blocker.execute_batch("ROLLBACK").unwrap();
+        drop(blocker);
+        let envs = kubelet.allocate_of(WHOLE, &["GPU-static-1".into()]).await.unwrap();
+        assert_eq!(envs.get("NVIDIA_VISIBLE_DEVICES").map(String::as_str), Some("GPU-static-1"));
+
         // The node annotation says so: the extender places no share there.
         let state = eventually("the node state", || node_state(&api)).await;
         let modes: Vec<SharingMode> = state.inventory.gpus().iter().map(|g| g.mode).collect();
