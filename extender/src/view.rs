@@ -20,7 +20,7 @@ use gpushare_core::codec::alibaba::AlibabaAnnotations;
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
 use gpushare_core::codec::heartbeat::{HEARTBEAT_KEY, Heartbeat};
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState, pod_footprints};
-use gpushare_core::placement::{GpuPolicy, NodePolicy, NodeView, Placer, Rejection};
+use gpushare_core::placement::{GpuPolicy, NodeView, Placer, Rejection};
 use gpushare_core::schedule::Policies;
 use gpushare_core::{MemoryUnit, Mib, NodeInventory, PodRequest, ResourceNames};
 
@@ -1093,7 +1093,7 @@ impl ClusterView {
             return None;
         }
         let s = self.table.get(node)?;
-        let score = s.score(shape, policies.node == NodePolicy::Binpack)?;
+        let score = s.score(shape, policies.node)?;
         (!evicted.touches(node) && !s.is_stale_at(evicted.now)).then_some(score)
     }
 

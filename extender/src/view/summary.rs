@@ -9,6 +9,7 @@
 
 use std::hash::Hasher as _;
 
+use gpushare_core::placement::{NodePolicy, node_score};
 use gpushare_core::{MemoryUnit, Mib, PodRequest};
 
 use super::FxHasher;
@@ -89,13 +90,14 @@ impl Summary {
         (shape.unit == self.unit && self.gpus_with_room(shape.share) >= shape.gpus).then_some(true)
     }
 
-    /// The node's score (0–`MAX_SCORE`) for the pod under `binpack` or spread, when it fits: the
-    /// GPUs it lands on each take `share` without reaching their capacity, whichever they are.
+    /// The node's score (0–`MAX_SCORE`) for the pod under `policy`, when it fits: the GPUs it
+    /// lands on each take `share` without reaching their capacity, whichever they are, so the
+    /// core's [`node_score`] of the sums is the placer's score.
     #[must_use]
-    pub fn score(&self, shape: &Shape, binpack: bool) -> Option<u8> {
+    pub fn score(&self, shape: &Shape, policy: NodePolicy) -> Option<u8> {
         self.fits(shape)?;
         let added = u128::from(shape.share) * shape.gpus as u128;
-        Some(score_from(u128::from(self.used) + added, u128::from(self.capacity), binpack))
+        Some(node_score(u128::from(self.used) + added, u128::from(self.capacity), policy))
     }
 
     /// Whether the node may be admitting a pod whose first request is `first` (then the long
@@ -108,16 +110,6 @@ impl Summary {
             Some(n) => self.lookalikes[..usize::from(n)].iter().any(|s| u64::from(*s) == first),
         }
     }
-}
-
-/// The placer's node score (`gpushare_core::placement`), from the usage after placement.
-fn score_from(after: u128, capacity: u128, binpack: bool) -> u8 {
-    const MAX: u8 = gpushare_core::placement::MAX_SCORE;
-    if capacity == 0 {
-        return 0;
-    }
-    let full = u8::try_from((after.min(capacity) * u128::from(MAX)) / capacity).unwrap_or(MAX);
-    if binpack { full } else { MAX - full }
 }
 
 /// Builds a record from a node's inventory figures: per GPU position (whether it takes

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment, GpuShare};
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeAllocation, NodeState, PodRef};
-use gpushare_core::placement::Placer;
+use gpushare_core::placement::{NodePolicy, Placer};
 use gpushare_core::schedule::Policies;
 use gpushare_core::{ContainerRole, Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory, ResourceNames};
 use serde_json::json;

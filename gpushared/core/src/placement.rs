@@ -368,7 +368,7 @@ impl Placer {
             capacity += u128::from(cap.get());
             after += u128::from(used.saturating_add(*added).get().min(cap.get()));
         }
-        Ok(score_from(after, capacity, node_policy))
+        Ok(node_score(after, capacity, node_policy))
     }
 
     /// [`Self::score`] blended with how idle the GPUs the pod would land on are: `busy_weight`
@@ -661,7 +661,11 @@ fn policy_key(policy: GpuPolicy, room: Mib) -> u64 {
     }
 }
 
-fn score_from(after: u128, capacity: u128, policy: NodePolicy) -> u8 {
+/// A node's score (0–[`MAX_SCORE`]) under `policy` from its schedulable `capacity` and what
+/// would be used `after` the pod is placed: binpack favours the fuller node, spread the emptier.
+/// The one rule: the placer scores with it, and the extender's per-node summaries too.
+#[must_use]
+pub fn node_score(after: u128, capacity: u128, policy: NodePolicy) -> u8 {
     if capacity == 0 {
         return 0;
     }
