@@ -28,6 +28,10 @@ pub const GPUSHARE_COUNT_RESOURCE: &str = "gpushare.io/gpu-count";
 /// gpushare's whole-GPU resource: one device per GPU in `whole` mode, advertised by the daemon
 /// beside the memory resource and counted by kube-scheduler itself.
 pub const GPUSHARE_WHOLE_RESOURCE: &str = "gpushare.io/gpu";
+/// Alibaba's memory resource, read under `[resources] compatibility = "alibaba"`.
+pub const ALIBABA_MEMORY_RESOURCE: &str = "aliyun.com/gpu-mem";
+/// Alibaba's GPU-count resource.
+pub const ALIBABA_COUNT_RESOURCE: &str = "aliyun.com/gpu-count";
 
 pub use inventory::{Activity, Gpu, GpuUuid, Health, NodeInventory, SharingMode};
 pub use placement::{GpuPolicy, NodePolicy, NodeView, Placement, Placer, Rejection};

@@ -147,8 +147,8 @@ impl ResourceNames {
     #[must_use]
     pub fn alibaba() -> Self {
         ResourceNames {
-            memory: ResourceName(crate::codec::alibaba::MEMORY_RESOURCE.to_owned()),
-            count: ResourceName(crate::codec::alibaba::COUNT_RESOURCE.to_owned()),
+            memory: ResourceName(crate::ALIBABA_MEMORY_RESOURCE.to_owned()),
+            count: ResourceName(crate::ALIBABA_COUNT_RESOURCE.to_owned()),
         }
     }
 }

@@ -1134,26 +1134,22 @@ impl Allocator {
         true
     }
 
-    /// Records the over-use detector's verdict: the containers over budget now (published with
-    /// the node state and on D-Bus), and each one newly over or back within budget in the
-    /// ledger history (`over-budget`, `within-budget`).
+    /// Keeps the containers over budget now (published with the node state and on D-Bus) and
+    /// records `events` (kind, detail: who went over or back within budget) in the ledger
+    /// history; the over-use detector decides both.
     ///
     /// # Errors
     /// [`AllocError::Ledger`] if the history cannot be written (the list is kept anyway).
-    pub fn set_over_budget(&self, verdict: &crate::overuse::Verdict) -> Result<(), AllocError> {
-        *self.over_budget.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = verdict.current.clone();
-        if verdict.began.is_empty() && verdict.ended.is_empty() {
+    pub fn set_over_budget(&self, current: Vec<OverBudget>, events: &[(&str, String)]) -> Result<(), AllocError> {
+        *self.over_budget.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = current;
+        if events.is_empty() {
             return Ok(());
         }
         let mut recorded = Ok(());
         {
             let mut state = self.lock();
-            for o in &verdict.began {
-                recorded = recorded.and(state.ledger.record_event("over-budget", &crate::overuse::describe(o)));
-            }
-            for o in &verdict.ended {
-                let detail = format!("{}: no longer over budget", crate::overuse::describe(o));
-                recorded = recorded.and(state.ledger.record_event("within-budget", &detail));
+            for (kind, detail) in events {
+                recorded = recorded.and(state.ledger.record_event(kind, detail));
             }
         }
         self.changed();

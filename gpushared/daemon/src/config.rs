@@ -401,15 +401,20 @@ fn default_bus() -> String {
     "system".to_owned()
 }
 
+/// Which bus to serve the status API on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Bus {
+    /// The system bus.
+    System,
+    /// A bus at this address (`unix:path=...`).
+    Address(String),
+}
+
 impl DbusConfig {
     /// The bus to serve on.
     #[must_use]
-    pub fn bus(&self) -> crate::dbus::Bus {
-        if self.address == "system" {
-            crate::dbus::Bus::System
-        } else {
-            crate::dbus::Bus::Address(self.address.clone())
-        }
+    pub fn bus(&self) -> Bus {
+        if self.address == "system" { Bus::System } else { Bus::Address(self.address.clone()) }
     }
 }
 
@@ -881,7 +886,7 @@ mod tests {
         assert_eq!(c.health.probe_interval_seconds.duration().as_secs(), 5);
         assert_eq!(c.health.recovery_seconds, 300);
         assert!(c.dbus.enabled);
-        assert_eq!(c.dbus.bus(), crate::dbus::Bus::System);
+        assert_eq!(c.dbus.bus(), Bus::System);
         assert!(c.overuse.enabled);
         assert_eq!(c.overuse.interval_seconds.duration().as_secs(), 10);
         assert_eq!(c.overuse.tolerance_mib, 0);

@@ -20,8 +20,9 @@ use serde_json::{Value, json};
 use zbus::DBusError as _;
 use zbus::fdo;
 
+use crate::config::Bus;
 use crate::dbus::{
-    ActivityRecord, AllocationRecord, BUS_NAME, Bus, GpuRecord, Gpushare1Proxy, HistoryRecord, OverBudgetRecord,
+    ActivityRecord, AllocationRecord, BUS_NAME, GpuRecord, Gpushare1Proxy, HistoryRecord, OverBudgetRecord,
 };
 
 /// Exit status: the daemon refused the request (a D-Bus error reply such as an unknown GPU).

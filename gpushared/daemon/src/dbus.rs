@@ -13,6 +13,7 @@ use std::time::Duration;
 use zbus::fdo;
 
 use crate::allocator::{AllocError, Allocator};
+use crate::config::Bus;
 
 /// The well-known bus name.
 pub const BUS_NAME: &str = "io.gpushare.GpuShare1";
@@ -90,7 +91,7 @@ impl StatusApi {
     #[zbus(property)]
     #[allow(clippy::unused_self)] // a D-Bus property is a method of the served object
     fn version(&self) -> String {
-        crate::publish::DAEMON_VERSION.to_owned()
+        crate::DAEMON_VERSION.to_owned()
     }
 
     /// `MiB` or `GiB`: what one kubelet device stands for.
@@ -244,15 +245,6 @@ pub trait Gpushare1 {
     fn cordon(&self, gpu: &str) -> zbus::Result<bool>;
     /// Uncordons a GPU.
     fn uncordon(&self, gpu: &str) -> zbus::Result<bool>;
-}
-
-/// Which bus to serve on.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Bus {
-    /// The system bus.
-    System,
-    /// A bus at this address (`unix:path=...`).
-    Address(String),
 }
 
 async fn connect(bus: &Bus, alloc: &Arc<Allocator>) -> zbus::Result<zbus::Connection> {

@@ -52,3 +52,6 @@ pub mod startup;
 pub mod whole;
 
 pub use gpushare_sdnotify as systemd;
+
+/// This daemon's version, as published in the node state and on D-Bus.
+pub const DAEMON_VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -361,7 +361,10 @@ pub fn run(
             tracing::info!(pod = %format!("{}/{}", o.pod.namespace, o.pod.name), container = %o.container, gpu = o.gpu,
                 "container back within its GPU memory budget");
         }
-        if let Err(e) = alloc.set_over_budget(&verdict) {
+        let events: Vec<(&str, String)> = (verdict.began.iter().map(|o| ("over-budget", describe(o))))
+            .chain(verdict.ended.iter().map(|o| ("within-budget", format!("{}: no longer over budget", describe(o)))))
+            .collect();
+        if let Err(e) = alloc.set_over_budget(verdict.current, &events) {
             tracing::error!(error = %e, "the over-budget change could not be recorded in the ledger history");
         }
         for o in verdict.evict {

@@ -31,11 +31,9 @@ use kube::api::{Patch, PatchParams};
 use thiserror::Error;
 use tokio::sync::watch;
 
+use crate::DAEMON_VERSION;
 use crate::allocator::Allocator;
 use crate::objects::NodeObject;
-
-/// The daemon's version, as published.
-pub const DAEMON_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// How publication failed.
 #[derive(Debug, Error)]

@@ -15,10 +15,7 @@ use crate::inventory::NodeInventory;
 use crate::request::PodRequest;
 use crate::units::{MemoryUnit, Mib};
 
-/// Alibaba's memory resource.
-pub const MEMORY_RESOURCE: &str = "aliyun.com/gpu-mem";
-/// Alibaba's GPU count resource.
-pub const COUNT_RESOURCE: &str = "aliyun.com/gpu-count";
+pub use crate::{ALIBABA_COUNT_RESOURCE as COUNT_RESOURCE, ALIBABA_MEMORY_RESOURCE as MEMORY_RESOURCE};
 
 /// Pod annotation and env var: the GPU (minor number).
 pub const IDX: &str = "ALIYUN_COM_GPU_MEM_IDX";
