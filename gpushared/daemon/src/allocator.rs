@@ -24,7 +24,7 @@ use thiserror::Error;
 use tokio::sync::watch;
 
 use crate::config::{Compatibility, MpsConfig};
-use crate::ledger::{Ledger, LedgerError, NewRow, Row, request_key};
+use crate::ledger::{EventKind, Ledger, LedgerError, NewRow, Row, request_key};
 use crate::pods::{PodStore, PodView, StoredPod};
 use crate::reconcile::{KnownPod, KubeletView, Repair};
 
@@ -1112,7 +1112,7 @@ impl Allocator {
             Health::Unhealthy { reason } => format!("GPU{index} ({}) is unhealthy: {reason}", gpu.uuid),
         };
         gpu.health = health;
-        let recorded = state.ledger.record_event("health", &detail);
+        let recorded = state.ledger.record_event(EventKind::Health, &detail);
         drop(state);
         self.changed();
         recorded?;
@@ -1140,7 +1140,7 @@ impl Allocator {
     ///
     /// # Errors
     /// [`AllocError::Ledger`] if the history cannot be written (the list is kept anyway).
-    pub fn set_over_budget(&self, current: Vec<OverBudget>, events: &[(&str, String)]) -> Result<(), AllocError> {
+    pub fn set_over_budget(&self, current: Vec<OverBudget>, events: &[(EventKind, String)]) -> Result<(), AllocError> {
         *self.over_budget.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = current;
         if events.is_empty() {
             return Ok(());
@@ -1149,7 +1149,7 @@ impl Allocator {
         {
             let mut state = self.lock();
             for (kind, detail) in events {
-                recorded = recorded.and(state.ledger.record_event(kind, detail));
+                recorded = recorded.and(state.ledger.record_event(*kind, detail));
             }
         }
         self.changed();
@@ -1166,7 +1166,7 @@ impl Allocator {
     ///
     /// # Errors
     /// [`AllocError::Ledger`].
-    pub fn record_event(&self, kind: &str, detail: &str) -> Result<(), AllocError> {
+    pub fn record_event(&self, kind: EventKind, detail: &str) -> Result<(), AllocError> {
         Ok(self.lock().ledger.record_event(kind, detail)?)
     }
 
@@ -1211,7 +1211,7 @@ impl Allocator {
                     state.held.retain(|h| !rows.contains(&h.id));
                     let detail = format!("released {}/{} container {container:?}: {reason}", pod.namespace, pod.name);
                     tracing::warn!(pod = %format!("{}/{}", pod.namespace, pod.name), container = %container, %reason, "reconcile: released");
-                    state.ledger.record_event("reconcile", &detail)?;
+                    state.ledger.record_event(EventKind::Reconcile, &detail)?;
                 }
                 Repair::Adopt { pod, container, role, device_ids, reason } => {
                     match self.adopt(&mut state, pod, container, *role, device_ids) {
@@ -1221,13 +1221,13 @@ impl Allocator {
                                 pod.namespace, pod.name
                             );
                             tracing::warn!(pod = %format!("{}/{}", pod.namespace, pod.name), container = %container, %gpus, "reconcile: adopted");
-                            state.ledger.record_event("reconcile", &detail)?;
+                            state.ledger.record_event(EventKind::Reconcile, &detail)?;
                         }
                         Err(AllocError::Ledger(e)) => return Err(AllocError::Ledger(e)),
                         Err(e) => {
                             tracing::error!(pod = %format!("{}/{}", pod.namespace, pod.name), container = %container, error = %e, "reconcile: cannot adopt what the kubelet holds");
                             state.ledger.record_event(
-                                "reconcile",
+                                EventKind::Reconcile,
                                 &format!("could not adopt {}/{} container {container:?}: {e}", pod.namespace, pod.name),
                             )?;
                             continue;
@@ -1348,10 +1348,14 @@ impl Allocator {
                 r.mib.get()
             );
             if r.allocated_at >= since_ms {
-                out.push((r.allocated_at, "allocated".into(), who.clone()));
+                out.push((r.allocated_at, EventKind::Allocated.as_str().into(), who.clone()));
             }
             if let Some(at) = r.released_at.filter(|at| *at >= since_ms) {
-                out.push((at, "released".into(), format!("{who}: {}", r.release_reason.unwrap_or_default())));
+                out.push((
+                    at,
+                    EventKind::Released.as_str().into(),
+                    format!("{who}: {}", r.release_reason.unwrap_or_default()),
+                ));
             }
         }
         out.sort_by_key(|e| e.0);

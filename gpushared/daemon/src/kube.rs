@@ -18,6 +18,7 @@ use kube::{Api, Client, Config};
 use thiserror::Error;
 
 use crate::allocator::Allocator;
+use crate::ledger::EventKind;
 use crate::objects::PodObject;
 use crate::pods::{PodStore, PodView};
 
@@ -210,7 +211,7 @@ async fn evict(client: Client, request: crate::overuse::Eviction, alloc: Arc<All
         "metadata": {"name": name, "namespace": namespace},
         "deleteOptions": {"preconditions": {"uid": uid}},
     });
-    let record = |kind: &str, detail: String| {
+    let record = |kind: EventKind, detail: String| {
         if let Err(e) = alloc.record_event(kind, &detail) {
             tracing::error!(error = %e, "the eviction could not be recorded in the ledger history");
         }
@@ -229,14 +230,14 @@ async fn evict(client: Client, request: crate::overuse::Eviction, alloc: Arc<All
         match client.request::<serde_json::Value>(http_request).await {
             Ok(_) => {
                 tracing::warn!(pod = %who, reason = %request.reason, "evicted: over its GPU memory budget");
-                record("evicted", format!("{who}: {}", request.reason));
+                record(EventKind::Evicted, format!("{who}: {}", request.reason));
                 return;
             }
             Err(kube::Error::Api(status)) if status.code != 429 && status.code < 500 => {
                 // 403: the node's credentials may not evict; 404/409: the pod is gone or replaced.
                 tracing::error!(pod = %who, code = status.code, message = %status.message,
                     "the API server refused the eviction; the pod stays over budget (see docs/gpushared.md, Over-use)");
-                record("eviction-refused", format!("{who}: HTTP {}: {}", status.code, status.message));
+                record(EventKind::EvictionRefused, format!("{who}: HTTP {}: {}", status.code, status.message));
                 return;
             }
             Err(e) => {
@@ -245,7 +246,7 @@ async fn evict(client: Client, request: crate::overuse::Eviction, alloc: Arc<All
             }
         }
     }
-    record("eviction-refused", format!("{who}: still turned away after {EVICTION_ATTEMPTS} attempts"));
+    record(EventKind::EvictionRefused, format!("{who}: still turned away after {EVICTION_ATTEMPTS} attempts"));
 }
 
 #[cfg(test)]

@@ -266,7 +266,7 @@ impl Ledger {
                 let mut ledger = Self::open_checked(path)?;
                 let why = problem.to_string();
                 ledger.record_event(
-                    "ledger-moved-aside",
+                    EventKind::LedgerMovedAside,
                     &format!("the previous ledger was unusable ({why}); it was kept at {}", aside.display()),
                 )?;
                 Ok(Opened { ledger, moved_aside: Some((aside, why)) })
@@ -547,9 +547,12 @@ impl Ledger {
     ///
     /// # Errors
     /// [`LedgerError`] if SQLite refuses.
-    pub fn record_event(&mut self, kind: &str, detail: &str) -> Result<(), LedgerError> {
+    pub fn record_event(&mut self, kind: EventKind, detail: &str) -> Result<(), LedgerError> {
         self.conn
-            .execute("INSERT INTO events (at, kind, detail) VALUES (?1, ?2, ?3)", params![now_ms(), kind, detail])
+            .execute(
+                "INSERT INTO events (at, kind, detail) VALUES (?1, ?2, ?3)",
+                params![now_ms(), kind.as_str(), detail],
+            )
             .map(|_| ())
             .map_err(self.err("recording an event"))
     }
@@ -584,7 +587,7 @@ impl Ledger {
         .map_err(sqlite("recording a cordon"))?;
         tx.execute(
             "INSERT INTO events (at, kind, detail) VALUES (?1, ?2, ?3)",
-            params![at, if cordoned { "cordon" } else { "uncordon" }, detail],
+            params![at, if cordoned { EventKind::Cordon } else { EventKind::Uncordon }.as_str(), detail],
         )
         .map_err(sqlite("recording an event"))?;
         tx.commit().map_err(sqlite("committing a cordon change"))
@@ -692,7 +695,10 @@ fn restrict_permissions(path: &Path) {
     }
 }
 
+mod events;
 mod gpus;
+
+pub use events::EventKind;
 
 #[cfg(test)]
 mod tests;

@@ -30,6 +30,7 @@ use nvml_wrapper::error::NvmlError;
 
 use crate::allocator::Allocator;
 use crate::config::{OveruseAction, OveruseConfig};
+use crate::ledger::EventKind;
 use crate::pods::PodStore;
 
 /// One process on a GPU.
@@ -361,8 +362,13 @@ pub fn run(
             tracing::info!(pod = %format!("{}/{}", o.pod.namespace, o.pod.name), container = %o.container, gpu = o.gpu,
                 "container back within its GPU memory budget");
         }
-        let events: Vec<(&str, String)> = (verdict.began.iter().map(|o| ("over-budget", describe(o))))
-            .chain(verdict.ended.iter().map(|o| ("within-budget", format!("{}: no longer over budget", describe(o)))))
+        let events: Vec<(EventKind, String)> = (verdict.began.iter().map(|o| (EventKind::OverBudget, describe(o))))
+            .chain(
+                verdict
+                    .ended
+                    .iter()
+                    .map(|o| (EventKind::WithinBudget, format!("{}: no longer over budget", describe(o)))),
+            )
             .collect();
         if let Err(e) = alloc.set_over_budget(verdict.current, &events) {
             tracing::error!(error = %e, "the over-budget change could not be recorded in the ledger history");

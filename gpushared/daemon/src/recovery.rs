@@ -68,7 +68,7 @@ pub async fn check_ledger(client: kube::Client, node: &str, alloc: &Allocator) -
         pods.len(),
         state.generation
     );
-    if let Err(e) = alloc.record_event("ledger-incomplete", &detail) {
+    if let Err(e) = alloc.record_event(crate::ledger::EventKind::LedgerIncomplete, &detail) {
         tracing::error!(error = %e, "cannot record the incomplete ledger in its history");
     }
     let n = missing.len();

@@ -10,7 +10,7 @@ use thiserror::Error;
 
 use crate::config::{Config, StaticGpu};
 use crate::discovery::{Discovery, DiscoveryError, Lost, NvmlDiscovery, StaticDiscovery, account_for_lost};
-use crate::ledger::{Ledger, LedgerError};
+use crate::ledger::{EventKind, Ledger, LedgerError};
 
 /// Why the daemon would not start with this configuration on this host.
 #[derive(Debug, Error)]
@@ -118,15 +118,15 @@ pub fn record_discovery(ledger: &mut Ledger, host: &Host) -> Result<(), LedgerEr
         match lost {
             Lost::Served { gpu, .. } => {
                 tracing::error!(gpu = gpu.index, uuid = %gpu.uuid, "{detail}");
-                ledger.record_event("gpu-lost", &detail)?;
+                ledger.record_event(EventKind::GpuLost, &detail)?;
             }
             Lost::Replaced { old, .. } => {
                 tracing::warn!(gpu = old.index, uuid = %old.uuid, "{detail}");
-                ledger.forget_gpu(old.uuid.as_str(), "gpu-replaced", &detail)?;
+                ledger.forget_gpu(old.uuid.as_str(), EventKind::GpuReplaced, &detail)?;
             }
             Lost::Unknown(s) => {
                 tracing::error!(gpu = s.index, "{detail}");
-                ledger.record_event("gpu-lost", &detail)?;
+                ledger.record_event(EventKind::GpuLost, &detail)?;
             }
         }
     }

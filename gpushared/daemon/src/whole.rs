@@ -151,7 +151,9 @@ impl DevicePlugin for WholePlugin {
         let gpus = handed.join(", ");
         // Success only once the ledger has the hand-out (invariant 2): the kubelet retries an
         // UNAVAILABLE answer.
-        if let Err(e) = self.alloc.record_event("whole-allocated", &format!("{gpus} handed out whole")) {
+        if let Err(e) =
+            self.alloc.record_event(crate::ledger::EventKind::WholeAllocated, &format!("{gpus} handed out whole"))
+        {
             tracing::error!(gpus = %gpus, error = %e, "whole-GPU allocation refused: the ledger cannot record it");
             return Err(Status::unavailable(format!(
                 "{gpus} not handed out: the ledger cannot record it ({e}); the kubelet retries"

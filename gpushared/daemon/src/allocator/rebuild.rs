@@ -106,7 +106,7 @@ impl Allocator {
              here; {gone} more belonged to pods gone or finished since",
             rows.len()
         );
-        state.ledger.record_event("ledger-rebuilt", &detail)?;
+        state.ledger.record_event(crate::ledger::EventKind::LedgerRebuilt, &detail)?;
         state.rebuilding = None;
         drop(state);
         self.changed();

@@ -6,7 +6,7 @@
 use gpushare_core::{Gpu, GpuUuid, Mib};
 use rusqlite::params;
 
-use super::{Ledger, LedgerError, now_ms, sql};
+use super::{EventKind, Ledger, LedgerError, now_ms, sql};
 
 /// A `gpus` row as SQLite holds it: rowid, UUID, index, model, MiB, minor, NUMA node, PCI bus id.
 type Raw = (i64, String, i64, String, i64, Option<i64>, Option<i64>, Option<String>);
@@ -82,14 +82,17 @@ impl Ledger {
     ///
     /// # Errors
     /// [`LedgerError`] if SQLite refuses; then nothing changed.
-    pub fn forget_gpu(&mut self, uuid: &str, kind: &str, detail: &str) -> Result<bool, LedgerError> {
+    pub fn forget_gpu(&mut self, uuid: &str, kind: EventKind, detail: &str) -> Result<bool, LedgerError> {
         let path = self.path.clone();
         let sqlite = |what| sql(&path, what);
         let tx = self.conn.transaction().map_err(sqlite("starting to forget a GPU"))?;
         let n = tx.execute("DELETE FROM gpus WHERE uuid = ?1", params![uuid]).map_err(sqlite("forgetting a GPU"))?;
         if n > 0 {
-            tx.execute("INSERT INTO events (at, kind, detail) VALUES (?1, ?2, ?3)", params![now_ms(), kind, detail])
-                .map_err(sqlite("recording an event"))?;
+            tx.execute(
+                "INSERT INTO events (at, kind, detail) VALUES (?1, ?2, ?3)",
+                params![now_ms(), kind.as_str(), detail],
+            )
+            .map_err(sqlite("recording an event"))?;
         }
         tx.commit().map_err(sqlite("committing a forgotten GPU"))?;
         Ok(n > 0)

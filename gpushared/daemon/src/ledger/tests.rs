@@ -85,8 +85,8 @@ fn an_allocation_is_all_or_nothing() {
 fn events_are_recorded_in_order() {
     let dir = tempfile::tempdir().unwrap();
     let mut l = open(&dir).ledger;
-    l.record_event("health", "GPU-a: Xid 79").unwrap();
-    l.record_event("health", "GPU-a: recovered").unwrap();
+    l.record_event(EventKind::Health, "GPU-a: Xid 79").unwrap();
+    l.record_event(EventKind::Health, "GPU-a: recovered").unwrap();
     let events = l.events_since(0).unwrap();
     assert_eq!(events.iter().map(|e| e.detail.as_str()).collect::<Vec<_>>(), ["GPU-a: Xid 79", "GPU-a: recovered"]);
     assert!(l.events_since(i64::MAX).unwrap().is_empty());
@@ -226,8 +226,8 @@ fn the_gpus_seen_answering_are_remembered_across_restarts_until_forgotten() {
     let mut b_moved = b;
     b_moved.index = 2;
     assert_eq!(l.known_gpus().unwrap(), vec![a, b_moved]);
-    assert!(l.forget_gpu("GPU-b", "gpu-replaced", "GPU2 replaced").unwrap());
-    assert!(!l.forget_gpu("GPU-b", "gpu-replaced", "again").unwrap());
+    assert!(l.forget_gpu("GPU-b", EventKind::GpuReplaced, "GPU2 replaced").unwrap());
+    assert!(!l.forget_gpu("GPU-b", EventKind::GpuReplaced, "again").unwrap());
     assert_eq!(l.known_gpus().unwrap().len(), 1);
     let kinds: Vec<String> = l.events_since(0).unwrap().into_iter().map(|e| e.kind).collect();
     assert_eq!(kinds, vec!["gpu-replaced"]);
