@@ -41,6 +41,13 @@ pub struct PodRef {
     pub uid: String,
 }
 
+/// `namespace/name`, as kubectl names a pod (the UID is left out).
+impl std::fmt::Display for PodRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
 /// One container's share of one GPU, as the daemon's ledger holds it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NodeAllocation {
@@ -418,6 +425,12 @@ fn invalid(reason: String) -> CodecError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pod_reference_reads_as_kubectl_names_it() {
+        let pod = PodRef { namespace: "team-a".into(), name: "train-0".into(), uid: "u-1".into() };
+        assert_eq!(pod.to_string(), "team-a/train-0");
+    }
 
     fn sample() -> NodeState {
         let mut sick = Gpu::new(1, GpuUuid::new("GPU-b").unwrap(), "Tesla T4", Mib::new(15_360));
