@@ -1,8 +1,14 @@
 //! Allocator tests: the kubelet's call sequences for every request shape, against a real
 //! ledger file and a pod store filled as the API-server watch would fill it.
 
-use gpushare_core::codec::assignment::GpuShare;
-use gpushare_core::{Gpu, MemoryUnit};
+use std::collections::BTreeMap;
+
+use gpushare_core::codec::alibaba;
+use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment, GpuShare};
+use gpushare_core::codec::node::PodRef;
+use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib};
+
+use crate::pods::PodView;
 
 use super::*;
 

@@ -1,0 +1,151 @@
+//! A container's answer to the kubelet: the environment it gets (documented in
+//! docs/gpushared.md) and what it mounts, built from its assignment and the node's GPUs. Pure:
+//! the same rows always give the same answer, so a repeated `Allocate` is answered alike.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use gpushare_core::codec::alibaba;
+use gpushare_core::codec::assignment::{Assignment, ContainerAssignment, GpuShare};
+use gpushare_core::codec::node::PodRef;
+use gpushare_core::{GpuUuid, Mib, NodeInventory, SharingMode};
+
+use crate::config::{Compatibility, MpsConfig};
+use crate::ledger::Row;
+use crate::pods::StoredPod;
+
+/// A container's answer: the environment the kubelet puts into it, and what it mounts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Answer {
+    /// Environment variables.
+    pub envs: BTreeMap<String, String>,
+    /// Host directories mounted into the container (the MPS pipe directory on MPS GPUs).
+    pub mounts: Vec<Mount>,
+    /// Which pod and container it was for.
+    pub pod: PodRef,
+    /// The container.
+    pub container: String,
+}
+
+/// A host directory mounted into a container, read-write, at the same path.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mount {
+    /// The path, on the host and in the container.
+    pub path: std::path::PathBuf,
+}
+
+/// What builds the answers of one node: its GPUs, the MPS settings and the compatibility mode.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Environment<'a> {
+    /// This node.
+    pub node: &'a str,
+    /// Its GPUs.
+    pub inventory: &'a NodeInventory,
+    /// How MPS clients are set up.
+    pub mps: &'a MpsConfig,
+    /// Whether Alibaba's variables are added.
+    pub compat: Compatibility,
+}
+
+impl Environment<'_> {
+    /// The answer for `c`, a container of `pod` placed by `assignment`.
+    pub(super) fn answer(&self, pod: &PodRef, assignment: &Assignment, c: &ContainerAssignment) -> Answer {
+        Answer {
+            envs: self.envs(pod, assignment, c),
+            mounts: self.mounts(c),
+            pod: pod.clone(),
+            container: c.name.clone(),
+        }
+    }
+
+    /// The answer already given for these rows (a repeated `Allocate`); `last` is the latest of
+    /// them, `pod` the pod as stored, for its whole assignment.
+    pub(super) fn answer_from_rows(&self, last: &Row, rows: &[Row], pod: Option<&StoredPod>) -> Answer {
+        let container = ContainerAssignment {
+            name: last.container.clone(),
+            role: last.role,
+            gpus: rows.iter().map(|r| GpuShare { index: r.gpu_index, uuid: r.gpu_uuid.clone(), mib: r.mib }).collect(),
+        };
+        let assignment = match pod.and_then(|p| p.assignment.as_ref()) {
+            Some(Ok(a)) => Arc::clone(a),
+            _ => Arc::new(Assignment {
+                node: self.node.to_owned(),
+                unit: self.inventory.unit(),
+                containers: vec![container.clone()],
+            }),
+        };
+        self.answer(&last.pod, &assignment, &container)
+    }
+
+    /// Whether every GPU of the container is in MPS mode (a container spanning shared and MPS
+    /// GPUs is served as shared: one MPS client cannot leave some of its devices out).
+    fn on_mps(&self, c: &ContainerAssignment) -> bool {
+        !c.gpus.is_empty()
+            && c.gpus
+                .iter()
+                .all(|g| self.inventory.gpus().iter().any(|x| x.uuid == g.uuid && x.mode == SharingMode::Mps))
+    }
+
+    /// What a container mounts: the MPS pipe directory when it is an MPS client.
+    fn mounts(&self, c: &ContainerAssignment) -> Vec<Mount> {
+        if self.on_mps(c) { vec![Mount { path: self.mps.pipe_directory.path().to_path_buf() }] } else { Vec::new() }
+    }
+
+    /// The environment of a container (documented in docs/gpushared.md).
+    fn envs(&self, pod: &PodRef, assignment: &Assignment, c: &ContainerAssignment) -> BTreeMap<String, String> {
+        let mut gpus: Vec<&GpuShare> = c.gpus.iter().collect();
+        gpus.sort_by_key(|g| g.index);
+        let join = |f: &dyn Fn(&GpuShare) -> String| gpus.iter().map(|g| f(g)).collect::<Vec<_>>().join(",");
+        let total_of =
+            |uuid: &GpuUuid| self.inventory.gpus().iter().find(|g| &g.uuid == uuid).map_or(Mib::ZERO, |g| g.total);
+        let container_mib: u64 = gpus.iter().map(|g| g.mib.get()).sum();
+        let per_gpu = gpus.first().map_or(0, |g| g.mib.get());
+        let mut env = BTreeMap::new();
+        env.insert("NVIDIA_VISIBLE_DEVICES".to_owned(), join(&|g| g.uuid.to_string()));
+        env.insert("GPUSHARE_GPU_UUIDS".to_owned(), join(&|g| g.uuid.to_string()));
+        env.insert("GPUSHARE_GPU_INDEXES".to_owned(), join(&|g| g.index.to_string()));
+        env.insert("GPUSHARE_GPU_TOTAL_MIB".to_owned(), join(&|g| total_of(&g.uuid).get().to_string()));
+        env.insert("GPUSHARE_MEMORY_MIB".to_owned(), per_gpu.to_string());
+        env.insert("GPUSHARE_MEMORY_TOTAL_MIB".to_owned(), container_mib.to_string());
+        env.insert("GPUSHARE_UNIT".to_owned(), self.inventory.unit().to_string());
+        env.insert("GPUSHARE_POD".to_owned(), pod.to_string());
+        env.insert("GPUSHARE_CONTAINER".to_owned(), c.name.clone());
+        // HAMi-core's budget per device, by the container's device ordinal (the order of
+        // NVIDIA_VISIBLE_DEVICES): an image that carries that library enforces it.
+        for (i, g) in gpus.iter().enumerate() {
+            env.insert(format!("CUDA_DEVICE_MEMORY_LIMIT_{i}"), format!("{}m", g.mib.get()));
+        }
+        if self.on_mps(c) {
+            // A client of the GPUs' MPS control daemon: its memory pinned to the budget, its
+            // threads to the configured share.
+            env.insert("CUDA_MPS_PIPE_DIRECTORY".to_owned(), self.mps.pipe_directory.path().display().to_string());
+            env.insert(
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".to_owned(),
+                gpus.iter().enumerate().map(|(i, g)| format!("{i}={}M", g.mib.get())).collect::<Vec<_>>().join(","),
+            );
+            let share = gpus
+                .iter()
+                .map(|g| self.mps.active_thread_percentage.percentage(g.mib, total_of(&g.uuid)))
+                .max()
+                .unwrap_or(100);
+            env.insert("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".to_owned(), share.to_string());
+        }
+        if self.compat == Compatibility::Alibaba {
+            let unit = self.inventory.unit();
+            let first = gpus.first().and_then(|g| self.inventory.gpus().iter().find(|x| x.uuid == g.uuid));
+            let pod_mib: u64 = assignment
+                .containers
+                .iter()
+                .filter(|c| c.role.is_long_running())
+                .flat_map(|c| c.gpus.iter().map(|g| g.mib.get()))
+                .sum();
+            if let Some(g) = first {
+                env.insert(alibaba::IDX.to_owned(), g.minor.unwrap_or(g.index).to_string());
+                env.insert(alibaba::DEV.to_owned(), unit.whole_units(g.total).to_string());
+            }
+            env.insert(alibaba::POD.to_owned(), unit.whole_units(Mib::new(pod_mib)).to_string());
+            env.insert(alibaba::CONTAINER.to_owned(), unit.whole_units(Mib::new(container_mib)).to_string());
+        }
+        env
+    }
+}

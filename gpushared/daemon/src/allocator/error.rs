@@ -1,0 +1,135 @@
+//! Why a kubelet call (or an operator's request) cannot be served: one error type for the
+//! allocation service, each message saying what an operator can do.
+
+use gpushare_core::{GpuUuid, MemoryUnit, Mib};
+use thiserror::Error;
+
+use crate::ledger::LedgerError;
+
+/// Why a kubelet call cannot be served. Every message says what an operator can do.
+#[derive(Debug, Error)]
+pub enum AllocError {
+    /// No pod bound to this node waits for this many devices.
+    #[error(
+        "no pod bound to node {node} is waiting for {units} {unit} of {resource}{detail}; pods asking for \
+         {resource} must be placed by gpushare-extender (kube-scheduler's extender configuration), which writes \
+         the {key} annotation"
+    )]
+    NoCandidate {
+        /// This node.
+        node: String,
+        /// Devices asked for.
+        units: usize,
+        /// The unit.
+        unit: MemoryUnit,
+        /// The memory resource.
+        resource: String,
+        /// What was found instead.
+        detail: String,
+        /// The annotation key.
+        key: &'static str,
+    },
+    /// A device ID that is not one of this daemon's.
+    #[error("device {0:?} is not one of gpushared's devices on this node (a stale kubelet checkpoint?)")]
+    UnknownDevice(String),
+    /// The assignment names a GPU this node does not have.
+    #[error("pod {pod}: assigned GPU {uuid} is not on this node; delete the pod so it is placed again")]
+    UnknownGpu {
+        /// namespace/name.
+        pod: String,
+        /// The GPU.
+        uuid: GpuUuid,
+    },
+    /// The assigned GPU turned unhealthy since the pod was placed.
+    #[error("pod {pod}: assigned GPU{index} is unhealthy ({reason}); delete the pod so it is placed again")]
+    Unhealthy {
+        /// namespace/name.
+        pod: String,
+        /// GPU index.
+        index: u32,
+        /// Why.
+        reason: String,
+    },
+    /// The ledger says the GPU has no room for this container.
+    #[error(
+        "pod {pod} container {container:?}: GPU{index} has {free} free in the ledger, needs {needs}; nothing was \
+         allocated"
+    )]
+    NoRoom {
+        /// namespace/name.
+        pod: String,
+        /// Container.
+        container: String,
+        /// GPU index.
+        index: u32,
+        /// Free by the ledger.
+        free: Mib,
+        /// Needed.
+        needs: Mib,
+    },
+    /// The ledger could not be written: nothing was allocated.
+    #[error("{0}; nothing was allocated")]
+    Ledger(#[from] LedgerError),
+    /// The assigned GPU was cordoned by an operator since the pod was placed.
+    #[error(
+        "pod {pod}: assigned GPU{index} is cordoned (gpusharectl uncordon {index}); delete the pod so it is placed again"
+    )]
+    Cordoned {
+        /// namespace/name.
+        pod: String,
+        /// GPU index.
+        index: u32,
+    },
+    /// The kubelet's call itself is wrong: no device, or one device twice.
+    #[error("{0}")]
+    BadRequest(String),
+    /// The pod the kubelet is admitting carries an assignment that does not fit its spec.
+    #[error("pod {pod}: {reason}; nothing was allocated: delete the pod so gpushare-extender places it again")]
+    BadAssignment {
+        /// namespace/name.
+        pod: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The ledger is being rebuilt: no allocation can be checked against it yet.
+    #[error(
+        "the allocation ledger lacked {missing} allocation(s) this node had published and is being rebuilt from the \
+         pods bound to this node; calls are served once it is (see gpushared's log)"
+    )]
+    Rebuilding {
+        /// Rows still to book.
+        missing: usize,
+    },
+    /// An operator named a GPU this node does not have.
+    #[error("no GPU {0:?} on this node; name it by its index or UUID (gpusharectl gpus lists them)")]
+    NoSuchGpu(String),
+    /// The pod first in line had devices the kubelet then offered as free.
+    #[error(
+        "pod {pod} waits for {units} {unit}, but the kubelet offered the devices allocated to it earlier as free: \
+         its admission failed or was another pod's, or the pod is gone and the API server has not said so yet; \
+         not served until the pod watch settles which pod the kubelet admits"
+    )]
+    Doubtful {
+        /// namespace/name.
+        pod: String,
+        /// Devices asked for.
+        units: usize,
+        /// The unit.
+        unit: MemoryUnit,
+    },
+    /// Pods the kubelet cannot tell apart wait: the same first request, other GPUs.
+    #[error(
+        "pods {first} and {other} both wait for {units} {unit} first but are assigned different GPUs; the kubelet's \
+         call does not say which it admits (gpushare-extender binds such pods to a node one at a time)"
+    )]
+    Ambiguous {
+        /// The one that would be chosen.
+        first: String,
+        /// A look-alike.
+        other: String,
+        /// Devices asked for.
+        units: usize,
+        /// The unit.
+        unit: MemoryUnit,
+    },
+}

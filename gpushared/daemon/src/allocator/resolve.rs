@@ -1,0 +1,300 @@
+//! Which container a kubelet call is for, from what the daemon knows: the pods bound to this
+//! node, the live ledger rows ([`Held`]) and the admissions under way ([`Admissions`]). Pure
+//! functions over those snapshots, so every rule of the choice is tested on tables.
+//!
+//! The kubelet admits one pod at a time, its containers in order (init containers first), so
+//! the container being admitted is the first container without a row of some pod whose
+//! assignment asks for the number of devices the call names. The pod already being admitted
+//! wins; then containers without an outstanding proposal (a proposal not yet followed by
+//! `Allocate` belongs to another admission); then the oldest (the kubelet's admission order).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment};
+use gpushare_core::codec::node::PodRef;
+use gpushare_core::{ContainerRole, GpuUuid, MemoryUnit, Mib, PodRequest, ResourceNames};
+
+use super::AllocError;
+use super::admission::{Admissions, Owner};
+use crate::ledger::Row;
+use crate::pods::{PodView, StoredPod};
+
+/// A live ledger row, as the allocator keeps it in memory (the ledger is the durable truth;
+/// this mirror is loaded from it at start and updated after each commit).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Held {
+    /// [`key_hash`] of the row's device set: most `Allocate` calls are for a new set, and this
+    /// tells them so without reading the ledger.
+    pub key_hash: u64,
+    /// The ledger row.
+    pub id: i64,
+    pub pod: PodRef,
+    pub container: String,
+    pub role: ContainerRole,
+    pub gpu: GpuUuid,
+    pub gpu_index: u32,
+    pub mib: Mib,
+    /// One device of the set (the kubelet holds a set entirely or not at all), for releasing
+    /// the rows whose devices the kubelet offers as free.
+    pub first_device: Option<String>,
+    pub allocated_at: i64,
+}
+
+impl From<&Row> for Held {
+    fn from(r: &Row) -> Self {
+        Held {
+            key_hash: key_hash(&r.request_key),
+            id: r.id,
+            pod: r.pod.clone(),
+            container: r.container.clone(),
+            role: r.role,
+            gpu: r.gpu_uuid.clone(),
+            gpu_index: r.gpu_index,
+            mib: r.mib,
+            first_device: r.device_ids.first().cloned(),
+            allocated_at: r.allocated_at,
+        }
+    }
+}
+
+/// A hash of a device-set key, for the in-memory check before the ledger is asked.
+pub(super) fn key_hash(key: &str) -> u64 {
+    use std::hash::{Hash as _, Hasher as _};
+    let mut h = std::hash::DefaultHasher::new();
+    key.hash(&mut h);
+    h.finish()
+}
+
+/// A container waiting for its devices.
+#[derive(Clone, Debug)]
+pub(super) struct Candidate {
+    pub pod: Arc<StoredPod>,
+    pub assignment: Arc<Assignment>,
+    /// Position of the container in `assignment.containers`.
+    pub position: usize,
+    pub units: u64,
+}
+
+impl Candidate {
+    pub(super) fn view(&self) -> &PodView {
+        &self.pod.view
+    }
+
+    pub(super) fn container(&self) -> &ContainerAssignment {
+        // `position` comes from enumerating this same, immutable assignment.
+        &self.assignment.containers[self.position]
+    }
+}
+
+/// The node the choice is made for.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Scope<'a> {
+    /// This node.
+    pub node: &'a str,
+    /// The resources pods ask for.
+    pub names: &'a ResourceNames,
+    /// The device unit.
+    pub unit: MemoryUnit,
+}
+
+impl Scope<'_> {
+    fn bound_here(&self, view: &PodView) -> bool {
+        !view.terminal && view.node.as_deref() == Some(self.node)
+    }
+
+    /// What is wrong with a pod's assignment on this node, if anything: it cannot be read, or
+    /// it disagrees with the pod's containers ([`Assignment::check_against`]). Worked out once
+    /// per version of the pod.
+    pub(super) fn assignment_problem<'p>(&self, pod: &'p StoredPod) -> Option<&'p str> {
+        pod.problem
+            .get_or_init(|| match &pod.assignment {
+                Some(Err(e)) => Some(e.to_string()),
+                Some(Ok(a)) => match PodRequest::from_spec(&pod.view.spec, self.names, self.unit) {
+                    Err(e) => Some(e.to_string()),
+                    Ok(request) => a.check_against(&request).err(),
+                },
+                None => None,
+            })
+            .as_deref()
+    }
+
+    /// The containers waiting for devices, one per pod (its first container without a ledger
+    /// row), of `units` devices if given, plus notes on pods that cannot be served (for error
+    /// messages, when `want_notes` is set).
+    pub(super) fn pending(
+        &self,
+        pods: &[Arc<StoredPod>],
+        held: &[Arc<Held>],
+        units: Option<usize>,
+        want_notes: bool,
+    ) -> (Vec<Candidate>, Vec<String>) {
+        let held: BTreeSet<(&str, &str)> = held.iter().map(|h| (h.pod.uid.as_str(), h.container.as_str())).collect();
+        let mut out = Vec::new();
+        let mut notes = Vec::new();
+        for pod in pods {
+            let view = &pod.view;
+            if !self.bound_here(view) {
+                continue;
+            }
+            let mut note = |text: String| {
+                if want_notes {
+                    notes.push(format!("{}{text}", view.pod));
+                }
+            };
+            let assignment = match &pod.assignment {
+                Some(Ok(a)) if a.node == self.node => {
+                    if let Some(problem) = self.assignment_problem(pod) {
+                        note(format!(": {problem}"));
+                        continue;
+                    }
+                    a
+                }
+                Some(Ok(a)) => {
+                    note(format!(" is assigned to node {}", a.node));
+                    continue;
+                }
+                Some(Err(e)) => {
+                    note(format!(": {e}"));
+                    continue;
+                }
+                None => {
+                    let asks = want_notes
+                        && PodRequest::from_spec(&view.spec, self.names, self.unit).map_or(true, |r| !r.is_empty());
+                    if asks {
+                        note(format!(" has no {ASSIGNMENT_KEY} annotation"));
+                    }
+                    continue;
+                }
+            };
+            let next =
+                assignment.containers.iter().position(|c| !held.contains(&(view.pod.uid.as_str(), c.name.as_str())));
+            if let Some(position) = next {
+                let mib: u64 = assignment.containers[position].gpus.iter().map(|g| g.mib.get()).sum();
+                let n = mib / self.unit.mib_per_unit();
+                if units.is_none_or(|u| usize::try_from(n).is_ok_and(|n| n == u)) {
+                    out.push(Candidate {
+                        pod: Arc::clone(pod),
+                        assignment: Arc::clone(assignment),
+                        position,
+                        units: n,
+                    });
+                }
+            }
+        }
+        (out, notes)
+    }
+
+    /// A pod bound here whose assignment is unusable and one of whose containers, without a
+    /// ledger row yet, asks for `units` devices: the container the kubelet is admitting, when
+    /// no pod with a usable assignment waits for that many.
+    pub(super) fn unusable_for(&self, pods: &[Arc<StoredPod>], held: &[Arc<Held>], units: usize) -> Option<AllocError> {
+        let per_unit = self.unit.mib_per_unit();
+        pods.iter().find_map(|pod| {
+            let view = &pod.view;
+            if !self.bound_here(view) || matches!(&pod.assignment, Some(Ok(a)) if a.node != self.node) {
+                return None;
+            }
+            let problem = self.assignment_problem(pod)?;
+            let request = PodRequest::from_spec(&view.spec, self.names, self.unit).ok();
+            let asks = request.is_none_or(|r| {
+                r.containers().iter().any(|c| {
+                    c.memory.get() / per_unit == units as u64
+                        && !held.iter().any(|h| h.pod.uid == view.pod.uid && h.container == c.name)
+                })
+            });
+            asks.then(|| AllocError::BadAssignment { pod: view.pod.to_string(), reason: problem.to_owned() })
+        })
+    }
+
+    /// The container a request of `units` devices is for. When `patient`, a guess among
+    /// look-alikes is [`AllocError::Ambiguous`] instead.
+    pub(super) fn choose(
+        &self,
+        pods: &[Arc<StoredPod>],
+        held: &[Arc<Held>],
+        admissions: &Admissions,
+        units: usize,
+        patient: bool,
+    ) -> Result<Candidate, AllocError> {
+        if units == 0 {
+            return Err(AllocError::BadRequest(
+                "the kubelet asked for 0 devices; a container that asks for GPU memory asks for at least one unit"
+                    .into(),
+            ));
+        }
+        let (mut fitting, _) = self.pending(pods, held, Some(units), false);
+        if fitting.is_empty()
+            && let Some(e) = self.unusable_for(pods, held, units)
+        {
+            return Err(e);
+        }
+        let proposed = admissions.proposed();
+        let key = |c: &Candidate| {
+            (
+                !admissions.is_admitting(&c.view().pod.uid),
+                proposed.contains(&(c.view().pod.uid.as_str(), c.container().name.as_str())),
+                c.view().created.clone(),
+                c.view().pod.namespace.clone(),
+                c.view().pod.name.clone(),
+            )
+        };
+        fitting.sort_by_cached_key(key);
+        if let Some(top) = fitting.first()
+            && admissions.is_doubtful(&top.view().pod.uid)
+        {
+            return Err(AllocError::Doubtful { pod: top.view().pod.to_string(), units, unit: self.unit });
+        }
+        if patient && let Some((first, other)) = ambiguity(held, admissions, &fitting) {
+            return Err(AllocError::Ambiguous { first, other, units, unit: self.unit });
+        }
+        fitting.into_iter().next().ok_or_else(|| self.no_candidate(pods, held, units))
+    }
+
+    /// Why no container waits for `units` devices: what does wait, and the pods that cannot be
+    /// served.
+    fn no_candidate(&self, pods: &[Arc<StoredPod>], held: &[Arc<Held>], units: usize) -> AllocError {
+        let (pending, notes) = self.pending(pods, held, None, true);
+        let mut seen: Vec<String> = pending
+            .iter()
+            .map(|c| format!("{} container {:?} waits for {} {}", c.view().pod, c.container().name, c.units, self.unit))
+            .collect();
+        seen.extend(notes);
+        let detail = if seen.is_empty() { String::new() } else { format!(" ({})", seen.join("; ")) };
+        AllocError::NoCandidate {
+            node: self.node.to_owned(),
+            units,
+            unit: self.unit,
+            resource: self.names.memory.to_string(),
+            detail,
+            key: ASSIGNMENT_KEY,
+        }
+    }
+
+    /// The candidate for a remembered proposal, if that container of `pod` still waits.
+    pub(super) fn candidate_for(&self, pod: Arc<StoredPod>, owner: &Owner, held: &[Arc<Held>]) -> Option<Candidate> {
+        let (pending, _) = self.pending(&[pod], held, None, false);
+        pending.into_iter().find(|c| c.view().pod.uid == owner.uid && c.container().name == owner.container)
+    }
+}
+
+/// Whether the first of `fitting` (sorted by [`Scope::choose`]) is a guess: it has not started
+/// admission (no row, not the pod being admitted), and another pod that has not either waits for
+/// as many units first but is assigned differently. Returns both names.
+fn ambiguity(held: &[Arc<Held>], admissions: &Admissions, fitting: &[Candidate]) -> Option<(String, String)> {
+    let top = fitting.first()?;
+    let started = |uid: &str| admissions.is_admitting(uid) || held.iter().any(|h| h.pod.uid == uid);
+    let uid = top.view().pod.uid.as_str();
+    if started(uid) {
+        return None;
+    }
+    fitting[1..]
+        .iter()
+        .find(|c| {
+            c.view().pod.uid != uid && !started(&c.view().pod.uid) && !c.assignment.same_placement(&top.assignment)
+        })
+        .map(|c| (top.view().pod.to_string(), c.view().pod.to_string()))
+}
+
+#[cfg(test)]
+mod tests;
