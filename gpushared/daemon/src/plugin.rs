@@ -156,9 +156,10 @@ pub const CANDIDATE_WAIT: Duration = Duration::from_secs(5);
 impl Plugin {
     /// Runs `call` (patient) on the blocking pool; while it finds no pod waiting for what the
     /// kubelet asks, cannot tell which of several it is, or the first in line is doubtful, runs
-    /// it again every 50 ms for up to [`CANDIDATE_WAIT`]; then once more, impatient (the oldest
-    /// look-alike is taken; a doubtful pod is still refused: failing an admission is safe,
-    /// handing a container another pod's GPU is not).
+    /// it again after each change of the pods bound here or of the allocations, for up to
+    /// [`CANDIDATE_WAIT`]; then once more, impatient (the oldest look-alike is taken; a doubtful
+    /// pod is still refused: failing an admission is safe, handing a container another pod's
+    /// GPU is not).
     async fn waiting_for_the_pod<T, F>(&self, call: F) -> Result<T, Status>
     where
         T: Send + 'static,
@@ -168,6 +169,9 @@ impl Plugin {
         let deadline = tokio::time::Instant::now() + CANDIDATE_WAIT;
         let mut patient = true;
         loop {
+            // Subscribed before the call, so a change while it runs wakes the wait below.
+            let mut pods = self.alloc.pods().subscribe();
+            let mut allocations = self.alloc.subscribe();
             let (alloc, f) = (Arc::clone(&self.alloc), Arc::clone(&call));
             let result = tokio::task::spawn_blocking(move || f(&alloc, patient))
                 .await
@@ -184,7 +188,22 @@ impl Plugin {
                 }
                 other => return other.map_err(|e| status(&e)),
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            // A closed channel (the daemon is stopping) waits out the deadline instead.
+            let pods_changed = async {
+                if pods.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            };
+            let allocations_changed = async {
+                if allocations.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            };
+            tokio::select! {
+                () = pods_changed => {}
+                () = allocations_changed => {}
+                () = tokio::time::sleep_until(deadline) => {}
+            }
         }
     }
 }
@@ -467,5 +486,24 @@ mod tests {
         call.abort();
         assert!(call.await.unwrap_err().is_cancelled());
         assert!(!*admission.borrow(), "the cancelled call ended it");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pod_that_shows_up_while_the_call_waits_is_served() {
+        let f = fixture(Compatibility::Gpushare);
+        let snapshot = DeviceSnapshot { inventory: Arc::new(f.alloc.inventory().clone()), numa: false };
+        let plugin = Plugin::new(Arc::clone(&f.alloc), watch::Sender::new(snapshot).subscribe());
+        let mut changes = f.alloc.pods().subscribe();
+        let free: DeviceIds = f.alloc.devices().ids(1).collect();
+        let call = tokio::spawn(async move { plugin.get_preferred_allocation(preferred(free, 200)).await });
+        // The call finds no pod and waits; the pod watch then delivers it.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!call.is_finished(), "it waits for the pod watch rather than refusing");
+        pod(&f, "late", "2026-11-24T10:00:00Z", &[("main", ContainerRole::App, &[(1, 200)])]);
+        assert!(changes.has_changed().unwrap(), "the store announced the pod");
+        changes.mark_unchanged();
+        let ids = call.await.unwrap().unwrap().into_inner().container_responses[0].device_i_ds.clone();
+        assert_eq!(ids.len(), 200);
+        assert!(ids.iter().all(|id| f.alloc.devices().resolve(id).is_some_and(|(g, _)| g == 1)), "on its GPU");
     }
 }

@@ -1,6 +1,8 @@
 //! The pods bound to this node, as the daemon last saw them: filled by the API-server watch
 //! ([`crate::kube`]), read by the allocator. It keeps serving what it saw through an API-server
-//! outage, so `Allocate` for a pod already seen never waits on the network.
+//! outage, so `Allocate` for a pod already seen never waits on the network. Every change is
+//! announced ([`PodStore::subscribe`]), so a kubelet call waiting for its pod to show up wakes
+//! when it does.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
@@ -9,6 +11,7 @@ use gpushare_core::PodSpec;
 use gpushare_core::codec::CodecError;
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
 use gpushare_core::codec::node::PodRef;
+use tokio::sync::watch;
 
 /// What the daemon knows of one pod.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -50,12 +53,20 @@ impl StoredPod {
 }
 
 /// A shared, thread-safe map of pods by UID.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct PodStore {
     inner: Arc<RwLock<BTreeMap<String, Arc<StoredPod>>>>,
     /// Set once a complete list has been stored: until then, a pod missing from the store
     /// proves nothing.
     synced: Arc<std::sync::atomic::AtomicBool>,
+    /// Bumped after every change.
+    changes: Arc<watch::Sender<u64>>,
+}
+
+impl Default for PodStore {
+    fn default() -> Self {
+        PodStore { inner: Arc::default(), synced: Arc::default(), changes: Arc::new(watch::Sender::new(0)) }
+    }
 }
 
 impl PodStore {
@@ -65,17 +76,33 @@ impl PodStore {
         PodStore::default()
     }
 
+    fn changed(&self) {
+        self.changes.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// A receiver that sees a new value after every change of the store (a pod added,
+    /// replaced or removed, or a complete list stored).
+    #[must_use]
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
     /// Adds or replaces a pod, decoding its assignment.
     pub fn upsert(&self, view: PodView) {
         let stored = Arc::new(StoredPod::new(view));
         if let Ok(mut map) = self.inner.write() {
             map.insert(stored.view.pod.uid.clone(), stored);
         }
+        self.changed();
     }
 
     /// Forgets a pod; returns what was known of it.
     pub fn remove(&self, uid: &str) -> Option<Arc<StoredPod>> {
-        self.inner.write().ok().and_then(|mut map| map.remove(uid))
+        let removed = self.inner.write().ok().and_then(|mut map| map.remove(uid));
+        if removed.is_some() {
+            self.changed();
+        }
+        removed
     }
 
     /// Replaces the whole content (after a complete list).
@@ -86,6 +113,7 @@ impl PodStore {
             *map = stored;
         }
         self.synced.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.changed();
     }
 
     /// Whether a complete list of the pods bound to this node has been stored.
