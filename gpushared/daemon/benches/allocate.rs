@@ -17,11 +17,11 @@ use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssi
 use gpushare_core::codec::node::PodRef;
 use gpushare_core::{ContainerRole, Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory, ResourceNames};
 use gpushare_testkit::kubelet::Kubelet;
-use gpushared::allocator::Allocator;
+use gpushared::allocation::allocator::Allocator;
+use gpushared::allocation::ledger::Ledger;
+use gpushared::allocation::pods::{PodStore, PodView};
 use gpushared::config::Compatibility;
-use gpushared::ledger::Ledger;
-use gpushared::plugin::{self, Plugin};
-use gpushared::pods::{PodStore, PodView};
+use gpushared::kubelet::plugin::{self, Plugin};
 
 const GPUS: u32 = 8;
 const GPU_MIB: u64 = 16_384;

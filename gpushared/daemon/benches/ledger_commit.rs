@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use gpushare_core::codec::node::PodRef;
 use gpushare_core::devices::DeviceMap;
 use gpushare_core::{ContainerRole, Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory};
-use gpushared::ledger::{Ledger, NewRow};
+use gpushared::allocation::ledger::{Ledger, NewRow};
 
 const ROWS: usize = 500;
 

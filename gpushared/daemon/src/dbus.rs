@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use zbus::fdo;
 
-use crate::allocator::{AllocError, Allocator};
+use crate::allocation::allocator::{AllocError, Allocator};
 use crate::config::Bus;
 
 /// The well-known bus name.

@@ -6,16 +6,16 @@ use std::sync::Arc;
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use futures::FutureExt as _;
-use gpushared::allocator::Allocator;
+use gpushared::allocation::allocator::Allocator;
+use gpushared::allocation::ledger::Ledger;
+use gpushared::allocation::pods::PodStore;
 use gpushared::cli::Cli;
+use gpushared::cluster::publish::{self, KubeNode};
 use gpushared::config::{Config, DEFAULT_PATH};
-use gpushared::gpu_events::NvmlEvents;
-use gpushared::health;
-use gpushared::kubelet_watch::KubeletWatch;
-use gpushared::ledger::Ledger;
-use gpushared::plugin::{self, Plugin};
-use gpushared::pods::PodStore;
-use gpushared::publish::{self, KubeNode};
+use gpushared::gpus::events::NvmlEvents;
+use gpushared::gpus::health;
+use gpushared::kubelet::plugin::{self, Plugin};
+use gpushared::kubelet::watch::KubeletWatch;
 use gpushared::systemd::{Heartbeat, Notifier};
 use std::time::Duration;
 use tokio::signal::unix::{Signal, SignalKind, signal};
@@ -166,9 +166,9 @@ async fn run(config: Config) -> anyhow::Result<()> {
     let numa = config.resources.numa_topology;
     // Before READY: gpushared-mps.service, ordered after this unit, reads it when it starts.
     let mps_file = config.mps.environment_file.path();
-    let done = gpushared::mps::write_environment(
+    let done = gpushared::gpus::mps::write_environment(
         mps_file,
-        gpushared::mps::environment(inventory.gpus(), &config.mps).as_deref(),
+        gpushared::gpus::mps::environment(inventory.gpus(), &config.mps).as_deref(),
     )
     .map_err(anyhow::Error::msg)?;
     if done != "absent" {
@@ -228,12 +228,12 @@ async fn run(config: Config) -> anyhow::Result<()> {
             tracing::info!(interval = ?o.interval_seconds.duration(), tolerance_mib = o.tolerance_mib,
                 action = ?o.action, evict_after = ?o.evict_after_seconds.duration(),
                 proc = %o.proc_directory.path().display(), "watching GPU processes against their containers' budgets");
-            gpushared::overuse::spawn(
-                gpushared::overuse::NvmlProcesses::new(events.nvml()),
-                gpushared::overuse::Detector::new(gpushared::overuse::Policy::from(o)),
+            gpushared::gpus::overuse::spawn(
+                gpushared::gpus::overuse::NvmlProcesses::new(events.nvml()),
+                gpushared::gpus::overuse::Detector::new(gpushared::gpus::overuse::Policy::from(o)),
                 Arc::clone(&alloc),
                 pods.clone(),
-                gpushared::overuse::Sampling {
+                gpushared::gpus::overuse::Sampling {
                     every: o.interval_seconds.duration(),
                     proc_dir: o.proc_directory.path().to_owned(),
                 },
@@ -252,17 +252,17 @@ async fn run(config: Config) -> anyhow::Result<()> {
         );
     }
 
-    let client = gpushared::kube::client(config.kubernetes.kubeconfig.path()).await?;
+    let client = gpushared::cluster::kube::client(config.kubernetes.kubeconfig.path()).await?;
     // Before anything is served or published: a ledger that lost what the node published.
     notifier.status("starting: checking the ledger against the node's last publication");
-    let rebuilding = gpushared::recovery::check_ledger(client.clone(), &node, &alloc).await > 0;
+    let rebuilding = gpushared::cluster::recovery::check_ledger(client.clone(), &node, &alloc).await > 0;
     let mut tasks = tokio::task::JoinSet::new();
     if rebuilding {
-        tasks.spawn(gpushared::recovery::finish_rebuild(Arc::clone(&alloc), pods.clone()));
+        tasks.spawn(gpushared::cluster::recovery::finish_rebuild(Arc::clone(&alloc), pods.clone()));
     }
-    tasks.spawn(gpushared::kube::watch_pods(client.clone(), node.clone(), pods.clone(), Arc::clone(&alloc)));
-    tasks.spawn(gpushared::kube::evict_pods(client.clone(), evict_rx, Arc::clone(&alloc)));
-    tasks.spawn(gpushared::heartbeat::run(
+    tasks.spawn(gpushared::cluster::kube::watch_pods(client.clone(), node.clone(), pods.clone(), Arc::clone(&alloc)));
+    tasks.spawn(gpushared::cluster::kube::evict_pods(client.clone(), evict_rx, Arc::clone(&alloc)));
+    tasks.spawn(gpushared::cluster::heartbeat::run(
         client.clone(),
         node.clone(),
         config.kubernetes.heartbeat_seconds.duration(),
@@ -358,13 +358,13 @@ async fn run(config: Config) -> anyhow::Result<()> {
     // Whole GPUs, when `[sharing] whole` names any: a second resource on a socket of its own.
     let (whole_stop, whole_stop_rx) = watch::channel(false);
     let mut whole = if alloc.inventory().gpus().iter().any(|g| g.mode == gpushare_core::SharingMode::Whole) {
-        let endpoint = gpushared::whole::Endpoint {
+        let endpoint = gpushared::kubelet::whole::Endpoint {
             dir: dir.clone(),
-            socket_name: gpushared::whole::socket_name(config.kubelet.socket_name.as_str()),
+            socket_name: gpushared::kubelet::whole::socket_name(config.kubelet.socket_name.as_str()),
             resource: config.resources.whole.as_str().to_owned(),
         };
-        let plugin = gpushared::whole::WholePlugin::new(Arc::clone(&alloc), numa);
-        Some(tokio::spawn(gpushared::whole::run(plugin, endpoint, whole_stop_rx)))
+        let plugin = gpushared::kubelet::whole::WholePlugin::new(Arc::clone(&alloc), numa);
+        Some(tokio::spawn(gpushared::kubelet::whole::run(plugin, endpoint, whole_stop_rx)))
     } else {
         None
     };
@@ -539,7 +539,7 @@ async fn reconcile_loop(
             tracing::info!("reconciliation waits for the first complete list of this node's pods");
             continue;
         }
-        let list = match gpushared::reconcile::list(&socket, Duration::from_secs(10)).await {
+        let list = match gpushared::kubelet::pod_resources::list(&socket, Duration::from_secs(10)).await {
             Ok(list) => {
                 warned = false;
                 list
@@ -554,7 +554,7 @@ async fn reconcile_loop(
                 continue;
             }
         };
-        let view = gpushared::reconcile::KubeletView::from_list(&list, alloc.resource());
+        let view = gpushared::kubelet::pod_resources::kubelet_view(&list, alloc.resource());
         let probe = Arc::clone(&alloc);
         match tokio::task::spawn_blocking(move || probe.reconcile(&view, grace)).await {
             Ok(Ok(repairs)) if repairs.is_empty() => tracing::debug!("reconciled with the kubelet: nothing to repair"),

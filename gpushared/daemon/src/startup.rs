@@ -8,9 +8,9 @@ use gpushare_core::devices::{DeviceMap, KUBELET_MAX_MESSAGE_BYTES, list_and_watc
 use gpushare_core::{Gpu, NodeInventory};
 use thiserror::Error;
 
+use crate::allocation::ledger::{EventKind, Ledger, LedgerError};
 use crate::config::{Config, StaticGpu};
-use crate::discovery::{Discovery, DiscoveryError, Lost, NvmlDiscovery, StaticDiscovery, account_for_lost};
-use crate::ledger::{EventKind, Ledger, LedgerError};
+use crate::gpus::discovery::{Discovery, DiscoveryError, Lost, NvmlDiscovery, StaticDiscovery, account_for_lost};
 
 /// Why the daemon would not start with this configuration on this host.
 #[derive(Debug, Error)]

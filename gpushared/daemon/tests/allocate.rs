@@ -14,7 +14,7 @@ use gpushare_core::ContainerRole;
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_testkit::apiserver::ApiServer;
 use gpushare_testkit::kubelet::Kubelet;
-use gpushared::ledger::{Ledger, request_key};
+use gpushared::allocation::ledger::{Ledger, request_key};
 use serde_json::json;
 
 /// Pods in the SIGKILL burst.

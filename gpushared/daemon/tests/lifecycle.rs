@@ -16,7 +16,7 @@ use gpushare_core::{ContainerRole, Mib};
 use gpushare_testkit::apiserver::ApiServer;
 use gpushare_testkit::kubelet::{ContainerSpec, Kubelet};
 use gpushare_testkit::notify::Notes;
-use gpushared::ledger::Ledger;
+use gpushared::allocation::ledger::Ledger;
 use serde_json::json;
 
 /// A host whose daemon reaches the API-server stand-in, with two 1000 MiB GPUs.

@@ -273,7 +273,8 @@ mod nvml {
         assert!(log.contains("GPU1 does not answer (NVML: GPU1 UUID:"), "{log}");
         assert!(log.contains("it is not served until it answers and gpushared restarts"), "{log}");
         drop(daemon);
-        let events = gpushared::ledger::Ledger::open(&host.ledger()).unwrap().ledger.events_since(0).unwrap();
+        let events =
+            gpushared::allocation::ledger::Ledger::open(&host.ledger()).unwrap().ledger.events_since(0).unwrap();
         assert!(
             events.iter().any(|e| e.kind == "gpu-lost" && e.detail.starts_with("GPU1 does not answer")),
             "{events:?}"

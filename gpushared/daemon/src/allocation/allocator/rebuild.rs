@@ -11,7 +11,7 @@ use std::sync::Arc;
 use gpushare_core::codec::node::NodeAllocation;
 
 use super::{AllocError, Allocator, Held};
-use crate::ledger::{LedgerError, NewRow};
+use crate::allocation::ledger::{LedgerError, NewRow};
 
 /// What a rebuild booked.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -39,7 +39,7 @@ impl Allocator {
         Ok(missing)
     }
 
-    /// Keeps a copy of the ledger's files as they are (see [`crate::ledger::Ledger::keep_copy`]).
+    /// Keeps a copy of the ledger's files as they are (see [`crate::allocation::ledger::Ledger::keep_copy`]).
     ///
     /// # Errors
     /// [`LedgerError::Io`].
@@ -48,7 +48,7 @@ impl Allocator {
     }
 
     /// At a clean stop: the ledger's log copied into its file and emptied
-    /// ([`crate::ledger::Ledger::checkpoint_truncate`]).
+    /// ([`crate::allocation::ledger::Ledger::checkpoint_truncate`]).
     ///
     /// # Errors
     /// [`LedgerError`].
@@ -106,7 +106,7 @@ impl Allocator {
              here; {gone} more belonged to pods gone or finished since",
             rows.len()
         );
-        state.ledger.record_event(crate::ledger::EventKind::LedgerRebuilt, &detail)?;
+        state.ledger.record_event(crate::allocation::ledger::EventKind::LedgerRebuilt, &detail)?;
         state.rebuilding = None;
         drop(state);
         self.changed();

@@ -10,9 +10,9 @@ use gpushare_core::codec::assignment::{Assignment, ContainerAssignment, GpuShare
 use gpushare_core::codec::node::PodRef;
 use gpushare_core::{GpuUuid, Mib, NodeInventory, SharingMode};
 
+use crate::allocation::ledger::Row;
+use crate::allocation::pods::StoredPod;
 use crate::config::{Compatibility, MpsConfig};
-use crate::ledger::Row;
-use crate::pods::StoredPod;
 
 /// A container's answer: the environment the kubelet puts into it, and what it mounts.
 #[derive(Clone, Debug, PartialEq, Eq)]

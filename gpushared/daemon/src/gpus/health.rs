@@ -21,9 +21,9 @@ use std::time::{Duration, Instant};
 
 use gpushare_core::Health;
 
-use crate::allocator::Allocator;
+use crate::allocation::allocator::Allocator;
 use crate::config::HealthConfig;
-use crate::gpu_events::{GpuEvents, GpuSignal};
+use crate::gpus::events::{GpuEvents, GpuSignal};
 
 /// The policy's settings.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -25,7 +25,7 @@ use tokio::sync::watch;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use crate::allocator::{AllocError, Allocator};
+use crate::allocation::allocator::{AllocError, Allocator};
 
 mod list_and_watch;
 
@@ -422,7 +422,7 @@ mod tests {
     use gpushare_proto::deviceplugin::ContainerAllocateRequest;
 
     use super::*;
-    use crate::allocator::tests::{Fixture, fixture, pod};
+    use crate::allocation::allocator::tests::{Fixture, fixture, pod};
     use crate::config::Compatibility;
 
     /// The plugin over the allocator tests' node (three GPUs of 1000 MiB in MiB mode), with one

@@ -10,7 +10,7 @@ use gpushare_core::codec::heartbeat::{HEARTBEAT_KEY, Heartbeat};
 use kube::Api;
 use kube::api::{Patch, PatchParams};
 
-use crate::objects::NodeObject;
+use crate::cluster::objects::NodeObject;
 
 /// Renews the heartbeat of Node `node` every `every`, forever.
 pub async fn run(client: kube::Client, node: String, every: Duration) {
@@ -21,7 +21,7 @@ pub async fn run(client: kube::Client, node: String, every: Duration) {
     let mut failing = false;
     loop {
         tick.tick().await;
-        let value = match (Heartbeat { at_ms: crate::ledger::now_ms(), every_seconds }).encode() {
+        let value = match (Heartbeat { at_ms: crate::allocation::ledger::now_ms(), every_seconds }).encode() {
             Ok(v) => v,
             Err(e) => {
                 tracing::error!(error = %e, "cannot encode the heartbeat");

@@ -4,7 +4,7 @@
 //! deleted after a clean stop, the file truncated or replaced): it is reported loudly, a copy
 //! of what is left is kept, no kubelet call is served, and once the pod watch has listed the
 //! pods bound here the lost rows of those still running are booked again
-//! ([`crate::allocator::Allocator::finish_rebuild`]).
+//! ([`crate::allocation::allocator::Allocator::finish_rebuild`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,9 +12,9 @@ use std::time::Duration;
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use kube::Api;
 
-use crate::allocator::Allocator;
-use crate::objects::NodeObject;
-use crate::pods::PodStore;
+use crate::allocation::allocator::Allocator;
+use crate::allocation::pods::PodStore;
+use crate::cluster::objects::NodeObject;
 
 /// Checks the ledger against the Node's published state and starts a rebuild when it lacks
 /// allocations. Returns how many were missing. When the Node cannot be read (the API server
@@ -68,7 +68,7 @@ pub async fn check_ledger(client: kube::Client, node: &str, alloc: &Allocator) -
         pods.len(),
         state.generation
     );
-    if let Err(e) = alloc.record_event(crate::ledger::EventKind::LedgerIncomplete, &detail) {
+    if let Err(e) = alloc.record_event(crate::allocation::ledger::EventKind::LedgerIncomplete, &detail) {
         tracing::error!(error = %e, "cannot record the incomplete ledger in its history");
     }
     let n = missing.len();

@@ -28,10 +28,10 @@ use nvml_wrapper::Nvml;
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
 
-use crate::allocator::Allocator;
+use crate::allocation::allocator::Allocator;
+use crate::allocation::ledger::EventKind;
+use crate::allocation::pods::PodStore;
 use crate::config::{OveruseAction, OveruseConfig};
-use crate::ledger::EventKind;
-use crate::pods::PodStore;
 
 /// One process on a GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -352,7 +352,7 @@ pub fn run(
             |uid| {
                 pods.get(uid).map(|p| KnownPod { pod: p.view.pod.clone(), container_ids: p.view.container_ids.clone() })
             },
-            crate::ledger::now_ms(),
+            crate::allocation::ledger::now_ms(),
         );
         for o in &verdict.began {
             tracing::warn!(pod = %format!("{}/{}", o.pod.namespace, o.pod.name), container = %o.container, gpu = o.gpu,
@@ -374,7 +374,8 @@ pub fn run(
             tracing::error!(error = %e, "the over-budget change could not be recorded in the ledger history");
         }
         for o in verdict.evict {
-            let reason = format!("{}, for {} s", describe(&o), (crate::ledger::now_ms() - o.since_ms) / 1000);
+            let reason =
+                format!("{}, for {} s", describe(&o), (crate::allocation::ledger::now_ms() - o.since_ms) / 1000);
             if evict.send(Eviction { pod: o.pod, reason }).is_err() {
                 tracing::error!("the eviction side is gone; over-budget pods are not evicted");
             }

@@ -17,10 +17,10 @@ use kube::runtime::watcher;
 use kube::{Api, Client, Config};
 use thiserror::Error;
 
-use crate::allocator::Allocator;
-use crate::ledger::EventKind;
-use crate::objects::PodObject;
-use crate::pods::{PodStore, PodView};
+use crate::allocation::allocator::Allocator;
+use crate::allocation::ledger::EventKind;
+use crate::allocation::pods::{PodStore, PodView};
+use crate::cluster::objects::PodObject;
 
 /// The API server cannot be set up.
 #[derive(Debug, Error)]
@@ -194,7 +194,7 @@ const EVICTION_ATTEMPTS: u32 = 10;
 /// task of its own. Every outcome is logged and recorded in the ledger history.
 pub async fn evict_pods(
     client: Client,
-    mut requests: tokio::sync::mpsc::UnboundedReceiver<crate::overuse::Eviction>,
+    mut requests: tokio::sync::mpsc::UnboundedReceiver<crate::gpus::overuse::Eviction>,
     alloc: Arc<Allocator>,
 ) {
     while let Some(request) = requests.recv().await {
@@ -202,7 +202,7 @@ pub async fn evict_pods(
     }
 }
 
-async fn evict(client: Client, request: crate::overuse::Eviction, alloc: Arc<Allocator>) {
+async fn evict(client: Client, request: crate::gpus::overuse::Eviction, alloc: Arc<Allocator>) {
     let PodRef { namespace, name, uid } = &request.pod;
     let who = format!("{namespace}/{name}");
     let body = serde_json::json!({

@@ -32,8 +32,8 @@ use thiserror::Error;
 use tokio::sync::watch;
 
 use crate::DAEMON_VERSION;
-use crate::allocator::Allocator;
-use crate::objects::NodeObject;
+use crate::allocation::allocator::Allocator;
+use crate::cluster::objects::NodeObject;
 
 /// How publication failed.
 #[derive(Debug, Error)]
@@ -558,13 +558,14 @@ mod tests {
 
     /// An allocator for node-a with one 1000 MiB GPU.
     fn allocator(dir: &std::path::Path) -> Arc<Allocator> {
-        let ledger = crate::ledger::Ledger::open(&dir.join("ledger.db")).unwrap().ledger;
+        let ledger = crate::allocation::ledger::Ledger::open(&dir.join("ledger.db")).unwrap().ledger;
         let gpu = Gpu::new(0, GpuUuid::new("GPU-0").unwrap(), "Tesla T4", Mib::new(1000));
         let inventory = NodeInventory::new(MemoryUnit::Mib, vec![gpu]).unwrap();
         let names = gpushare_core::ResourceNames::gpushare();
         let compat = crate::config::Compatibility::Gpushare;
         Arc::new(
-            Allocator::new("node-a".into(), names, compat, inventory, crate::pods::PodStore::new(), ledger).unwrap(),
+            Allocator::new("node-a".into(), names, compat, inventory, crate::allocation::pods::PodStore::new(), ledger)
+                .unwrap(),
         )
     }
 

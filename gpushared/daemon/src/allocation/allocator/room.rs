@@ -10,7 +10,7 @@ use gpushare_core::{ContainerRole, GpuUuid, Mib, NodeInventory};
 
 use super::AllocError;
 use super::resolve::Held;
-use crate::ledger::NewRow;
+use crate::allocation::ledger::NewRow;
 
 type PodRows = BTreeMap<String, Vec<(ContainerRole, GpuUuid, Mib)>>;
 

@@ -9,10 +9,10 @@ use gpushare_core::codec::node::PodRef;
 use gpushare_core::{ContainerRole, GpuUuid, MemoryUnit, Mib, ResourceNames};
 
 use super::{Held, Scope};
-use crate::allocator::AllocError;
-use crate::allocator::admission::{Admissions, Owner, Step};
-use crate::allocator::tests::{ContainerSpec, spec_of};
-use crate::pods::{PodStore, PodView, StoredPod};
+use crate::allocation::allocator::AllocError;
+use crate::allocation::allocator::admission::{Admissions, Owner, Step};
+use crate::allocation::allocator::tests::{ContainerSpec, spec_of};
+use crate::allocation::pods::{PodStore, PodView, StoredPod};
 
 const APP: ContainerRole = ContainerRole::App;
 const INIT: ContainerRole = ContainerRole::Init;

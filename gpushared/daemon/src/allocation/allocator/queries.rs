@@ -4,7 +4,7 @@
 use gpushare_core::codec::assignment::ASSIGNMENT_KEY;
 
 use super::{AllocError, Allocator};
-use crate::ledger::{EventKind, Row};
+use crate::allocation::ledger::{EventKind, Row};
 
 impl Allocator {
     /// Live rows, of one pod (`namespace`, `name`) if given.

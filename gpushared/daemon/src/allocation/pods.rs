@@ -1,5 +1,5 @@
 //! The pods bound to this node, as the daemon last saw them: filled by the API-server watch
-//! ([`crate::kube`]), read by the allocator. It keeps serving what it saw through an API-server
+//! ([`crate::cluster::kube`]), read by the allocator. It keeps serving what it saw through an API-server
 //! outage, so `Allocate` for a pod already seen never waits on the network. Every change is
 //! announced ([`PodStore::subscribe`]), so a kubelet call waiting for its pod to show up wakes
 //! when it does.

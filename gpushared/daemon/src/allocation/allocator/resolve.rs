@@ -17,8 +17,8 @@ use gpushare_core::{ContainerRole, GpuUuid, MemoryUnit, Mib, PodRequest, Resourc
 
 use super::AllocError;
 use super::admission::{Admissions, Owner};
-use crate::ledger::Row;
-use crate::pods::{PodView, StoredPod};
+use crate::allocation::ledger::Row;
+use crate::allocation::pods::{PodView, StoredPod};
 
 /// A live ledger row, as the allocator keeps it in memory (the ledger is the durable truth;
 /// this mirror is loaded from it at start and updated after each commit).

@@ -1,4 +1,4 @@
-//! Reconciliation as the allocation service applies it: the plan ([`crate::reconcile::plan`])
+//! Reconciliation as the allocation service applies it: the plan ([`crate::allocation::reconcile::plan`])
 //! made from the ledger, the kubelet's PodResources answer and the pods bound here, then each
 //! repair written to the ledger and its history.
 
@@ -11,13 +11,13 @@ use gpushare_core::{ContainerRole, Mib};
 use super::resolve::Held;
 use super::room::check_room;
 use super::{AllocError, Allocator, State};
-use crate::ledger::{EventKind, NewRow};
-use crate::reconcile::{KnownPod, KubeletView, Repair};
+use crate::allocation::ledger::{EventKind, NewRow};
+use crate::allocation::reconcile::{KnownPod, KubeletView, Repair};
 
 impl Allocator {
-    /// Makes the ledger agree with the kubelet's PodResources answer (see [`crate::reconcile`]);
+    /// Makes the ledger agree with the kubelet's PodResources answer (see [`crate::allocation::reconcile`]);
     /// rows younger than `grace_ms` are not released. Call it only once the pod store has
-    /// synced ([`crate::pods::PodStore::is_synced`]): a pod missing from it must mean the pod is gone. Every repair is logged and recorded in
+    /// synced ([`crate::allocation::pods::PodStore::is_synced`]): a pod missing from it must mean the pod is gone. Every repair is logged and recorded in
     /// the history. Returns the repairs made.
     ///
     /// # Errors
@@ -47,7 +47,14 @@ impl Allocator {
         };
         let mut state = self.lock();
         let live = state.ledger.live()?;
-        let repairs = crate::reconcile::plan(&live, kubelet, known, running, crate::ledger::now_ms(), grace_ms);
+        let repairs = crate::allocation::reconcile::plan(
+            &live,
+            kubelet,
+            known,
+            running,
+            crate::allocation::ledger::now_ms(),
+            grace_ms,
+        );
         let mut done = Vec::with_capacity(repairs.len());
         for repair in repairs {
             match &repair {

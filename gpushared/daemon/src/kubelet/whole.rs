@@ -27,9 +27,9 @@ use tokio::sync::watch;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use crate::allocator::Allocator;
-use crate::kubelet_watch::KubeletWatch;
-use crate::plugin::stopped;
+use crate::allocation::allocator::Allocator;
+use crate::kubelet::plugin::stopped;
+use crate::kubelet::watch::KubeletWatch;
 
 /// The whole GPUs' devices as the kubelet sees them now: each whole-mode GPU, by UUID,
 /// `Healthy` only while it is healthy, not cordoned, and holds no share.
@@ -151,8 +151,9 @@ impl DevicePlugin for WholePlugin {
         let gpus = handed.join(", ");
         // Success only once the ledger has the hand-out (invariant 2): the kubelet retries an
         // UNAVAILABLE answer.
-        if let Err(e) =
-            self.alloc.record_event(crate::ledger::EventKind::WholeAllocated, &format!("{gpus} handed out whole"))
+        if let Err(e) = self
+            .alloc
+            .record_event(crate::allocation::ledger::EventKind::WholeAllocated, &format!("{gpus} handed out whole"))
         {
             tracing::error!(gpus = %gpus, error = %e, "whole-GPU allocation refused: the ledger cannot record it");
             return Err(Status::unavailable(format!(
@@ -190,7 +191,7 @@ struct Generation {
 
 impl Generation {
     fn start(plugin: &WholePlugin, socket: &std::path::Path) -> std::io::Result<Generation> {
-        let listener = crate::plugin::bind(socket)?;
+        let listener = crate::kubelet::plugin::bind(socket)?;
         let stop = watch::Sender::new(false);
         let plugin = WholePlugin { stop: stop.subscribe(), ..plugin.clone() };
         let shutdown = stopped(stop.subscribe());
@@ -224,7 +225,12 @@ pub async fn run(plugin: WholePlugin, at: Endpoint, shutdown: watch::Receiver<bo
     let mut kubelet = KubeletWatch::new(&at.dir, &socket);
     tracing::info!(socket = %socket.display(), resource = %at.resource, "serving whole GPUs");
     let register = || {
-        Box::pin(crate::plugin::register(kubelet_socket.clone(), at.socket_name.clone(), at.resource.clone(), false))
+        Box::pin(crate::kubelet::plugin::register(
+            kubelet_socket.clone(),
+            at.socket_name.clone(),
+            at.resource.clone(),
+            false,
+        ))
     };
     let mut registration = Some(register());
     let mut quit = Box::pin(stopped(shutdown));

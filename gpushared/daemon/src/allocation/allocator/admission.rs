@@ -24,7 +24,7 @@ pub(super) struct Owner {
 pub(super) enum Step {
     /// `GetPreferredAllocation` proposed the devices of `key` for `owner`.
     Proposed {
-        /// The device-set key ([`crate::ledger::request_key`]).
+        /// The device-set key ([`crate::allocation::ledger::request_key`]).
         key: String,
         /// The container.
         owner: Owner,

@@ -1,7 +1,8 @@
-//! Reconciliation of the ledger with the kubelet's own record, the PodResources API (`List`):
-//! which container holds which of this daemon's device IDs. The plan is a pure function of
-//! the ledger's live rows and the kubelet's answer ([`plan`]); the allocator applies it
-//! ([`crate::allocator::Allocator::reconcile`]) and records every repair in the history.
+//! Reconciliation of the ledger with the kubelet's own record, the PodResources API (`List`,
+//! asked by [`crate::kubelet::pod_resources`]): which container holds which of this daemon's
+//! device IDs. The plan is a pure function of the ledger's live rows and the kubelet's answer
+//! ([`plan`]); the allocator applies it
+//! ([`crate::allocation::allocator::Allocator::reconcile`]) and records every repair in the history.
 //!
 //! The rules, in the order they are checked for each live row group (one container's rows):
 //! - the kubelet holds the same device set for the same pod and container: kept;
@@ -28,9 +29,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use gpushare_core::ContainerRole;
 use gpushare_core::codec::node::PodRef;
-use gpushare_proto::podresources::ListPodResourcesResponse;
 
-use crate::ledger::{Row, request_key};
+use crate::allocation::ledger::{Row, request_key};
 
 /// One container's devices of this daemon's resource, as the kubelet reports them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -52,34 +52,6 @@ pub struct KubeletView {
     pub pods: BTreeSet<(String, String)>,
     /// The containers holding devices of `resource`.
     pub holdings: Vec<Holding>,
-}
-
-impl KubeletView {
-    /// Reduces a `List` answer to the devices of `resource`.
-    #[must_use]
-    pub fn from_list(list: &ListPodResourcesResponse, resource: &str) -> Self {
-        let mut view = KubeletView::default();
-        for pod in &list.pod_resources {
-            view.pods.insert((pod.namespace.clone(), pod.name.clone()));
-            for c in &pod.containers {
-                let device_ids: Vec<String> = c
-                    .devices
-                    .iter()
-                    .filter(|d| d.resource_name == resource)
-                    .flat_map(|d| d.device_ids.iter().cloned())
-                    .collect();
-                if !device_ids.is_empty() {
-                    view.holdings.push(Holding {
-                        namespace: pod.namespace.clone(),
-                        name: pod.name.clone(),
-                        container: c.name.clone(),
-                        device_ids,
-                    });
-                }
-            }
-        }
-        view
-    }
 }
 
 /// What the daemon knows of a pod the kubelet names: its UID and the role of the container.
@@ -232,61 +204,6 @@ pub fn plan(
     repairs
 }
 
-/// The kubelet's PodResources API cannot be asked.
-#[derive(Debug, thiserror::Error)]
-pub enum PodResourcesError {
-    /// The socket cannot be dialled.
-    #[error(
-        "cannot reach the kubelet's PodResources API at {socket}: {reason}; set [kubelet] pod_resources_socket to \
-         the kubelet's pod-resources socket"
-    )]
-    Unreachable {
-        /// The socket.
-        socket: String,
-        /// What failed.
-        reason: String,
-    },
-    /// The kubelet answered `List` with an error.
-    #[error("the kubelet's PodResources List at {socket} failed: {status}")]
-    List {
-        /// The socket.
-        socket: String,
-        /// The gRPC status.
-        status: String,
-    },
-}
-
-/// Asks the kubelet's PodResources `List` on `socket` (within `timeout`).
-///
-/// # Errors
-/// [`PodResourcesError`] when the kubelet cannot be reached or refuses.
-pub async fn list(
-    socket: &std::path::Path,
-    timeout: std::time::Duration,
-) -> Result<ListPodResourcesResponse, PodResourcesError> {
-    use gpushare_proto::podresources::ListPodResourcesRequest;
-    use gpushare_proto::podresources::pod_resources_lister_client::PodResourcesListerClient;
-    let name = socket.display().to_string();
-    let ask = async {
-        let channel = gpushare_proto::uds::connect(socket)
-            .await
-            .map_err(|e| PodResourcesError::Unreachable { socket: name.clone(), reason: e.to_string() })?;
-        // A full MiB-mode node lists 131 072 device IDs (about 1.3 MB).
-        PodResourcesListerClient::new(channel)
-            .max_decoding_message_size(64 * 1024 * 1024)
-            .list(ListPodResourcesRequest {})
-            .await
-            .map(tonic::Response::into_inner)
-            .map_err(|s| PodResourcesError::List {
-                socket: name.clone(),
-                status: format!("{:?}: {}", s.code(), s.message()),
-            })
-    };
-    tokio::time::timeout(timeout, ask).await.unwrap_or_else(|_| {
-        Err(PodResourcesError::Unreachable { socket: name.clone(), reason: format!("no answer within {timeout:?}") })
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -426,48 +343,6 @@ mod tests {
             if rows == &[1] && reason.contains("for default/b container \"worker\"")));
         assert!(
             matches!(&repairs[1], Repair::Adopt { pod, container, .. } if pod.name == "b" && container == "worker")
-        );
-    }
-
-    #[test]
-    fn only_this_resource_counts() {
-        use gpushare_proto::podresources::{ContainerDevices, ContainerResources, PodResources};
-        let list = ListPodResourcesResponse {
-            pod_resources: vec![PodResources {
-                name: "a".into(),
-                namespace: "ns".into(),
-                containers: vec![
-                    ContainerResources {
-                        name: "main".into(),
-                        devices: vec![
-                            ContainerDevices {
-                                resource_name: "gpushare.io/gpu-mem".into(),
-                                device_ids: vec!["x1".into()],
-                                topology: None,
-                            },
-                            ContainerDevices {
-                                resource_name: "nvidia.com/gpu".into(),
-                                device_ids: vec!["GPU-1".into()],
-                                topology: None,
-                            },
-                        ],
-                        ..Default::default()
-                    },
-                    ContainerResources { name: "other".into(), ..Default::default() },
-                ],
-                ..Default::default()
-            }],
-        };
-        let view = KubeletView::from_list(&list, "gpushare.io/gpu-mem");
-        assert_eq!(view.pods.len(), 1);
-        assert_eq!(
-            view.holdings,
-            vec![Holding {
-                namespace: "ns".into(),
-                name: "a".into(),
-                container: "main".into(),
-                device_ids: vec!["x1".into()]
-            }]
         );
     }
 }

@@ -8,7 +8,7 @@ use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssi
 use gpushare_core::codec::node::PodRef;
 use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib};
 
-use crate::pods::PodView;
+use crate::allocation::pods::PodView;
 
 use super::*;
 
@@ -19,7 +19,7 @@ fn uuid(i: u32) -> GpuUuid {
 }
 
 /// An allocator for node-a with three 1000 MiB GPUs (minor numbers 4-6), its ledger in a
-/// temporary directory; also the plugin's tests' (`crate::plugin`).
+/// temporary directory; also the plugin's tests' (`crate::kubelet::plugin`).
 pub(crate) struct Fixture {
     _dir: tempfile::TempDir,
     pods: PodStore,

@@ -21,9 +21,9 @@ use gpushare_core::devices::DeviceMap;
 use gpushare_core::{ContainerRole, Health, NodeInventory, ResourceNames};
 use tokio::sync::watch;
 
+use crate::allocation::ledger::{Ledger, LedgerError, NewRow, Row, request_key};
+use crate::allocation::pods::PodStore;
 use crate::config::{Compatibility, MpsConfig};
-use crate::ledger::{Ledger, LedgerError, NewRow, Row, request_key};
-use crate::pods::PodStore;
 
 mod admission;
 mod env;
@@ -321,7 +321,7 @@ impl Allocator {
     fn repeated(
         &self,
         state: &State,
-        pods: &[Arc<crate::pods::StoredPod>],
+        pods: &[Arc<crate::allocation::pods::StoredPod>],
         key: &str,
         units: usize,
     ) -> Result<Option<Answer>, AllocError> {
@@ -386,7 +386,7 @@ impl Allocator {
         I: IntoIterator<Item = &'a str>,
     {
         const RECENT_MS: i64 = 120_000;
-        let since = crate::ledger::now_ms() - RECENT_MS;
+        let since = crate::allocation::ledger::now_ms() - RECENT_MS;
         let mut first: HashMap<&str, Vec<i64>> = HashMap::new();
         for h in state.held.iter().filter(|h| h.allocated_at >= since) {
             if let Some(id) = &h.first_device

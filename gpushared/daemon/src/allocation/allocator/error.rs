@@ -4,7 +4,7 @@
 use gpushare_core::{GpuUuid, MemoryUnit, Mib};
 use thiserror::Error;
 
-use crate::ledger::LedgerError;
+use crate::allocation::ledger::LedgerError;
 
 /// Why a kubelet call cannot be served. Every message says what an operator can do.
 #[derive(Debug, Error)]

@@ -6,7 +6,7 @@ use gpushare_core::codec::node::{NodeAllocation, NodeState, OverBudget, used_per
 use gpushare_core::{Activity, Health, NodeInventory};
 
 use super::{AllocError, Allocator};
-use crate::ledger::{EventKind, LedgerError};
+use crate::allocation::ledger::{EventKind, LedgerError};
 
 /// The state of the node's GPUs and ledger, as the systemd status and logs summarize it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
