@@ -10,8 +10,8 @@ use std::io;
 
 use clap::CommandFactory as _;
 use gpushare_extender::cli::{ExtenderCli, InspectCli};
+use gpusharectl as ctl;
 use gpushared::cli::Cli as GpusharedCli;
-use gpushared::ctl;
 
 /// One file to write, by its path under the output directory.
 #[derive(Debug)]

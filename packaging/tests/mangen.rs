@@ -14,7 +14,7 @@ fn pages() -> Vec<(&'static str, &'static str, &'static str, clap::Command)> {
     vec![
         ("man8/gpushared.8", "gpushared", "8", gpushared::cli::Cli::command()),
         ("man8/gpushare-extender.8", "gpushare-extender", "8", gpushare_extender::cli::ExtenderCli::command()),
-        ("man1/gpusharectl.1", "gpusharectl", "1", gpushared::ctl::Cli::command()),
+        ("man1/gpusharectl.1", "gpusharectl", "1", gpusharectl::Cli::command()),
         (
             "man1/kubectl-inspect-gpushare.1",
             "kubectl-inspect-gpushare",
@@ -115,18 +115,18 @@ fn gpusharectl_page_and_completions_are_the_library_s() {
     let read = |path: &str| std::fs::read(dir.path().join(path)).unwrap();
     // `gpusharectl generate man`'s page, with its title on the first line.
     let page = String::from_utf8(read("man1/gpusharectl.1")).unwrap();
-    let library = String::from_utf8(gpushared::ctl::man_page().unwrap()).unwrap();
+    let library = String::from_utf8(gpusharectl::man_page().unwrap()).unwrap();
     let title = library.lines().find(|l| l.starts_with(".TH ")).unwrap();
     let rest: Vec<&str> = library.lines().filter(|l| *l != title).collect();
     assert_eq!(page, format!("{title}\n{}\n", rest.join("\n")));
     let shells = [
-        ("completions/gpusharectl.bash", gpushared::ctl::Shell::Bash),
-        ("completions/_gpusharectl", gpushared::ctl::Shell::Zsh),
-        ("completions/gpusharectl.fish", gpushared::ctl::Shell::Fish),
+        ("completions/gpusharectl.bash", gpusharectl::Shell::Bash),
+        ("completions/_gpusharectl", gpusharectl::Shell::Zsh),
+        ("completions/gpusharectl.fish", gpusharectl::Shell::Fish),
     ];
     for (path, shell) in shells {
         let script = read(path);
-        assert_eq!(script, gpushared::ctl::completions(shell), "{path}");
+        assert_eq!(script, gpusharectl::completions(shell), "{path}");
         let text = String::from_utf8(script).unwrap();
         assert!(text.contains("gpusharectl") && text.contains("uncordon"), "{path}: {text}");
     }

@@ -9,7 +9,6 @@
 //! - [`gpus`]: the node's GPUs (discovery, health, MPS, over-use);
 //! - [`cluster`]: the API-server side (pod watch, node-state publication, heartbeat);
 //! - [`dbus`]: the local status API on the D-Bus system bus;
-//! - [`ctl`]: `gpusharectl`, the operator's command line over the status API;
 //! - [`cli`], [`config`], [`startup`]: the command line, the configuration file and the checks
 //!   on it against this host before serving;
 //! - [`memory`]: keeping resident memory small after the kubelet's large device lists;
@@ -23,7 +22,6 @@ pub mod allocation;
 pub mod cli;
 pub mod cluster;
 pub mod config;
-pub mod ctl;
 pub mod dbus;
 pub mod gpus;
 pub mod kubelet;

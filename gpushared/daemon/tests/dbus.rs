@@ -29,7 +29,6 @@ use gpushare_core::ContainerRole;
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_testkit::apiserver::ApiServer;
 use gpushare_testkit::kubelet::{Admitted, Kubelet};
-use gpushared::ctl::now_ms;
 use gpushared::dbus::{BUS_NAME, GpuRecord, Gpushare1Proxy, INTERFACE, OBJECT_PATH, OverBudgetRecord};
 use serde_json::{Value, json};
 
@@ -196,21 +195,34 @@ async fn run(mut cmd: tokio::process::Command) -> (i32, String) {
     (out.status.code().unwrap_or(-1), text)
 }
 
+/// The `gpusharectl` binary of this build (its own crate, built beside this test by
+/// `cargo test --workspace`).
+fn gpusharectl_binary() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let mut dir = exe.parent().unwrap().to_path_buf();
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir.pop();
+    }
+    let bin = dir.join("gpusharectl");
+    assert!(bin.is_file(), "{} is missing: build it first (cargo build -p gpusharectl)", bin.display());
+    bin
+}
+
 /// `gpusharectl ARGS` as `user` (None: this process's user): exit code and output. For another
 /// user the binary is run from a copy beside the bus (the build directory may not be readable by
 /// `nobody`, under /root say).
 async fn ctl(user: Option<&str>, address: &str, args: &[&str]) -> (i32, String) {
-    let built = env!("CARGO_BIN_EXE_gpusharectl");
+    let built = gpusharectl_binary();
     let copy = address.strip_prefix("unix:path=").and_then(|s| Path::new(s).parent()).map(|d| d.join("gpusharectl"));
     let bin = match (user, copy) {
         (Some(_), Some(copy)) => {
             if !copy.exists() {
-                std::fs::copy(built, &copy).unwrap();
+                std::fs::copy(&built, &copy).unwrap();
                 std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
             }
             copy
         }
-        _ => PathBuf::from(built),
+        _ => built,
     };
     let mut cmd = match user {
         Some(u) => {
@@ -509,10 +521,10 @@ async fn root_cordons_with_gpusharectl(node: &Node, p: &Gpushare1Proxy<'_>) {
 /// keeps the cordon of GPU1, and lists the allocation made meanwhile.
 async fn bus_goes_away_and_comes_back(node: &Node, daemon: &Daemon, bus: &mut Bus) {
     bus.stop();
-    let away = now_ms();
+    let away = gpushared::allocation::ledger::now_ms();
     node.kubelet.ask_options().await.unwrap();
     node.admit(daemon, "infer-3", 0, 100).await;
-    let back = now_ms();
+    let back = gpushared::allocation::ledger::now_ms();
     *bus = Bus::start(&node.bus_dir);
     wait_for_name(&node.address, daemon, Duration::from_secs(30)).await;
     let p = proxy(&bus.address).await;

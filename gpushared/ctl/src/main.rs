@@ -1,13 +1,13 @@
 //! `gpusharectl`: the operator's command line over gpushared's D-Bus status API
 //! (`docs/gpusharectl.md`). It parses, connects, asks, prints and exits with a status that says
-//! what happened; everything it shows is shaped in [`gpushared::ctl`].
+//! what happened; everything it shows is shaped in the `gpusharectl` library.
 
 use std::io::Write as _;
 use std::process::ExitCode;
 
 use anyhow::Context as _;
 use clap::Parser as _;
-use gpushared::ctl::{self, Cli, Command, Generate, Request};
+use gpusharectl::{self as ctl, Cli, Command, Generate, Request};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
