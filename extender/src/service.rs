@@ -27,7 +27,7 @@ use crate::inspect::ClusterReport;
 use crate::metrics::{BindOutcome, Metrics};
 use crate::objects::PodObject;
 use crate::view::summary::Shape;
-use crate::view::{Assumed, ClusterView, Evicted, Holding};
+use crate::view::{Assumed, ClusterView, Evicted, Holding, Placed};
 use crate::wire::{
     BindingArgs, BindingResult, ExtenderArgs, FilterResult, HostPriority, MetaPod, MetaVictims, Name, NodeList,
     PreemptionArgs, PreemptionResult,
@@ -293,11 +293,8 @@ impl<C: Cluster> Extender<C> {
                         // A node still admitting a look-alike elsewhere on it would defer the
                         // bind: the scheduler had better choose another node now.
                         if view.admits_lookalike(n, &request, uid)
-                            && let Ok(a) = view.place(placer, n, &request, self.policies.gpu, &gone)
-                            && let Some(other) = view.lookalike_in_admission(n, uid, &a)
-                            && view
-                                .place_beside_lookalikes(placer, n, &request, uid, self.policies.gpu, &gone)
-                                .is_none_or(|a| view.lookalike_in_admission(n, uid, &a).is_some())
+                            && let Ok(Placed::Behind(other)) =
+                                view.place_clear_of_lookalikes(placer, n, &request, uid, self.policies.gpu, &gone)
                         {
                             result
                                 .failed_nodes
@@ -503,20 +500,13 @@ impl<C: Cluster> Extender<C> {
         let mut annotations = BTreeMap::new();
         if !request.is_empty() {
             let gone = view.evicted(&[uid]);
-            let mut assignment = view
-                .place(placer, &args.node, request, self.policies.gpu, &gone)
+            let placed = view
+                .place_clear_of_lookalikes(placer, &args.node, request, uid, self.policies.gpu, &gone)
                 .map_err(|r| (BindOutcome::NoFit, format!("pod {key} no longer fits node {}: {r}", args.node)))?;
-            if let Some(other) = view.lookalike_in_admission(&args.node, uid, &assignment) {
-                // Beside the look-alikes, if there is room: then it does not matter which
-                // of them the daemon serves first.
-                match view
-                    .place_beside_lookalikes(placer, &args.node, request, uid, self.policies.gpu, &gone)
-                    .filter(|a| view.lookalike_in_admission(&args.node, uid, a).is_none())
-                {
-                    Some(beside) => assignment = beside,
-                    None => return Ok(Attempt::LookalikeInAdmission(other)),
-                }
-            }
+            let assignment = match placed {
+                Placed::Clear(a) => a,
+                Placed::Behind(other) => return Ok(Attempt::LookalikeInAdmission(other)),
+            };
             let encoded = assignment.encode().map_err(|e| invalid(format!("pod {key}: {e}")))?;
             annotations.insert(ASSIGNMENT_KEY.to_owned(), encoded);
             if view.config().alibaba
