@@ -424,7 +424,7 @@ pub struct Usage {
 }
 
 /// A pod its node's daemon has not reported allocated yet (see
-/// [`ClusterView::lookalike_in_admission`]).
+/// [`ClusterView::place_clear_of_lookalikes`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Admitting {
     /// UID.

@@ -12,6 +12,7 @@
 //! - [`cli`], [`config`], [`startup`]: the command line, the configuration file and the checks
 //!   on it against this host before serving;
 //! - [`memory`]: keeping resident memory small after the kubelet's large device lists;
+//! - [`status`]: the status line systemd shows;
 //! - [`systemd`]: readiness, status and the watchdog for `Type=notify`.
 //!
 //! The arrows point one way: `kubelet`, `dbus` and `cluster::publish` call the allocation
@@ -27,6 +28,7 @@ pub mod gpus;
 pub mod kubelet;
 pub mod memory;
 pub mod startup;
+pub mod status;
 
 pub use gpushare_sdnotify as systemd;
 

@@ -12,8 +12,6 @@ use gpushared::allocation::pods::PodStore;
 use gpushared::cli::Cli;
 use gpushared::cluster::publish::{self, KubeNode};
 use gpushared::config::{Config, DEFAULT_PATH};
-use gpushared::gpus::events::NvmlEvents;
-use gpushared::gpus::health;
 use gpushared::kubelet::plugin::{self, Plugin};
 use gpushared::kubelet::watch::KubeletWatch;
 use gpushared::systemd::{Heartbeat, Notifier};
@@ -176,19 +174,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
     }
 
     // Copy the write-ahead log into the database file every 10 s, off the allocation path.
-    let checkpointer = opened.ledger.checkpointer()?;
-    std::thread::Builder::new()
-        .name("ledger-checkpoint".into())
-        .spawn(move || {
-            loop {
-                std::thread::sleep(Duration::from_secs(10));
-                let start = std::time::Instant::now();
-                match checkpointer.checkpoint() {
-                    Ok(frames) => tracing::debug!(frames, took = ?start.elapsed(), "ledger checkpoint"),
-                    Err(e) => tracing::warn!(error = %e, "ledger checkpoint failed; will retry"),
-                }
-            }
-        })
+    gpushared::allocation::ledger::spawn_checkpoints(opened.ledger.checkpointer()?, Duration::from_secs(10))
         .context("starting the ledger checkpoint thread")?;
     let pods = PodStore::new();
     let alloc = Arc::new(
@@ -206,51 +192,18 @@ async fn run(config: Config) -> anyhow::Result<()> {
 
     // Pods the over-use detector evicts (`[overuse] action = "evict"`), to the API-server side.
     let (evict_tx, evict_rx) = tokio::sync::mpsc::unbounded_channel();
-    // GPU health: NVML events and probes, on a thread of its own.
+    // GPU health (NVML events and probes) and over-use, on threads of their own.
     let health_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    if nvml {
-        let events = NvmlEvents::open(&config.nvml.library)?;
-        let policy = health::Policy::from(&config.health);
-        tracing::info!(
-            watched = ?events.watched(),
-            ignored_xids = ?policy.ignored_xids,
-            probe_interval = ?policy.probe_interval,
-            recovery = ?policy.recovery,
-            "watching GPU health"
-        );
-        let mut tracker = health::Tracker::new(policy, inventory.gpus().iter().map(|g| g.index));
-        for (gpu, reason) in lost_at_start {
-            tracker.start_unhealthy(gpu, reason, std::time::Instant::now());
-        }
-        // Over-use detection shares the health watcher's NVML handle.
-        if config.overuse.enabled {
-            let o = &config.overuse;
-            tracing::info!(interval = ?o.interval_seconds.duration(), tolerance_mib = o.tolerance_mib,
-                action = ?o.action, evict_after = ?o.evict_after_seconds.duration(),
-                proc = %o.proc_directory.path().display(), "watching GPU processes against their containers' budgets");
-            gpushared::gpus::overuse::spawn(
-                gpushared::gpus::overuse::NvmlProcesses::new(events.nvml()),
-                gpushared::gpus::overuse::Detector::new(gpushared::gpus::overuse::Policy::from(o)),
-                Arc::clone(&alloc),
-                pods.clone(),
-                gpushared::gpus::overuse::Sampling {
-                    every: o.interval_seconds.duration(),
-                    proc_dir: o.proc_directory.path().to_owned(),
-                },
-                evict_tx.clone(),
-                Arc::clone(&health_stop),
-            )
-            .context("starting the GPU over-use thread")?;
-        } else {
-            tracing::info!("GPU over-use detection is turned off ([overuse] enabled = false)");
-        }
-        health::spawn(events, tracker, Arc::clone(&alloc), Arc::clone(&health_stop))
-            .context("starting the GPU health thread")?;
-    } else {
-        tracing::warn!(
-            "GPU health and over-use are not monitored: the GPUs come from the static [[gpus]] list, not NVML"
-        );
-    }
+    gpushared::gpus::monitor::start(&gpushared::gpus::monitor::Monitor {
+        nvml,
+        config: &config,
+        inventory: &inventory,
+        lost_at_start,
+        alloc: &alloc,
+        pods: &pods,
+        evictions: &evict_tx,
+        stop: &health_stop,
+    })?;
 
     let client = gpushared::cluster::kube::client(config.kubernetes.kubeconfig.path()).await?;
     // Before anything is served or published: a ledger that lost what the node published.
@@ -271,7 +224,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
 
     // The kubelet's device list follows the GPUs' health.
     let (devices_tx, devices_rx) = watch::channel(plugin::DeviceSnapshot { inventory: Arc::new(inventory), numa });
-    tasks.spawn(follow_health(Arc::clone(&alloc), devices_tx));
+    tasks.spawn(plugin::follow_health(Arc::clone(&alloc), devices_tx));
     // Free pages go back to the kernel every 10 s, and once a burst of allocations has been
     // quiet for 1 s (the device lists and requests it passed through are gone by then).
     tasks.spawn(gpushared::memory::trim_after_bursts(alloc.subscribe()));
@@ -285,7 +238,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
     tracing::info!(socket = %socket.display(), resource = %alloc.resource(), inotify = kubelet.uses_inotify(), "serving the device plugin API");
 
     let registered = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let status = Status {
+    let status = gpushared::status::Status {
         alloc: Arc::clone(&alloc),
         registered: Arc::clone(&registered),
         kubelet: config.kubelet_socket(),
@@ -318,7 +271,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
         None
     } else {
         notifier.ready(&status.line());
-        tasks.spawn(report_status(notifier.clone(), status.clone()));
+        tasks.spawn(gpushared::status::report_status(notifier.clone(), status.clone()));
         gpushared::systemd::watchdog_interval().map(|interval| {
             let heartbeat = Heartbeat::for_watchdog(interval);
             tracing::info!(
@@ -338,7 +291,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
         })
     };
     let reconcile_now = Arc::new(tokio::sync::Notify::new());
-    tasks.spawn(reconcile_loop(
+    tasks.spawn(gpushared::kubelet::pod_resources::reconcile_loop(
         Arc::clone(&alloc),
         pods.clone(),
         config.kubelet.pod_resources_socket.path().to_owned(),
@@ -437,132 +390,4 @@ async fn run(config: Config) -> anyhow::Result<()> {
         Err(e) => tracing::warn!(error = %e, "the ledger's write-ahead log could not be emptied at stop"),
     }
     Ok(())
-}
-
-/// What the systemd status line says.
-#[derive(Clone)]
-struct Status {
-    alloc: Arc<Allocator>,
-    registered: Arc<std::sync::atomic::AtomicBool>,
-    kubelet: std::path::PathBuf,
-    /// Wakes [`report_status`] when the registration changes.
-    wake: Arc<tokio::sync::Notify>,
-}
-
-impl Status {
-    fn line(&self) -> String {
-        let s = self.alloc.summary();
-        let gpus = if s.healthy == s.gpus {
-            format!("{} GPU{}", s.gpus, if s.gpus == 1 { "" } else { "s" })
-        } else {
-            format!("{} GPUs ({} unhealthy)", s.gpus, s.gpus - s.healthy)
-        };
-        let allocations = format!("{} allocation{}", s.allocations, if s.allocations == 1 { "" } else { "s" });
-        if self.registered.load(std::sync::atomic::Ordering::SeqCst) {
-            format!("serving {gpus}, {allocations}")
-        } else {
-            format!("waiting for the kubelet at {}; {gpus}, {allocations}", self.kubelet.display())
-        }
-    }
-
-    /// Wakes [`report_status`].
-    fn changed(&self) {
-        self.wake.notify_one();
-    }
-}
-
-/// Sends the status line to systemd after every change, at most every 200 ms.
-async fn report_status(notifier: Notifier, status: Status) {
-    let mut changes = status.alloc.subscribe();
-    let mut last = String::new();
-    loop {
-        let line = status.line();
-        if line != last {
-            notifier.status(&line);
-            last = line;
-        }
-        tokio::select! {
-            changed = changes.changed() => {
-                if changed.is_err() {
-                    return;
-                }
-            }
-            () = status.wake.notified() => {}
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        changes.borrow_and_update();
-    }
-}
-
-/// Sends the kubelet a new device list when a GPU's health changes.
-async fn follow_health(alloc: Arc<Allocator>, devices: watch::Sender<plugin::DeviceSnapshot>) {
-    let mut changes = alloc.subscribe();
-    loop {
-        let now = alloc.current_inventory();
-        let differs = devices.borrow().inventory.gpus().iter().zip(now.gpus()).any(|(a, b)| a.health != b.health);
-        if differs {
-            devices.send_modify(|d| d.inventory = Arc::new(now));
-        }
-        if changes.changed().await.is_err() {
-            return;
-        }
-    }
-}
-
-/// Reconciles the ledger with the kubelet's PodResources API every interval and when asked
-/// (after each registration).
-async fn reconcile_loop(
-    alloc: Arc<Allocator>,
-    pods: PodStore,
-    socket: std::path::PathBuf,
-    config: gpushared::config::ReconcileConfig,
-    now: Arc<tokio::sync::Notify>,
-) {
-    let grace = i64::try_from(config.grace_seconds.duration().as_millis()).unwrap_or(i64::MAX);
-    let mut every = tokio::time::interval(config.interval_seconds.duration());
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    every.tick().await;
-    let mut warned = false;
-    let mut changes = alloc.subscribe();
-    loop {
-        tokio::select! {
-            _ = every.tick() => {}
-            () = now.notified() => {}
-            // Soon after allocations: the kubelet's record says at once whether an answer went
-            // to the pod the daemon took it for, before the node state is published (100 ms).
-            Ok(()) = changes.changed() => {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                changes.borrow_and_update();
-            }
-        }
-        if !pods.is_synced() {
-            tracing::info!("reconciliation waits for the first complete list of this node's pods");
-            continue;
-        }
-        let list = match gpushared::kubelet::pod_resources::list(&socket, Duration::from_secs(10)).await {
-            Ok(list) => {
-                warned = false;
-                list
-            }
-            Err(e) => {
-                if warned {
-                    tracing::debug!(error = %e, "reconciliation skipped");
-                } else {
-                    tracing::warn!(error = %e, "reconciliation skipped; will retry");
-                    warned = true;
-                }
-                continue;
-            }
-        };
-        let view = gpushared::kubelet::pod_resources::kubelet_view(&list, alloc.resource());
-        let probe = Arc::clone(&alloc);
-        match tokio::task::spawn_blocking(move || probe.reconcile(&view, grace)).await {
-            Ok(Ok(repairs)) if repairs.is_empty() => tracing::debug!("reconciled with the kubelet: nothing to repair"),
-            Ok(Ok(repairs)) => tracing::info!(repairs = repairs.len(), "reconciled with the kubelet"),
-            Ok(Err(e)) => tracing::error!(error = %e, "reconciliation failed"),
-            // The runtime stopping under the task: the daemon is stopping, nothing failed.
-            Err(e) if e.is_cancelled() => tracing::debug!("reconciliation cancelled: the daemon is stopping"),
-            Err(e) => tracing::error!(error = %e, "reconciliation task failed"),
-        }
-    }
 }

@@ -649,41 +649,6 @@ impl Ledger {
     }
 }
 
-/// A second connection to the ledger that copies the write-ahead log into the database file
-/// (a passive checkpoint: it never blocks the allocation path), run periodically.
-#[derive(Debug)]
-pub struct Checkpointer {
-    path: PathBuf,
-    conn: Connection,
-}
-
-impl Checkpointer {
-    /// Runs one passive checkpoint; returns the WAL frames copied.
-    ///
-    /// # Errors
-    /// [`LedgerError`] if SQLite refuses.
-    pub fn checkpoint(&self) -> Result<i64, LedgerError> {
-        self.conn
-            .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| r.get::<_, i64>(2))
-            .map_err(sql(&self.path, "checkpointing the write-ahead log"))
-    }
-}
-
-impl Ledger {
-    /// A checkpoint connection for this ledger.
-    ///
-    /// # Errors
-    /// [`LedgerError`] if the file cannot be opened again.
-    pub fn checkpointer(&self) -> Result<Checkpointer, LedgerError> {
-        let conn = Connection::open(&self.path).map_err(sql(&self.path, "opening a checkpoint connection"))?;
-        conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(sql(&self.path, "setting the busy timeout"))?;
-        // A checkpoint syncs the database file before the log may be reused: said here rather
-        // than left to the build's default.
-        conn.execute_batch("PRAGMA synchronous = FULL;").map_err(sql(&self.path, "setting synchronous"))?;
-        Ok(Checkpointer { path: self.path.clone(), conn })
-    }
-}
-
 /// The ledger holds who used which GPU: root only.
 fn restrict_permissions(path: &Path) {
     use std::os::unix::fs::PermissionsExt as _;
@@ -695,9 +660,11 @@ fn restrict_permissions(path: &Path) {
     }
 }
 
+mod checkpoint;
 mod events;
 mod gpus;
 
+pub use checkpoint::{Checkpointer, spawn_checkpoints};
 pub use events::EventKind;
 
 #[cfg(test)]

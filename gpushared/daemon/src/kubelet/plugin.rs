@@ -415,6 +415,21 @@ pub async fn register(
     }
 }
 
+/// Sends the kubelet a new device list when a GPU's health changes.
+pub async fn follow_health(alloc: Arc<Allocator>, devices: watch::Sender<DeviceSnapshot>) {
+    let mut changes = alloc.subscribe();
+    loop {
+        let now = alloc.current_inventory();
+        let differs = devices.borrow().inventory.gpus().iter().zip(now.gpus()).any(|(a, b)| a.health != b.health);
+        if differs {
+            devices.send_modify(|d| d.inventory = Arc::new(now));
+        }
+        if changes.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use gpushare_core::ContainerRole;

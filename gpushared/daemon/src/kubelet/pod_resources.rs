@@ -4,7 +4,13 @@
 
 use gpushare_proto::podresources::ListPodResourcesResponse;
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::allocation::allocator::Allocator;
+use crate::allocation::pods::PodStore;
 use crate::allocation::reconcile::{Holding, KubeletView};
+use crate::config::ReconcileConfig;
 
 /// Reduces a `List` answer to the devices of `resource`, as reconciliation reads it.
 #[must_use]
@@ -85,6 +91,64 @@ pub async fn list(
     tokio::time::timeout(timeout, ask).await.unwrap_or_else(|_| {
         Err(PodResourcesError::Unreachable { socket: name.clone(), reason: format!("no answer within {timeout:?}") })
     })
+}
+
+/// Reconciles the ledger with the kubelet's PodResources API every interval and when asked
+/// (after each registration).
+pub async fn reconcile_loop(
+    alloc: Arc<Allocator>,
+    pods: PodStore,
+    socket: std::path::PathBuf,
+    config: ReconcileConfig,
+    now: Arc<tokio::sync::Notify>,
+) {
+    let grace = i64::try_from(config.grace_seconds.duration().as_millis()).unwrap_or(i64::MAX);
+    let mut every = tokio::time::interval(config.interval_seconds.duration());
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    every.tick().await;
+    let mut warned = false;
+    let mut changes = alloc.subscribe();
+    loop {
+        tokio::select! {
+            _ = every.tick() => {}
+            () = now.notified() => {}
+            // Soon after allocations: the kubelet's record says at once whether an answer went
+            // to the pod the daemon took it for, before the node state is published (100 ms).
+            Ok(()) = changes.changed() => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                changes.borrow_and_update();
+            }
+        }
+        if !pods.is_synced() {
+            tracing::info!("reconciliation waits for the first complete list of this node's pods");
+            continue;
+        }
+        let list = match list(&socket, Duration::from_secs(10)).await {
+            Ok(list) => {
+                warned = false;
+                list
+            }
+            Err(e) => {
+                if warned {
+                    tracing::debug!(error = %e, "reconciliation skipped");
+                } else {
+                    tracing::warn!(error = %e, "reconciliation skipped; will retry");
+                    warned = true;
+                }
+                continue;
+            }
+        };
+        let view = kubelet_view(&list, alloc.resource());
+        let probe = Arc::clone(&alloc);
+        match tokio::task::spawn_blocking(move || probe.reconcile(&view, grace)).await {
+            Ok(Ok(repairs)) if repairs.is_empty() => tracing::debug!("reconciled with the kubelet: nothing to repair"),
+            Ok(Ok(repairs)) => tracing::info!(repairs = repairs.len(), "reconciled with the kubelet"),
+            Ok(Err(e)) => tracing::error!(error = %e, "reconciliation failed"),
+            // The runtime stopping under the task: the daemon is stopping, nothing failed.
+            Err(e) if e.is_cancelled() => tracing::debug!("reconciliation cancelled: the daemon is stopping"),
+            Err(e) => tracing::error!(error = %e, "reconciliation task failed"),
+        }
+    }
 }
 
 #[cfg(test)]
