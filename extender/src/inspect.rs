@@ -263,7 +263,7 @@ impl ClusterReport {
                         .iter()
                         .filter(|o| o.gpu == g.index)
                         .map(|o| OverBudgetShare {
-                            pod: format!("{}/{}", o.pod.namespace, o.pod.name),
+                            pod: o.pod.to_string(),
                             container: o.container.clone(),
                             in_use_mib: o.in_use.get(),
                             budget_mib: o.budget.get(),

@@ -224,7 +224,7 @@ impl<C: Cluster> Extender<C> {
 
     fn expire(view: &mut ClusterView) {
         for (uid, a) in view.expire(Instant::now()) {
-            tracing::warn!(pod = %format!("{}/{}", a.namespace, a.name), uid = %uid, node = %a.node, bound = a.bound,
+            tracing::warn!(pod = %a.key(), uid = %uid, node = %a.node, bound = a.bound,
                 "in-flight bind never showed in the watch; no longer counted");
         }
         view.refresh();

@@ -370,6 +370,22 @@ pub enum Holding {
     Invalid(String),
 }
 
+impl PodEntry {
+    /// `namespace/name`, as the daemon and kubectl name the pod.
+    #[must_use]
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}
+
+impl Assumed {
+    /// `namespace/name`, as the daemon and kubectl name the pod.
+    #[must_use]
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}
+
 /// One pod that asks for GPU memory.
 #[derive(Clone, Debug)]
 pub struct PodEntry {

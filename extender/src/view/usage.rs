@@ -66,7 +66,7 @@ impl ClusterView {
                 && own.is_some()
                 && let Holding::Assigned(a) = &pod.holding
             {
-                let pod = format!("{}/{}", pod.namespace, pod.name);
+                let pod = pod.key();
                 usage.admitting.push(Admitting { uid: uid.clone(), pod, assignment: (**a).clone() });
             }
             let mib = match (daemon, own) {
@@ -80,38 +80,28 @@ impl ClusterView {
                         && let Ok(r) = &pod.request
                         && !r.is_empty()
                     {
-                        usage.pending.push((format!("{}/{}", pod.namespace, pod.name), r.long_running_memory()));
+                        usage.pending.push((pod.key(), r.long_running_memory()));
                     }
                     continue;
                 }
             };
             counted.insert(uid.as_str());
-            usage.pods.push(Holder {
-                uid: uid.clone(),
-                pod: format!("{}/{}", pod.namespace, pod.name),
-                mib,
-                assumed: false,
-            });
+            usage.pods.push(Holder { uid: uid.clone(), pod: pod.key(), mib, assumed: false });
         }
         // Pods the daemon holds that the view has elsewhere or not at all: the daemon wins.
         for (uid, (pod, mib)) in reported {
             counted.insert(uid);
-            let key = format!("{}/{}", pod.namespace, pod.name);
+            let key = pod.to_string();
             usage.pods.push(Holder { uid: uid.to_owned(), pod: key, mib, assumed: false });
         }
         for (uid, a) in &self.assumed {
             if a.node != node || counted.contains(uid.as_str()) {
                 continue;
             }
-            let pod = format!("{}/{}", a.namespace, a.name);
+            let pod = a.key();
             usage.admitting.push(Admitting { uid: uid.clone(), pod, assignment: a.assignment.clone() });
             if let Some(mib) = self.footprint(inventory, &Holding::Assigned(Box::new(a.assignment.clone()))) {
-                usage.pods.push(Holder {
-                    uid: uid.clone(),
-                    pod: format!("{}/{}", a.namespace, a.name),
-                    mib,
-                    assumed: true,
-                });
+                usage.pods.push(Holder { uid: uid.clone(), pod: a.key(), mib, assumed: true });
             }
         }
         usage.pods.sort_by(|a, b| a.pod.cmp(&b.pod).then_with(|| a.uid.cmp(&b.uid)));

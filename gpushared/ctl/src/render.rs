@@ -78,16 +78,16 @@ pub fn count_gpus(gpus: &[GpuRecord]) -> GpuCounts {
     let mut c = GpuCounts::default();
     for g in gpus {
         c.total += 1;
-        if g.5 == "Healthy" {
+        if g.health == "Healthy" {
             c.healthy += 1;
         } else {
             c.unhealthy += 1;
         }
-        if g.7 {
+        if g.cordoned {
             c.cordoned += 1;
         }
-        c.total_mib = c.total_mib.saturating_add(g.3);
-        c.used_mib = c.used_mib.saturating_add(g.4);
+        c.total_mib = c.total_mib.saturating_add(g.total_mib);
+        c.used_mib = c.used_mib.saturating_add(g.used_mib);
     }
     c
 }
@@ -135,7 +135,7 @@ pub fn status_json(s: &Status) -> Value {
 
 fn sorted_gpus(gpus: &[GpuRecord]) -> Vec<&GpuRecord> {
     let mut sorted: Vec<&GpuRecord> = gpus.iter().collect();
-    sorted.sort_by_key(|g| g.0);
+    sorted.sort_by_key(|g| g.index);
     sorted
 }
 
@@ -146,9 +146,12 @@ fn health_cell(health: &str, reason: &str) -> String {
 
 /// A GPU's mode, utilisation (`None`: not reported) and memory in use (`None`: not sampled).
 fn activity_of(activity: &[ActivityRecord], index: u32) -> (String, Option<i32>, Option<i64>) {
-    activity.iter().find(|a| a.0 == index).map_or_else(
+    activity.iter().find(|a| a.index == index).map_or_else(
         || ("shared".to_owned(), None, None),
-        |(_, mode, util, in_use)| (mode.clone(), (*util >= 0).then_some(*util), (*in_use >= 0).then_some(*in_use)),
+        |a| {
+            let (util, in_use) = (a.utilization_percent, a.memory_in_use_mib);
+            (a.mode.clone(), (util >= 0).then_some(util), (in_use >= 0).then_some(in_use))
+        },
     )
 }
 
@@ -162,7 +165,7 @@ pub fn gpus_text(gpus: &[GpuRecord], activity: &[ActivityRecord]) -> String {
     let dash = |v: Option<String>| v.unwrap_or_else(|| "-".to_owned());
     let rows: Vec<Vec<String>> = sorted_gpus(gpus)
         .into_iter()
-        .map(|(index, uuid, model, total, used, health, reason, cordoned)| {
+        .map(|GpuRecord { index, uuid, model, total_mib: total, used_mib: used, health, reason, cordoned }| {
             let (mode, util, in_use) = activity_of(activity, *index);
             vec![
                 index.to_string(),
@@ -205,7 +208,7 @@ pub fn gpus_json(gpus: &[GpuRecord], activity: &[ActivityRecord]) -> Value {
     Value::Array(
         sorted_gpus(gpus)
             .into_iter()
-            .map(|(index, uuid, model, total, used, health, reason, cordoned)| {
+            .map(|GpuRecord { index, uuid, model, total_mib: total, used_mib: used, health, reason, cordoned }| {
                 let (mode, util, in_use) = activity_of(activity, *index);
                 json!({
                     "mode": mode,
@@ -228,7 +231,15 @@ pub fn gpus_json(gpus: &[GpuRecord], activity: &[ActivityRecord]) -> Value {
 
 fn sorted_allocations(rows: &[AllocationRecord]) -> Vec<&AllocationRecord> {
     let mut sorted: Vec<&AllocationRecord> = rows.iter().collect();
-    sorted.sort_by(|a, b| (&a.0, &a.1, a.8, &a.3, a.6).cmp(&(&b.0, &b.1, b.8, &b.3, b.6)));
+    sorted.sort_by(|a, b| {
+        (&a.namespace, &a.pod, a.allocated_at_ms, &a.container, a.gpu_index).cmp(&(
+            &b.namespace,
+            &b.pod,
+            b.allocated_at_ms,
+            &b.container,
+            b.gpu_index,
+        ))
+    });
     sorted
 }
 
@@ -244,17 +255,28 @@ pub fn allocations_text(rows: &[AllocationRecord], pod: Option<&str>) -> String 
     }
     let rows: Vec<Vec<String>> = sorted_allocations(rows)
         .into_iter()
-        .map(|(ns, pod, _uid, container, role, _uuid, index, mib, at)| {
-            vec![
-                ns.clone(),
-                pod.clone(),
-                container.clone(),
-                role.clone(),
-                index.to_string(),
-                mib.to_string(),
-                format_ms(*at),
-            ]
-        })
+        .map(
+            |AllocationRecord {
+                 namespace: ns,
+                 pod,
+                 container,
+                 role,
+                 gpu_index: index,
+                 mib,
+                 allocated_at_ms: at,
+                 ..
+             }| {
+                vec![
+                    ns.clone(),
+                    pod.clone(),
+                    container.clone(),
+                    role.clone(),
+                    index.to_string(),
+                    mib.to_string(),
+                    format_ms(*at),
+                ]
+            },
+        )
         .collect();
     render_table(&["NAMESPACE", "POD", "CONTAINER", "ROLE", "GPU", "MIB", "SINCE"], &rows)
 }
@@ -267,7 +289,18 @@ pub fn allocations_json(rows: &[AllocationRecord]) -> Value {
     Value::Array(
         sorted_allocations(rows)
             .into_iter()
-            .map(|(ns, pod, uid, container, role, uuid, index, mib, at)| {
+            .map(|r| {
+                let AllocationRecord {
+                    namespace: ns,
+                    pod,
+                    pod_uid: uid,
+                    container,
+                    role,
+                    gpu_uuid: uuid,
+                    gpu_index: index,
+                    mib,
+                    allocated_at_ms: at,
+                } = r;
                 json!({
                     "namespace": ns,
                     "pod": pod,
@@ -287,7 +320,9 @@ pub fn allocations_json(rows: &[AllocationRecord]) -> Value {
 
 fn sorted_over_budget(rows: &[OverBudgetRecord]) -> Vec<&OverBudgetRecord> {
     let mut sorted: Vec<&OverBudgetRecord> = rows.iter().collect();
-    sorted.sort_by(|a, b| (&a.0, &a.1, &a.3, a.4).cmp(&(&b.0, &b.1, &b.3, b.4)));
+    sorted.sort_by(|a, b| {
+        (&a.namespace, &a.pod, &a.container, a.gpu_index).cmp(&(&b.namespace, &b.pod, &b.container, b.gpu_index))
+    });
     sorted
 }
 
@@ -300,17 +335,28 @@ pub fn over_budget_text(rows: &[OverBudgetRecord]) -> String {
     }
     let rows: Vec<Vec<String>> = sorted_over_budget(rows)
         .into_iter()
-        .map(|(ns, pod, _uid, container, gpu, in_use, budget, since)| {
-            vec![
-                ns.clone(),
-                pod.clone(),
-                if container.is_empty() { "-".to_owned() } else { container.clone() },
-                gpu.to_string(),
-                in_use.to_string(),
-                budget.to_string(),
-                format_ms(*since),
-            ]
-        })
+        .map(
+            |OverBudgetRecord {
+                 namespace: ns,
+                 pod,
+                 container,
+                 gpu_index: gpu,
+                 in_use_mib: in_use,
+                 budget_mib: budget,
+                 since_ms: since,
+                 ..
+             }| {
+                vec![
+                    ns.clone(),
+                    pod.clone(),
+                    if container.is_empty() { "-".to_owned() } else { container.clone() },
+                    gpu.to_string(),
+                    in_use.to_string(),
+                    budget.to_string(),
+                    format_ms(*since),
+                ]
+            },
+        )
         .collect();
     render_table(&["NAMESPACE", "POD", "CONTAINER", "GPU", "IN-USE(MiB)", "BUDGET(MiB)", "SINCE"], &rows)
 }
@@ -323,7 +369,17 @@ pub fn over_budget_json(rows: &[OverBudgetRecord]) -> Value {
     Value::Array(
         sorted_over_budget(rows)
             .into_iter()
-            .map(|(ns, pod, uid, container, gpu, in_use, budget, since)| {
+            .map(|r| {
+                let OverBudgetRecord {
+                    namespace: ns,
+                    pod,
+                    pod_uid: uid,
+                    container,
+                    gpu_index: gpu,
+                    in_use_mib: in_use,
+                    budget_mib: budget,
+                    since_ms: since,
+                } = r;
                 json!({
                     "namespace": ns,
                     "pod": pod,
@@ -347,7 +403,7 @@ pub fn history_text(rows: &[HistoryRecord], since: i64) -> String {
         return format!("nothing since {}\n", format_ms(since));
     }
     let rows: Vec<Vec<String>> =
-        rows.iter().map(|(at, kind, detail)| vec![format_ms(*at), kind.clone(), detail.clone()]).collect();
+        rows.iter().map(|r| vec![format_ms(r.at_ms), r.kind.clone(), r.detail.clone()]).collect();
     render_table(&["TIME", "KIND", "DETAIL"], &rows)
 }
 
@@ -357,7 +413,7 @@ pub fn history_text(rows: &[HistoryRecord], since: i64) -> String {
 pub fn history_json(rows: &[HistoryRecord]) -> Value {
     Value::Array(
         rows.iter()
-            .map(|(at, kind, detail)| json!({ "time": format_ms(*at), "timeMs": at, "kind": kind, "detail": detail }))
+            .map(|r| json!({ "time": format_ms(r.at_ms), "timeMs": r.at_ms, "kind": r.kind, "detail": r.detail }))
             .collect(),
     )
 }

@@ -11,16 +11,42 @@ use super::*;
 
 fn gpu(index: u32, total: u64, used: u64, reason: &str, cordoned: bool) -> GpuRecord {
     let health = if reason.is_empty() { "Healthy" } else { "Unhealthy" };
-    (
+    GpuRecord {
         index,
-        format!("GPU-{index:04}"),
-        "NVIDIA A100-SXM4-80GB".to_owned(),
-        total,
-        used,
-        health.to_owned(),
-        reason.to_owned(),
+        uuid: format!("GPU-{index:04}"),
+        model: "NVIDIA A100-SXM4-80GB".to_owned(),
+        total_mib: total,
+        used_mib: used,
+        health: health.to_owned(),
+        reason: reason.to_owned(),
         cordoned,
-    )
+    }
+}
+
+fn activity(index: u32, mode: &str, utilization_percent: i32, memory_in_use_mib: i64) -> ActivityRecord {
+    ActivityRecord { index, mode: mode.to_owned(), utilization_percent, memory_in_use_mib }
+}
+
+/// A container over budget: namespace, pod, container, GPU, MiB in use, budget, since.
+fn over(
+    namespace: &str,
+    pod: &str,
+    container: &str,
+    gpu: u32,
+    in_use: u64,
+    budget: u64,
+    since: i64,
+) -> OverBudgetRecord {
+    OverBudgetRecord {
+        namespace: namespace.to_owned(),
+        pod: pod.to_owned(),
+        pod_uid: format!("uid-{pod}"),
+        container: container.to_owned(),
+        gpu_index: gpu,
+        in_use_mib: in_use,
+        budget_mib: budget,
+        since_ms: since,
+    }
 }
 
 fn strings(cells: &[&str]) -> Vec<String> {
@@ -48,7 +74,7 @@ fn table_counts_characters_not_bytes() {
 
 #[test]
 fn gpus_table_is_sorted_aligned_and_shows_reasons() {
-    let activity: Vec<ActivityRecord> = vec![(1, "whole".into(), 87, 40_960), (0, "shared".into(), -1, -1)];
+    let activity: Vec<ActivityRecord> = vec![activity(1, "whole", 87, 40_960), activity(0, "shared", -1, -1)];
     let out = gpus_text(&[gpu(1, 81_920, 20_480, "Xid 79", true), gpu(0, 81_920, 0, "", false)], &activity);
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines.len(), 3);
@@ -66,7 +92,7 @@ fn gpus_table_is_sorted_aligned_and_shows_reasons() {
 
 #[test]
 fn gpus_json_has_camel_case_keys_and_null_reason_when_healthy() {
-    let v = gpus_json(&[gpu(1, 100, 150, "Xid 79", true), gpu(0, 100, 40, "", false)], &[(1, "mps".into(), 5, 90)]);
+    let v = gpus_json(&[gpu(1, 100, 150, "Xid 79", true), gpu(0, 100, 40, "", false)], &[activity(1, "mps", 5, 90)]);
     assert_eq!(
         v[0],
         json!({"index": 0, "uuid": "GPU-0000", "model": "NVIDIA A100-SXM4-80GB", "totalMiB": 100, "usedMiB": 40,
@@ -104,8 +130,8 @@ fn status_counts_gpus() {
 fn over_budget_table_and_json() {
     assert_eq!(over_budget_text(&[]), "no container is over its budget\n");
     let rows: Vec<OverBudgetRecord> = vec![
-        ("ml".into(), "train".into(), "u2".into(), "main".into(), 1, 5200, 4096, 1_763_892_000_000),
-        ("default".into(), "rogue".into(), "u1".into(), String::new(), 0, 800, 0, 1_763_892_060_000),
+        over("ml", "train", "main", 1, 5200, 4096, 1_763_892_000_000),
+        over("default", "rogue", "", 0, 800, 0, 1_763_892_060_000),
     ];
     assert_eq!(
         over_budget_text(&rows),
@@ -122,17 +148,17 @@ fn over_budget_table_and_json() {
 
 #[test]
 fn allocations_table_and_json() {
-    let row: AllocationRecord = (
-        "default".into(),
-        "infer-1".into(),
-        "uid-1".into(),
-        "main".into(),
-        "app".into(),
-        "GPU-0001".into(),
-        1,
-        4096,
-        1_763_892_000_000,
-    );
+    let row = AllocationRecord {
+        namespace: "default".into(),
+        pod: "infer-1".into(),
+        pod_uid: "uid-1".into(),
+        container: "main".into(),
+        role: "app".into(),
+        gpu_uuid: "GPU-0001".into(),
+        gpu_index: 1,
+        mib: 4096,
+        allocated_at_ms: 1_763_892_000_000,
+    };
     let out = allocations_text(std::slice::from_ref(&row), None);
     assert_eq!(
         out,
@@ -149,7 +175,7 @@ fn allocations_table_and_json() {
 
 #[test]
 fn history_table_and_json() {
-    let rows: Vec<HistoryRecord> = vec![(0, "cordon".into(), "GPU 1".into())];
+    let rows: Vec<HistoryRecord> = vec![HistoryRecord { at_ms: 0, kind: "cordon".into(), detail: "GPU 1".into() }];
     assert_eq!(
         history_text(&rows, 0),
         "TIME                   KIND     DETAIL\n1970-01-01T00:00:00Z   cordon   GPU 1\n"

@@ -22,26 +22,9 @@ pub const OBJECT_PATH: &str = "/io/gpushare/GpuShare1";
 /// The interface.
 pub const INTERFACE: &str = "io.gpushare.GpuShare1";
 
-/// One GPU as the API shows it: index, UUID, model, total MiB, used MiB, health
-/// (`Healthy`/`Unhealthy`), why unhealthy (empty when healthy), cordoned.
-pub type GpuRecord = (u32, String, String, u64, u64, String, String, bool);
+mod records;
 
-/// One live allocation: namespace, pod, pod UID, container, role, GPU UUID, GPU index, MiB,
-/// allocated at (Unix ms).
-pub type AllocationRecord = (String, String, String, String, String, String, u32, u64, i64);
-
-/// What one GPU is doing: index, sharing mode (`shared`, `mps`, `whole`), NVML's utilisation
-/// in percent at the last sample (-1: not reported), memory in use by every process at that
-/// sample in MiB (-1: not sampled).
-pub type ActivityRecord = (u32, String, i32, i64);
-
-/// One container over its budget: namespace, pod, pod UID, container (empty: not tied to one),
-/// GPU index, MiB in use, budget MiB, over since (Unix ms).
-pub type OverBudgetRecord = (String, String, String, String, u32, u64, u64, i64);
-
-/// One history entry: Unix ms, kind (`allocated`, `released`, `health`, `cordon`, `uncordon`,
-/// `reconcile`, `ledger-moved-aside`), detail.
-pub type HistoryRecord = (i64, String, String);
+pub use records::{ActivityRecord, AllocationRecord, GpuRecord, HistoryRecord, OverBudgetRecord};
 
 /// The served object.
 #[derive(Debug)]
@@ -114,16 +97,16 @@ impl StatusApi {
                     gpushare_core::Health::Healthy => ("Healthy", String::new()),
                     gpushare_core::Health::Unhealthy { reason } => ("Unhealthy", reason.clone()),
                 };
-                (
-                    g.index,
-                    g.uuid.to_string(),
-                    g.model.clone(),
-                    g.total.get(),
-                    used.get(),
-                    health.to_owned(),
+                GpuRecord {
+                    index: g.index,
+                    uuid: g.uuid.to_string(),
+                    model: g.model.clone(),
+                    total_mib: g.total.get(),
+                    used_mib: used.get(),
+                    health: health.to_owned(),
                     reason,
-                    g.cordoned,
-                )
+                    cordoned: g.cordoned,
+                }
             })
             .collect()
     }
@@ -138,7 +121,12 @@ impl StatusApi {
             .map(|g| {
                 let util = g.activity.and_then(|a| a.utilization).map_or(-1, i32::from);
                 let in_use = g.activity.map_or(-1, |a| i64::try_from(a.in_use.get()).unwrap_or(i64::MAX));
-                (g.index, g.mode.as_str().to_owned(), util, in_use)
+                ActivityRecord {
+                    index: g.index,
+                    mode: g.mode.as_str().to_owned(),
+                    utilization_percent: util,
+                    memory_in_use_mib: in_use,
+                }
             })
             .collect()
     }
@@ -156,8 +144,15 @@ impl StatusApi {
         self.alloc
             .over_budget()
             .into_iter()
-            .map(|o| {
-                (o.pod.namespace, o.pod.name, o.pod.uid, o.container, o.gpu, o.in_use.get(), o.budget.get(), o.since_ms)
+            .map(|o| OverBudgetRecord {
+                namespace: o.pod.namespace,
+                pod: o.pod.name,
+                pod_uid: o.pod.uid,
+                container: o.container,
+                gpu_index: o.gpu,
+                in_use_mib: o.in_use.get(),
+                budget_mib: o.budget.get(),
+                since_ms: o.since_ms,
             })
             .collect()
     }
@@ -168,18 +163,16 @@ impl StatusApi {
         let rows = self.alloc.allocations(filter).map_err(|e| failed(&e))?;
         Ok(rows
             .into_iter()
-            .map(|r| {
-                (
-                    r.pod.namespace,
-                    r.pod.name,
-                    r.pod.uid,
-                    r.container,
-                    role(r.role).to_owned(),
-                    r.gpu_uuid.to_string(),
-                    r.gpu_index,
-                    r.mib.get(),
-                    r.allocated_at,
-                )
+            .map(|r| AllocationRecord {
+                namespace: r.pod.namespace,
+                pod: r.pod.name,
+                pod_uid: r.pod.uid,
+                container: r.container,
+                role: role(r.role).to_owned(),
+                gpu_uuid: r.gpu_uuid.to_string(),
+                gpu_index: r.gpu_index,
+                mib: r.mib.get(),
+                allocated_at_ms: r.allocated_at,
             })
             .collect())
     }
@@ -192,7 +185,8 @@ impl StatusApi {
 
     /// The history since `since_ms` (Unix ms), oldest first.
     async fn history(&self, since_ms: i64) -> fdo::Result<Vec<HistoryRecord>> {
-        self.alloc.history(since_ms).map_err(|e| failed(&e))
+        let rows = self.alloc.history(since_ms).map_err(|e| failed(&e))?;
+        Ok(rows.into_iter().map(|(at_ms, kind, detail)| HistoryRecord { at_ms, kind, detail }).collect())
     }
 
     /// Cordons a GPU (index or UUID): it keeps its allocations and takes no new ones. Returns
@@ -308,6 +302,13 @@ async fn follow(conn: &zbus::Connection, alloc: &Arc<Allocator>) {
                 let (gpus, count, over) = {
                     let api = iface.get().await;
                     (api.gpus(), api.allocation_count(), api.over_budget())
+                };
+                let (Ok(gpus), Ok(over)) =
+                    (zbus::as_variant::to_owned_variant(&gpus), zbus::as_variant::to_owned_variant(&over))
+                else {
+                    // Plain records always serialize; were one not to, no signal beats a torn one.
+                    tracing::error!("the status API's records could not be serialized; no change signal sent");
+                    continue;
                 };
                 let changed = std::collections::HashMap::from([
                     ("Gpus", zbus::Variant::from(gpus)),

@@ -349,9 +349,12 @@ impl Signals {
             for (name, value) in args.changed_properties() {
                 match *name {
                     "AllocationCount" => count = Some(u32::try_from(value.try_to_owned().unwrap()).unwrap()),
-                    "Gpus" => gpus = Some(Vec::<GpuRecord>::try_from(value.try_to_owned().unwrap()).unwrap()),
+                    "Gpus" => {
+                        gpus = Some(zbus::as_variant::deserialize_for_property::<Vec<GpuRecord>>(value).unwrap());
+                    }
                     "OverBudget" => {
-                        over = Some(Vec::<OverBudgetRecord>::try_from(value.try_to_owned().unwrap()).unwrap());
+                        over =
+                            Some(zbus::as_variant::deserialize_for_property::<Vec<OverBudgetRecord>>(value).unwrap());
                     }
                     _ => {}
                 }
@@ -388,14 +391,17 @@ async fn root_reads_everything(node: &Node, p: &Gpushare1Proxy<'_>) {
     assert_eq!(gpus.len(), 2);
     for (index, g) in (0u32..).zip(&gpus) {
         assert_eq!(
-            (g.0, g.1.as_str(), g.2.as_str(), g.3),
+            (g.index, g.uuid.as_str(), g.model.as_str(), g.total_mib),
             (index, format!("GPU-static-{index}").as_str(), "Tesla T4", 1000)
         );
     }
-    assert_eq!((gpus[1].0, gpus[1].3, gpus[1].4, gpus[1].5.as_str(), gpus[1].7), (1, 1000, 300, "Healthy", false));
+    assert_eq!(
+        (gpus[1].index, gpus[1].total_mib, gpus[1].used_mib, gpus[1].health.as_str(), gpus[1].cordoned),
+        (1, 1000, 300, "Healthy", false)
+    );
     let rows = p.list_allocations("default/infer-1").await.unwrap();
     assert_eq!(rows.len(), 1);
-    assert_eq!((rows[0].3.as_str(), rows[0].6, rows[0].7), ("main", 1, 300));
+    assert_eq!((rows[0].container.as_str(), rows[0].gpu_index, rows[0].mib), ("main", 1, 300));
     assert!(p.list_allocations("default/nobody").await.unwrap().is_empty());
     let err = p.list_allocations("no-slash").await.unwrap_err().to_string();
     assert!(err.contains("is not NAMESPACE/NAME"), "{err}");
@@ -403,10 +409,7 @@ async fn root_reads_everything(node: &Node, p: &Gpushare1Proxy<'_>) {
     assert!(why.contains("container \"main\": assigned GPU1 300 MiB; allocated"), "{why}");
     assert!(p.explain("default/ghost").await.unwrap().contains("not bound to node node-a"));
     let history = p.history(0).await.unwrap();
-    assert!(
-        history.iter().any(|(_, kind, detail)| kind == "allocated" && detail.contains("default/infer-1")),
-        "{history:?}"
-    );
+    assert!(history.iter().any(|h| h.kind == "allocated" && h.detail.contains("default/infer-1")), "{history:?}");
 
     let (code, out) = ctl(None, &node.address, &["status"]).await;
     assert_eq!(code, 0, "{out}");
@@ -434,7 +437,7 @@ async fn allocations_are_signalled(node: &Node, daemon: &Daemon) {
     // One signal carries both: a client never sees the new GPUs beside the old count.
     signals
         .wait_for("AllocationCount 2 and Gpus with 200 MiB used on GPU0 and 300 on GPU1, in one signal", |s| {
-            s.together.iter().any(|(c, g, _)| *c == 2 && g.iter().map(|g| g.4).eq([200, 300]))
+            s.together.iter().any(|(c, g, _)| *c == 2 && g.iter().map(|g| g.used_mib).eq([200, 300]))
         })
         .await;
     // The same signal carries the containers over budget: none (no NVML here, no processes).
@@ -454,7 +457,7 @@ async fn cordons_are_signalled_and_published(node: &Node, p: &Gpushare1Proxy<'_>
     assert!(!p.cordon("0").await.unwrap(), "already cordoned");
     let err = p.cordon("7").await.unwrap_err().to_string();
     assert!(err.contains("no GPU \"7\" on this node"), "{err}");
-    signals.wait_for("Gpus with GPU0 cordoned", |s| s.gpus.iter().any(|g| g[0].7 && !g[1].7)).await;
+    signals.wait_for("Gpus with GPU0 cordoned", |s| s.gpus.iter().any(|g| g[0].cordoned && !g[1].cordoned)).await;
     let deadline = Instant::now() + WAIT;
     loop {
         let state = node
@@ -490,7 +493,7 @@ async fn nobody_reads_but_changes_nothing(node: &Node, p: &Gpushare1Proxy<'_>) {
         assert!(out.contains("permission denied"), "{out}");
     }
     let gpus = p.gpus().await.unwrap();
-    assert!(gpus[0].7, "still cordoned after the refused uncordon");
+    assert!(gpus[0].cordoned, "still cordoned after the refused uncordon");
 
     // Nobody may not take the name either. The same tool as the same user first makes a call
     // the policy allows, so the refusal below is the policy's, not a tool that did not run.
@@ -511,7 +514,7 @@ async fn nobody_reads_but_changes_nothing(node: &Node, p: &Gpushare1Proxy<'_>) {
 async fn root_cordons_with_gpusharectl(node: &Node, p: &Gpushare1Proxy<'_>) {
     let (code, out) = ctl(None, &node.address, &["uncordon", "GPU-static-0"]).await;
     assert_eq!(code, 0, "{out}");
-    assert!(!p.gpus().await.unwrap()[0].7);
+    assert!(!p.gpus().await.unwrap()[0].cordoned);
     let (code, out) = ctl(None, &node.address, &["cordon", "1"]).await;
     assert_eq!(code, 0, "{out}");
 }
@@ -528,7 +531,7 @@ async fn bus_goes_away_and_comes_back(node: &Node, daemon: &Daemon, bus: &mut Bu
     *bus = Bus::start(&node.bus_dir);
     wait_for_name(&node.address, daemon, Duration::from_secs(30)).await;
     let p = proxy(&bus.address).await;
-    assert!(p.gpus().await.unwrap()[1].7, "the cordon of GPU1 is kept");
+    assert!(p.gpus().await.unwrap()[1].cordoned, "the cordon of GPU1 is kept");
     assert_eq!(p.allocation_count().await.unwrap(), 3);
 
     let (code, out) = ctl(None, &node.address, &["allocations", "--json"]).await;
@@ -588,7 +591,7 @@ async fn the_status_api_reads_for_everyone_and_cordons_for_root_only() {
     wait_for_name(&node.address, &daemon, WAIT).await;
     let p = proxy(&bus.address).await;
     let gpus = p.gpus().await.unwrap();
-    assert!(!gpus[0].7 && gpus[1].7, "{gpus:?}");
+    assert!(!gpus[0].cordoned && gpus[1].cordoned, "{gpus:?}");
 
     bus_up_daemon_down(&node, daemon).await;
     bus.stop();

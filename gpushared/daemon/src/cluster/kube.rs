@@ -179,7 +179,7 @@ fn jitter_permille() -> u32 {
 fn release(alloc: &Allocator, v: &PodView, reason: &str) {
     match alloc.release_pod(&v.pod.uid, reason) {
         Ok(0) => {}
-        Ok(n) => tracing::info!(pod = %format!("{}/{}", v.pod.namespace, v.pod.name), rows = n, reason, "released"),
+        Ok(n) => tracing::info!(pod = %v.pod, rows = n, reason, "released"),
         Err(e) => tracing::error!(error = %e, "cannot release a pod's allocations"),
     }
 }

@@ -278,7 +278,7 @@ impl Detector {
 #[must_use]
 pub fn describe(o: &OverBudget) -> String {
     let who = if o.container.is_empty() {
-        format!("{}/{}", o.pod.namespace, o.pod.name)
+        o.pod.to_string()
     } else {
         format!("{}/{} container {:?}", o.pod.namespace, o.pod.name, o.container)
     };
@@ -355,11 +355,11 @@ pub fn run(
             crate::allocation::ledger::now_ms(),
         );
         for o in &verdict.began {
-            tracing::warn!(pod = %format!("{}/{}", o.pod.namespace, o.pod.name), container = %o.container, gpu = o.gpu,
+            tracing::warn!(pod = %o.pod, container = %o.container, gpu = o.gpu,
                 in_use_mib = o.in_use.get(), budget_mib = o.budget.get(), "container over its GPU memory budget");
         }
         for o in &verdict.ended {
-            tracing::info!(pod = %format!("{}/{}", o.pod.namespace, o.pod.name), container = %o.container, gpu = o.gpu,
+            tracing::info!(pod = %o.pod, container = %o.container, gpu = o.gpu,
                 "container back within its GPU memory budget");
         }
         let events: Vec<(EventKind, String)> = (verdict.began.iter().map(|o| (EventKind::OverBudget, describe(o))))
