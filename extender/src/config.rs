@@ -7,10 +7,10 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use gpushare_core::MemoryUnit;
 use gpushare_core::placement::{GpuPolicy, NodePolicy};
 pub use gpushare_core::request::Compatibility;
-use gpushare_core::request::{ResourceName, ResourceNames};
+
+use gpushare_core::resources::Resources;
 use gpushare_core::schedule::Policies;
 use serde::Deserialize;
 use thiserror::Error;
@@ -51,7 +51,7 @@ pub struct Config {
     pub kubernetes: KubernetesConfig,
     /// `[resources]`.
     #[serde(default)]
-    pub resources: ResourcesConfig,
+    pub resources: Resources,
     /// `[scheduling]`.
     #[serde(default)]
     pub scheduling: SchedulingConfig,
@@ -128,32 +128,6 @@ pub struct KubernetesConfig {
     /// The kubeconfig; unset: `$KUBECONFIG`, `~/.kube/config`, in-cluster.
     #[serde(default)]
     pub kubeconfig: Option<PathBuf>,
-}
-
-/// `[resources]`.
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ResourcesConfig {
-    /// The cluster unit.
-    #[serde(default)]
-    pub unit: MemoryUnit,
-    /// Resource names and annotations.
-    #[serde(default)]
-    pub compatibility: Compatibility,
-    /// Overrides the memory resource name.
-    #[serde(default)]
-    pub memory: Option<ResourceName>,
-    /// Overrides the count resource name.
-    #[serde(default)]
-    pub count: Option<ResourceName>,
-}
-
-impl ResourcesConfig {
-    /// The resource names in force.
-    #[must_use]
-    pub fn names(&self) -> ResourceNames {
-        ResourceNames::configured(self.compatibility, self.memory.clone(), self.count.clone())
-    }
 }
 
 /// `[scheduling]`.
@@ -275,13 +249,7 @@ impl Config {
         if config.scheduling.assume_timeout_seconds == 0 {
             return Err(invalid("scheduling.assume_timeout_seconds must be above 0; the default is 300".to_owned()));
         }
-        let names = config.resources.names();
-        if names.memory == names.count {
-            return Err(invalid(format!(
-                "resources: memory and count are both {:?}; they must be two different resources",
-                names.memory.as_str()
-            )));
-        }
+        config.resources.check().map_err(|e| invalid(e.to_string()))?;
         Ok(config)
     }
 
@@ -300,6 +268,9 @@ impl Config {
 
 #[cfg(test)]
 mod tests {
+    use gpushare_core::MemoryUnit;
+    use gpushare_core::request::ResourceNames;
+
     use super::*;
 
     fn parse(text: &str) -> Result<Config, String> {

@@ -5,6 +5,7 @@
 //! - [`units`]: the MiB newtype, the cluster unit, Kubernetes quantity parsing;
 //! - [`inventory`]: a node's GPUs;
 //! - [`request`]: a pod's GPU request, read and validated from its spec;
+//! - [`resources`]: the `[resources]` section both binaries read, and its check;
 //! - [`placement`]: placing a pod on one node, scoring the node, explaining a rejection;
 //! - [`schedule`]: the same over many nodes (filter and prioritize);
 //! - [`codec`]: the annotation schemas (node state, pod assignment, Alibaba's keys).
@@ -16,6 +17,7 @@ pub mod devices;
 pub mod inventory;
 pub mod placement;
 pub mod request;
+pub mod resources;
 pub mod retry;
 pub mod schedule;
 pub mod time;

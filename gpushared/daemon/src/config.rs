@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 pub use gpushare_core::request::Compatibility;
 use gpushare_core::request::{ResourceName, ResourceNames};
+use gpushare_core::resources::Resources;
 use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib};
 use serde::Deserialize;
 use thiserror::Error;
@@ -595,7 +596,8 @@ fn default_ledger() -> AbsPath {
     abs("/var/lib/gpushare/ledger.db")
 }
 
-/// `[resources]`.
+/// `[resources]`: the keys both binaries read ([`Resources`], flattened here by hand: serde
+/// cannot deny unknown keys through `flatten`), and the daemon's own two.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ResourcesConfig {
@@ -642,10 +644,21 @@ impl Default for ResourcesConfig {
 }
 
 impl ResourcesConfig {
+    /// The keys both binaries read, for the core's rule.
+    #[must_use]
+    pub fn shared(&self) -> Resources {
+        Resources {
+            unit: self.unit,
+            compatibility: self.compatibility,
+            memory: self.memory.clone(),
+            count: self.count.clone(),
+        }
+    }
+
     /// The resource names in force.
     #[must_use]
     pub fn names(&self) -> ResourceNames {
-        ResourceNames::configured(self.compatibility, self.memory.clone(), self.count.clone())
+        self.shared().names()
     }
 }
 
@@ -735,19 +748,9 @@ impl Config {
                 config.dbus.address
             )));
         }
-        let names = config.resources.names();
-        if names.memory == names.count {
-            return Err(invalid(format!(
-                "resources: memory and count are both {:?}; they must be two different resources",
-                names.memory.as_str()
-            )));
-        }
-        if config.resources.whole == names.memory || config.resources.whole == names.count {
-            return Err(invalid(format!(
-                "resources: whole is {:?}, which is also the memory or count resource; name whole GPUs with their own resource, such as \"gpushare.io/gpu\"",
-                config.resources.whole.as_str()
-            )));
-        }
+        let shared = config.resources.shared();
+        shared.check().map_err(|e| invalid(e.to_string()))?;
+        shared.check_whole(&config.resources.whole).map_err(|e| invalid(e.to_string()))?;
         Ok(config)
     }
 
