@@ -11,6 +11,7 @@
 //! - [`metrics`], [`inspect`], [`simulate`], [`memory`].
 
 pub mod cli;
+pub mod clock;
 pub mod config;
 pub mod inspect;
 pub mod kube;

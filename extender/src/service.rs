@@ -223,7 +223,8 @@ impl<C: Cluster> Extender<C> {
     }
 
     fn expire(view: &mut ClusterView) {
-        for (uid, a) in view.expire(Instant::now()) {
+        let now = view.now();
+        for (uid, a) in view.expire(now) {
             tracing::warn!(pod = %a.key(), uid = %uid, node = %a.node, bound = a.bound,
                 "in-flight bind never showed in the watch; no longer counted");
         }
@@ -515,7 +516,8 @@ impl<C: Cluster> Extender<C> {
             {
                 annotations.extend(a.encode());
             }
-            view.assume(uid, Self::assumed(namespace, &args.pod_name, &args.node, assignment));
+            let now = view.now();
+            view.assume(uid, Self::assumed(namespace, &args.pod_name, &args.node, assignment, now));
             view.refresh();
         }
         Ok(Attempt::Bind(Binding {
@@ -535,14 +537,14 @@ impl<C: Cluster> Extender<C> {
         )
     }
 
-    fn assumed(namespace: &str, name: &str, node: &str, assignment: Assignment) -> Assumed {
+    fn assumed(namespace: &str, name: &str, node: &str, assignment: Assignment, now: Instant) -> Assumed {
         Assumed {
             namespace: namespace.to_owned(),
             name: name.to_owned(),
             node: node.to_owned(),
             assignment,
             bound: false,
-            since: Instant::now(),
+            since: now,
         }
     }
 

@@ -13,6 +13,7 @@
 //!   expire after a configurable time in case the watch never shows them.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpushare_core::codec::alibaba::AlibabaAnnotations;
@@ -23,6 +24,7 @@ use gpushare_core::placement::{GpuPolicy, NodeView, Placer, Rejection};
 use gpushare_core::schedule::Policies;
 use gpushare_core::{MemoryUnit, Mib, NodeInventory, PodRequest, ResourceNames};
 
+use crate::clock::{Clock, SystemClock};
 use crate::objects::{NodeObject, PodObject};
 
 mod hash;
@@ -94,6 +96,8 @@ pub struct ClusterView {
     pods: FxMap<String, PodEntry>,
     assumed: FxMap<String, Assumed>,
     disagreements: u64,
+    /// Where the view reads the time.
+    clock: Arc<dyn Clock>,
     /// The initial lists still to come before daemons' reports are compared with the view
     /// (see [`Self::await_initial_lists`]).
     awaiting: InitialLists,
@@ -116,8 +120,22 @@ impl ClusterView {
             assumed: FxMap::default(),
             disagreements: 0,
             awaiting: InitialLists::default(),
+            clock: Arc::new(SystemClock),
             table: NodeTable::default(),
         }
+    }
+
+    /// The same view reading the time from `clock` (tests move a manual one).
+    #[must_use]
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// The time now, by the view's clock.
+    #[must_use]
+    pub fn now(&self) -> Instant {
+        self.clock.now()
     }
 
     /// The settings.
@@ -250,7 +268,7 @@ impl ClusterView {
     #[must_use]
     pub fn freshness(&self, node: &str) -> Option<Freshness> {
         let r = self.nodes.get(node)?.heartbeat.as_ref()?;
-        Some(Freshness { age: r.seen.elapsed(), stale_after: r.stale_after })
+        Some(Freshness { age: self.clock.now().saturating_duration_since(r.seen), stale_after: r.stale_after })
     }
 
     fn stale(&self, node: &str) -> Option<Freshness> {
@@ -299,16 +317,13 @@ pub struct NodeEntry {
 
 /// Takes `node`'s heartbeat into `entry`: a new value is a renewal, seen now (or, by the wall
 /// clock, when the daemon says it wrote it).
-fn renew(entry: &mut NodeEntry, node: &NodeObject, name: &str, by_wall_clock: bool) {
+fn renew(entry: &mut NodeEntry, node: &NodeObject, name: &str, by_wall_clock: bool, clock: &dyn Clock) {
     match node.annotation(HEARTBEAT_KEY).map(|v| (v, Heartbeat::decode(v))) {
         Some((value, Ok(h))) => {
             if entry.heartbeat.as_ref().is_none_or(|r| r.value != value) {
-                let now = Instant::now();
+                let now = clock.now();
                 let seen = if by_wall_clock {
-                    let wall_ms = std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
-                    let ago = u64::try_from(wall_ms.saturating_sub(h.at_ms)).unwrap_or(0);
+                    let ago = u64::try_from(clock.unix_ms().saturating_sub(h.at_ms)).unwrap_or(0);
                     now.checked_sub(Duration::from_millis(ago)).unwrap_or(now)
                 } else {
                     now

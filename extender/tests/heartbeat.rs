@@ -1,15 +1,18 @@
 //! A node whose daemon stops renewing its heartbeat: the extender stops placing pods by its
 //! published state after three periods, says so in filter's reason, inspect and the metrics,
-//! and trusts it again at the next renewal.
+//! and trusts it again at the next renewal. The view's clock is moved by hand: the test waits
+//! for the watch, never for a heartbeat period.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use gpushare_core::codec::heartbeat::{HEARTBEAT_KEY, Heartbeat};
 use serde_json::{Value, json};
 
 mod common;
-use common::{http, node_object, pod_object, start, until};
+use common::{http, node_object, pod_object, start_with_clock, until};
+use gpushare_extender::clock::ManualClock;
 
 fn beat(at_ms: i64) -> Value {
     json!({"metadata": {"annotations": {HEARTBEAT_KEY: Heartbeat { at_ms, every_seconds: 1 }.encode().unwrap()}}})
@@ -17,7 +20,8 @@ fn beat(at_ms: i64) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_whose_daemon_stopped_renewing_its_heartbeat_takes_no_new_pod() {
-    let h = start(1 << 20).await;
+    let clock = Arc::new(ManualClock::new());
+    let h = start_with_clock(clock.clone()).await;
     let node = |name: &str| {
         let mut n = node_object(name, 1, 15_360);
         n["metadata"]["annotations"][HEARTBEAT_KEY] = beat(1)["metadata"]["annotations"][HEARTBEAT_KEY].clone();
@@ -35,17 +39,21 @@ async fn a_node_whose_daemon_stopped_renewing_its_heartbeat_takes_no_new_pod() {
     };
     assert_eq!(filter().await["NodeNames"], json!(["alive", "dead", "old"]));
 
-    // "alive" renews every 500 ms; "dead" does not, and is stale after 3 s (three periods).
-    let mut at = 1;
-    let result = loop {
-        at += 1;
+    // "alive" renews every 500 ms of the view's clock; "dead" does not, and is stale after 3 s
+    // (three periods): still placed at 3 s, no longer once past it.
+    for at in 2..=7 {
+        clock.advance(Duration::from_millis(500));
         h.api.patch(gpushare_testkit::apiserver::Kind::Node, "", "alive", &beat(at)).unwrap();
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        until("alive's renewal in the view", async || {
+            h.ext.with_view(|v| v.freshness("alive").is_some_and(|f| f.age.is_zero()))
+        })
+        .await;
         let r = filter().await;
-        if r["NodeNames"] != json!(["alive", "dead", "old"]) || at > 20 {
-            break r;
-        }
-    };
+        let by = Duration::from_millis(500) * u32::try_from(at - 1).unwrap();
+        assert_eq!(r["NodeNames"], json!(["alive", "dead", "old"]), "{by:?} after dead's last beat: {r}");
+    }
+    clock.advance(Duration::from_millis(1));
+    let result = filter().await;
     assert_eq!(result["NodeNames"], json!(["alive", "old"]), "{result}");
     let why = result["FailedAndUnresolvableNodes"]["dead"].as_str().unwrap();
     assert!(

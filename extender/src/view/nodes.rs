@@ -11,7 +11,7 @@ impl ClusterView {
         let state_value = node.annotation(NODE_STATE_KEY);
         let state_hash = state_value.map(value_hash);
         if let Some(entry) = self.nodes.get_mut(&name) {
-            renew(entry, node, &name, self.config.heartbeat_by_wall_clock);
+            renew(entry, node, &name, self.config.heartbeat_by_wall_clock, &*self.clock);
             // A heartbeat alone (every node every 20 s): the published state is unchanged, so
             // nothing is decoded again and no usage recomputed; only the record's deadline moves.
             if entry.state_hash == state_hash && entry.address == node.address() {
@@ -42,7 +42,7 @@ impl ClusterView {
                 heartbeat: None,
                 state_hash: None,
             };
-            renew(&mut entry, node, &name, by_wall_clock);
+            renew(&mut entry, node, &name, by_wall_clock, &*self.clock);
             entry
         });
         let old_generation = match &entry.gpus {
@@ -109,7 +109,7 @@ impl ClusterView {
                 }
             }
         }
-        Evicted { uids: uids.iter().copied().collect(), nodes, now: Instant::now() }
+        Evicted { uids: uids.iter().copied().collect(), nodes, now: self.clock.now() }
     }
 
     /// Replaces every node (a watch restart's full list).

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory, ResourceNames};
+use gpushare_extender::clock::{Clock, SystemClock};
 use gpushare_extender::kube::{KubeCluster, client, watch};
 use gpushare_extender::server::{ServerOptions, router, serve};
 use gpushare_extender::service::Extender;
@@ -105,8 +106,9 @@ impl Harness {
     /// Starts another extender over the same API server.
     pub async fn restart(&mut self, alibaba: bool) {
         self.stop();
+        let kubeconfig = self.dir.path().join("kubeconfig");
         let (addr, ext, tasks) =
-            serve_extender(&self.dir.path().join("kubeconfig"), alibaba, 1 << 20, Duration::from_secs(5)).await;
+            serve_extender(&kubeconfig, alibaba, 1 << 20, Duration::from_secs(5), Arc::new(SystemClock)).await;
         (self.addr, self.ext, self.tasks) = (addr, ext, tasks);
     }
 }
@@ -132,9 +134,10 @@ async fn serve_extender(
     alibaba: bool,
     max_body_bytes: usize,
     timeout: Duration,
+    clock: Arc<dyn Clock>,
 ) -> (SocketAddr, Arc<Extender<KubeCluster>>, Vec<tokio::task::JoinHandle<()>>) {
     let client = client(Some(kubeconfig)).await.unwrap();
-    let view = ClusterView::new(view_config(alibaba));
+    let view = ClusterView::new(view_config(alibaba)).with_clock(clock);
     let ext = Arc::new(Extender::new(view, KubeCluster::new(client.clone()), Default::default()));
     let options = ServerOptions { prefix: "/gpushare-scheduler".into(), max_body_bytes, timeout };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -157,11 +160,21 @@ pub async fn start_with(alibaba: bool, max_body_bytes: usize) -> Harness {
 
 /// [`start_with`], the requests answered within `timeout`.
 pub async fn start_with_timeout(alibaba: bool, max_body_bytes: usize, timeout: Duration) -> Harness {
+    start_full(alibaba, max_body_bytes, timeout, Arc::new(SystemClock)).await
+}
+
+/// [`start`], the view reading the time from `clock`.
+#[allow(dead_code)] // not every test binary moves the clock
+pub async fn start_with_clock(clock: Arc<dyn Clock>) -> Harness {
+    start_full(false, 1 << 20, Duration::from_secs(5), clock).await
+}
+
+async fn start_full(alibaba: bool, max_body_bytes: usize, timeout: Duration, clock: Arc<dyn Clock>) -> Harness {
     let api = ApiServer::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
     api.write_kubeconfig(&kubeconfig).unwrap();
-    let (addr, ext, tasks) = serve_extender(&kubeconfig, alibaba, max_body_bytes, timeout).await;
+    let (addr, ext, tasks) = serve_extender(&kubeconfig, alibaba, max_body_bytes, timeout, clock).await;
     Harness { api, addr, ext, dir, tasks }
 }
 
