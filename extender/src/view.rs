@@ -11,6 +11,11 @@
 //!   the `ALIYUN_COM_GPU_MEM_IDX` annotation of pods Alibaba's extender placed;
 //! - in-flight binds (assumptions) for pods whose binding the watch has not delivered yet; they
 //!   expire after a configurable time in case the watch never shows them.
+//!
+//! This module holds the entries and their accessors; the behaviour is one module per job:
+//! [`nodes`] and [`pods`] (what the watches deliver), [`usage`] (what each GPU has in use),
+//! [`placing`] (fit, score and placement for one node), [`lookalike`] (the look-alike rule),
+//! [`summary`] (the glance path) and [`hash`].
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;

@@ -29,15 +29,22 @@ pub(super) struct Held {
     pub key_hash: u64,
     /// The ledger row.
     pub id: i64,
+    /// The pod holding it.
     pub pod: PodRef,
+    /// The container holding it.
     pub container: String,
+    /// How the container runs (its memory counts by the core's footprint rule).
     pub role: ContainerRole,
+    /// The GPU.
     pub gpu: GpuUuid,
+    /// The GPU's index.
     pub gpu_index: u32,
+    /// Memory held.
     pub mib: Mib,
     /// One device of the set (the kubelet holds a set entirely or not at all), for releasing
     /// the rows whose devices the kubelet offers as free.
     pub first_device: Option<String>,
+    /// When it was allocated, Unix ms.
     pub allocated_at: i64,
 }
 
@@ -69,10 +76,13 @@ pub(super) fn key_hash(key: &str) -> u64 {
 /// A container waiting for its devices.
 #[derive(Clone, Debug)]
 pub(super) struct Candidate {
+    /// The pod, as stored.
     pub pod: Arc<StoredPod>,
+    /// Its assignment.
     pub assignment: Arc<Assignment>,
     /// Position of the container in `assignment.containers`.
     pub position: usize,
+    /// Devices it asks for.
     pub units: u64,
 }
 
