@@ -2,7 +2,9 @@
 //! renewals, judge nodes stale and expire in-flight binds. The binaries use [`SystemClock`];
 //! tests move a [`ManualClock`] by hand instead of sleeping through heartbeat periods.
 
-use std::time::{Duration, Instant};
+#[cfg(any(test, feature = "testing"))]
+use std::time::Duration;
+use std::time::Instant;
 
 /// Where the view reads the time.
 pub trait Clock: Send + Sync + std::fmt::Debug {
