@@ -273,15 +273,18 @@ impl Allocator {
         let key = request_key(device_ids);
         let mut state = self.lock();
         Self::rebuilding(&state)?;
-        let pods = self.pods.snapshot();
-        if let Some(answer) = self.repeated(&state, &pods, &key, device_ids.len())? {
+        if let Some(answer) = self.repeated(&state, &key, device_ids.len())? {
             return Ok(answer);
         }
         let proposed = state.admissions.owner(&key);
         let cand = proposed.and_then(|o| self.scope().candidate_for(self.pods.get(&o.uid)?, o, &state.held));
         let cand = match cand {
             Some(c) => c,
-            None => self.scope().choose(&pods, &state.held, &state.admissions, device_ids.len(), patient)?,
+            // Only now the whole pod store: most calls follow a proposal and need one pod.
+            None => {
+                let pods = self.pods.snapshot();
+                self.scope().choose(&pods, &state.held, &state.admissions, device_ids.len(), patient)?
+            }
         };
         let rows = Self::rows_for(&state.inventory, &cand, device_ids)?;
         room::check_room(&self.inventory, &state.held, &rows, &cand.view().pod.to_string())?;
@@ -318,13 +321,7 @@ impl Allocator {
     /// Several containers may hold the same devices; the latest one answers. The kubelet hands
     /// an init container's devices on to the next container of the pod: those then belong to a
     /// new container, which is not a repeat.
-    fn repeated(
-        &self,
-        state: &State,
-        pods: &[Arc<crate::allocation::pods::StoredPod>],
-        key: &str,
-        units: usize,
-    ) -> Result<Option<Answer>, AllocError> {
+    fn repeated(&self, state: &State, key: &str, units: usize) -> Result<Option<Answer>, AllocError> {
         let hash = key_hash(key);
         if !state.held.iter().any(|h| h.key_hash == hash) {
             return Ok(None);
@@ -332,7 +329,7 @@ impl Allocator {
         let existing = state.ledger.live_by_key(key)?;
         let Some(last) = existing.last() else { return Ok(None) };
         let reused = last.role == ContainerRole::Init && {
-            let (pending, _) = self.scope().pending(pods, &state.held, Some(units), false);
+            let (pending, _) = self.scope().pending(&self.pods.snapshot(), &state.held, Some(units), false);
             pending.iter().any(|c| c.view().pod.uid == last.pod.uid)
         };
         if reused {

@@ -189,19 +189,9 @@ impl Plugin {
                 other => return other.map_err(|e| status(&e)),
             }
             // A closed channel (the daemon is stopping) waits out the deadline instead.
-            let pods_changed = async {
-                if pods.changed().await.is_err() {
-                    std::future::pending::<()>().await;
-                }
-            };
-            let allocations_changed = async {
-                if allocations.changed().await.is_err() {
-                    std::future::pending::<()>().await;
-                }
-            };
             tokio::select! {
-                () = pods_changed => {}
-                () = allocations_changed => {}
+                Ok(()) = pods.changed() => {}
+                Ok(()) = allocations.changed() => {}
                 () = tokio::time::sleep_until(deadline) => {}
             }
         }

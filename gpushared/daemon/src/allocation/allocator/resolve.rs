@@ -147,32 +147,33 @@ impl Scope<'_> {
             if !self.bound_here(view) {
                 continue;
             }
-            let mut note = |text: String| {
+            // Formatted only when asked for: the choice itself never reads them.
+            let mut note = |text: &dyn Fn() -> String| {
                 if want_notes {
-                    notes.push(format!("{}{text}", view.pod));
+                    notes.push(format!("{}{}", view.pod, text()));
                 }
             };
             let assignment = match &pod.assignment {
                 Some(Ok(a)) if a.node == self.node => {
                     if let Some(problem) = self.assignment_problem(pod) {
-                        note(format!(": {problem}"));
+                        note(&|| format!(": {problem}"));
                         continue;
                     }
                     a
                 }
                 Some(Ok(a)) => {
-                    note(format!(" is assigned to node {}", a.node));
+                    note(&|| format!(" is assigned to node {}", a.node));
                     continue;
                 }
                 Some(Err(e)) => {
-                    note(format!(": {e}"));
+                    note(&|| format!(": {e}"));
                     continue;
                 }
                 None => {
                     let asks = want_notes
                         && PodRequest::from_spec(&view.spec, self.names, self.unit).map_or(true, |r| !r.is_empty());
                     if asks {
-                        note(format!(" has no {ASSIGNMENT_KEY} annotation"));
+                        note(&|| format!(" has no {ASSIGNMENT_KEY} annotation"));
                     }
                     continue;
                 }
