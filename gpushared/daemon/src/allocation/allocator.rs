@@ -377,7 +377,10 @@ impl Allocator {
     /// kubelet made for a pod the daemon took for another (it admitted a pod its own watch
     /// still showed after it was deleted). Left in place, the row would make its pod look
     /// admitted, and the pod's real admission would be taken for the next pod in line. A set
-    /// the kubelet holds is never offered, so one device of each set is enough to tell.
+    /// the kubelet holds is never offered, so one device of each set is enough to tell. Its pod
+    /// is then in doubt, unless the row came before the kubelet's last restart: a kubelet
+    /// killed between `Allocate` and its checkpoint never recorded the row and admits the pod
+    /// again, which is then served as any pod waiting.
     fn release_offered<'a, I>(&self, state: &mut State, available: I, must_include: &[String]) -> Result<(), AllocError>
     where
         I: IntoIterator<Item = &'a str>,
@@ -407,7 +410,9 @@ impl Allocator {
         for h in gone {
             tracing::warn!(pod = %h.pod, container = %h.container, gpu = h.gpu_index, mib = h.mib.get(), reason,
                 "released");
-            state.admissions.apply(Step::Offered { uid: h.pod.uid.clone() });
+            let uid = h.pod.uid.clone();
+            let explained = state.admissions.before_kubelet_restart(h.allocated_at);
+            state.admissions.apply(if explained { Step::Released { uid } } else { Step::Offered { uid } });
         }
         self.changed();
         Ok(())
@@ -438,7 +443,8 @@ impl Allocator {
     /// still under way for it, and a look-alike would be served in its place. Returns how many
     /// were forgotten.
     pub fn kubelet_restarted(&self) -> usize {
-        let forgotten = self.lock().admissions.apply(Step::KubeletRestarted);
+        let at_ms = crate::allocation::ledger::now_ms();
+        let forgotten = self.lock().admissions.apply(Step::KubeletRestarted { at_ms });
         self.admission_ended();
         forgotten
     }

@@ -6,7 +6,9 @@
 //! A container's admission goes: proposed (`GetPreferredAllocation` named devices for it) →
 //! allocated (`Allocate` committed its rows; its pod is now the one being admitted). A pod
 //! whose rows the kubelet later offers as free is in doubt until it is allocated again or
-//! released; a kubelet restart drops the proposals it never followed.
+//! released; a kubelet restart drops the proposals it never followed, and explains the rows
+//! allocated before it that the new kubelet offers as free (it never recorded them): their pods
+//! are not in doubt.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -48,8 +50,12 @@ pub(super) enum Step {
         /// The pod.
         uid: String,
     },
-    /// The kubelet restarted: the admissions it had started are over.
-    KubeletRestarted,
+    /// The kubelet restarted (at `at_ms`, Unix milliseconds): the admissions it had started are
+    /// over.
+    KubeletRestarted {
+        /// When the daemon saw the new kubelet.
+        at_ms: i64,
+    },
 }
 
 /// The admissions under way on this node.
@@ -61,6 +67,8 @@ pub(super) struct Admissions {
     doubtful: BTreeSet<String>,
     /// The pod the kubelet is admitting (the last one allocated).
     admitting: Option<String>,
+    /// When the kubelet last restarted, Unix milliseconds.
+    kubelet_restarted_at: Option<i64>,
 }
 
 impl Admissions {
@@ -85,13 +93,22 @@ impl Admissions {
                 self.doubtful.remove(&uid);
                 0
             }
-            Step::KubeletRestarted => std::mem::take(&mut self.proposals).len(),
+            Step::KubeletRestarted { at_ms } => {
+                self.kubelet_restarted_at = Some(at_ms);
+                std::mem::take(&mut self.proposals).len()
+            }
         }
     }
 
     /// The container a proposal of `key` was made for.
     pub(super) fn owner(&self, key: &str) -> Option<&Owner> {
         self.proposals.get(key)
+    }
+
+    /// Whether a row allocated at `allocated_at_ms` came before the kubelet's last restart: the
+    /// new kubelet never recorded it, so its offering the row's devices as free is explained.
+    pub(super) fn before_kubelet_restart(&self, allocated_at_ms: i64) -> bool {
+        self.kubelet_restarted_at.is_some_and(|at| allocated_at_ms < at)
     }
 
     /// Whether pod `uid` is in doubt.
@@ -150,10 +167,14 @@ mod tests {
         a.apply(Step::Proposed { key: "k1".into(), owner: owner("p", "c") });
         a.apply(Step::Proposed { key: "k2".into(), owner: owner("q", "c") });
         a.apply(Step::Offered { uid: "q".into() });
-        assert_eq!(a.apply(Step::KubeletRestarted), 2);
+        assert!(!a.before_kubelet_restart(1_000), "no restart yet");
+        assert_eq!(a.apply(Step::KubeletRestarted { at_ms: 2_000 }), 2);
         assert!(a.proposed().is_empty());
         // Doubt survives: the pod watch, not the kubelet, settles it.
         assert!(a.is_doubtful("q"));
-        assert_eq!(a.apply(Step::KubeletRestarted), 0);
+        assert_eq!(a.apply(Step::KubeletRestarted { at_ms: 3_000 }), 0);
+        // Rows from before the last restart, not after it.
+        assert!(a.before_kubelet_restart(2_999));
+        assert!(!a.before_kubelet_restart(3_000));
     }
 }

@@ -185,6 +185,26 @@ fn an_admission_cut_by_a_kubelet_restart_is_served_again_to_its_own_pod() {
 }
 
 #[test]
+fn a_pod_whose_allocation_a_kubelet_restart_lost_is_served_again() {
+    let f = fixture(Compatibility::Gpushare);
+    pod(&f, "a", "2026-01-01T00:00:01Z", &[("main", ContainerRole::App, &[(0, 300)])]);
+    pod(&f, "b", "2026-01-01T00:00:02Z", &[("main", ContainerRole::App, &[(1, 300)])]);
+    let ids = f.alloc.preferred(all_devices(&f).iter().map(String::as_str), &[], 300).unwrap();
+    f.alloc.allocate(&ids).unwrap();
+    // The kubelet is killed before its checkpoint has a's devices; the new one admits a again
+    // and offers a's devices as free. The restart explains it: a is served, not held back.
+    std::thread::sleep(std::time::Duration::from_millis(2));
+    f.alloc.kubelet_restarted();
+    let again = f.alloc.preferred_with(all_devices(&f).iter().map(String::as_str), &[], 300, true).unwrap();
+    assert_eq!(gpus_of(&f, &again), BTreeSet::from([0]));
+    let history = f.alloc.history(0).unwrap();
+    assert!(history.iter().any(|(_, _, detail)| detail.contains("offers these devices as free")), "{history:?}");
+    let answer = f.alloc.allocate(&again).unwrap();
+    assert_eq!(answer.pod.uid, "a");
+    assert_eq!(f.alloc.live().unwrap().len(), 1, "one row for a, its first released");
+}
+
+#[test]
 fn a_multi_container_pod_is_served_container_by_container() {
     let f = fixture(Compatibility::Gpushare);
     pod(
