@@ -7,7 +7,9 @@
  * hosts with no GPU.
  *
  * It exports the functions nvml-wrapper calls for discovery and for events, with NVML's C
- * signatures and struct layouts (nvml-wrapper-sys 0.10 bindings). The host it pretends to be
+ * signatures and struct layouts (nvml-wrapper-sys 0.10 bindings), and the further ones NVIDIA's
+ * k8s-device-plugin (v0.19, through go-nvml) calls, so that the peer runs unmodified on the same
+ * simulated GPUs (docs/comparison.md): the CUDA compute capability (7.5 for every GPU). The host it pretends to be
  * is read at nvmlInit (the first one, or the first after the last nvmlShutdown) from the file
  * named by $FAKE_NVML_CONFIG; with no variable, from `<this library's path>.conf` (e.g.
  * libnvidia-ml.so.1.conf beside the library) if there is one, for in-process tests that cannot
@@ -622,6 +624,15 @@ nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t d, nvmlPciInfo_t *pci) {
     snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%s", d->bus_id + (strlen(d->bus_id) > 12 ? 4 : 0));
     sscanf(d->bus_id, "%x:%x:%x", &pci->domain, &pci->bus, &pci->device);
     pci->pciDeviceId = 0x1eb810de; /* Tesla T4 */
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t d, int *major, int *minor) {
+    nvmlReturn_t r = check(d, major, "nvmlDeviceGetCudaComputeCapability");
+    if (r != NVML_SUCCESS) return r;
+    if (minor == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    *major = 7;
+    *minor = 5;
     return NVML_SUCCESS;
 }
 

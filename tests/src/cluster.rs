@@ -192,7 +192,11 @@ impl Proc {
         Ok(p)
     }
 
-    fn start(&mut self) -> anyhow::Result<()> {
+    /// Starts it (again, after [`Self::kill`]) with the same arguments, its log appended to.
+    ///
+    /// # Errors
+    /// If it cannot be started.
+    pub fn start(&mut self) -> anyhow::Result<()> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)

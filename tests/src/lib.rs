@@ -7,6 +7,7 @@
 //! - [`kubelet`]: the kubelet's side of the device plugin API and its PodResources API, restarts included;
 //! - [`notify`]: systemd's end of `sd_notify`, recording what a service notifies;
 //! - [`node`]: the kubelet stand-in as a node: registers its Node, admits the pods bound to it, writes their status;
+//! - [`peers`]: the peer systems (NVIDIA's device plugin) built from Go modules and run as a node of the real-cluster box;
 //! - [`rng`]: a seeded xorshift for tie-breaks and fault choices;
 //! - [`nvml`]: the fake NVML library, built from C, and its configuration;
 //! - [`realbox`]: the real-cluster box: control plane, extender, kube-scheduler, and nodes of real kubelets and gpushared;
@@ -22,6 +23,7 @@ pub mod kubelet;
 pub mod node;
 pub mod notify;
 pub mod nvml;
+pub mod peers;
 pub mod realbox;
 pub mod realkube;
 pub mod realkubelet;
