@@ -14,7 +14,7 @@
 //! The settings are those a container on cgroup v1 needs (kubelet 1.35 and later refuse cgroup
 //! v1 unless `failCgroupV1: false`): no quality-of-service cgroups, no node-allocatable
 //! enforcement, swap allowed; thresholds that would evict or collect images on a busy build
-//! machine are off. `ResourceHealthStatus` (and `ResourceHealthStatusMessage`, which needs it) is
+//! machine are off; up to 1,000 pods (the benchmarks run 500 on one node). `ResourceHealthStatus` (and `ResourceHealthStatusMessage`, which needs it) is
 //! off, as docs/install.md asks of every kubelet from 1.36 on that serves gpushare's per-MiB
 //! devices: with it, each device list the kubelet receives is checked device by device against
 //! every allocation under the device manager's lock, which stalls pod admission for minutes after
@@ -77,6 +77,9 @@ pub struct RealKubelet {
     pub dirs: KubeletDirs,
     /// The process.
     pub proc: Proc,
+    /// The port of its API (`/metrics` among it), HTTPS on loopback; clients authenticate with
+    /// a certificate of the cluster's CA.
+    pub port: u16,
     /// The port of its `/healthz`.
     healthz: u16,
 }
@@ -138,6 +141,7 @@ impl RealKubelet {
                  podLogsDir: {logs}\n\
                  resolvConf: \"\"\n\
                  registerNode: true\n\
+                 maxPods: 1000\n\
                  nodeStatusUpdateFrequency: 2s\n\
                  syncFrequency: 5s\n\
                  imageGCHighThresholdPercent: 100\n\
@@ -170,7 +174,7 @@ impl RealKubelet {
             ],
             vec![],
         )?;
-        let mut kubelet = RealKubelet { node: node.to_owned(), dirs, proc, healthz };
+        let mut kubelet = RealKubelet { node: node.to_owned(), dirs, proc, port, healthz };
         kubelet.wait_registered(plane, Duration::from_secs(60))?;
         // No node lifecycle controller runs to lift the taint a new node is registered with
         // once it is Ready: done here, as it would.

@@ -1,0 +1,211 @@
+//! gpushare beside NVIDIA's device plugin, measured the same way on the real-cluster box (the
+//! real kube-scheduler and kubelet): one node of 8 GPUs, `GPUSHARE_BENCH_PODS` (default 500) pods
+//! created at once, each system in a box of its own, `GPUSHARE_BENCH_ROUNDS` (default 2) rounds
+//! alternating the systems.
+//!
+//! ```text
+//! cargo build --release --bins && cargo bench -p gpushare-testkit --bench side_by_side
+//! ```
+//!
+//! gpushare in MiB mode: gpushared on 8 × 16 GiB (131,072 devices of 1 MiB), pods of 200 MiB
+//! placed through gpushare-extender. gpushare in GiB mode: 8 × 80 GiB (640 devices of 1 GiB),
+//! pods of 1 GiB. NVIDIA: its device plugin v0.19.0 (`tests/peers/build`) with
+//! time-slicing, enough replicas per GPU for every pod, pods of `nvidia.com/gpu: 1` placed by
+//! kube-scheduler alone. Reported per system and round: pods per second from the one `kubectl
+//! create` of all pods to the last container running (the recording runtime, polled every
+//! 100 ms); the kubelet's own `Allocate` latency for the resource (its
+//! `kubelet_device_plugin_alloc_duration_seconds` histogram, p50 and p99 interpolated within
+//! its buckets: 5, 10, 25, 50, 100, 250 ms, ...); and the device plugin's resident memory
+//! (`VmRSS`) once every pod runs. Then each figure of NVIDIA's as a ratio to gpushare's.
+//! Needs root and Go, as the real-cluster tests do. `GPUSHARE_BOX_DIR` keeps each box's logs
+//! and state, in `<dir>/<system>-<round>`.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_precision_loss
+)]
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use gpushare_testkit::nvml::FakeGpu;
+use gpushare_testkit::peers::{NVIDIA_GPU, NvidiaSharing};
+use gpushare_testkit::realbox::{RealCluster, RealOptions, is_root};
+use serde_json::{Value, json};
+
+const NODE: &str = "bench-node";
+const GPUS: u32 = 8;
+
+fn env(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum System {
+    GpushareMib,
+    GpushareGib,
+    Nvidia,
+}
+
+const SYSTEMS: [System; 3] = [System::GpushareMib, System::GpushareGib, System::Nvidia];
+
+/// One round's figures.
+#[derive(Clone, Copy, Debug)]
+struct Figures {
+    pods_per_s: f64,
+    alloc_p50_ms: f64,
+    alloc_p99_ms: f64,
+    rss_mib: f64,
+}
+
+fn main() {
+    if !is_root() {
+        eprintln!("side_by_side: the real kubelet needs root");
+        std::process::exit(1);
+    }
+    let pods = env("GPUSHARE_BENCH_PODS", 500) as usize;
+    let rounds = env("GPUSHARE_BENCH_ROUNDS", 2);
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let mut figures: Vec<Vec<Figures>> = vec![Vec::new(); SYSTEMS.len()];
+    for round in 1..=rounds {
+        for (i, system) in SYSTEMS.into_iter().enumerate() {
+            let dir = std::env::var_os("GPUSHARE_BOX_DIR")
+                .map(|d| std::path::PathBuf::from(d).join(format!("{system:?}-{round}").to_lowercase()));
+            // The extender counts in the node's unit.
+            let extender_extra =
+                if system == System::GpushareGib { "[resources]\nunit = \"GiB\"\n".into() } else { String::new() };
+            let options = RealOptions { dir, extender_extra, ..RealOptions::default() };
+            let f = runtime.block_on(measure(system, pods, options));
+            println!(
+                "round {round} {system:?}: {pods} pods in {:.1} pods/s; kubelet Allocate p50 {:.1} ms, p99 {:.1} ms; \
+                 plugin RSS {:.1} MiB",
+                f.pods_per_s, f.alloc_p50_ms, f.alloc_p99_ms, f.rss_mib
+            );
+            figures[i].push(f);
+        }
+    }
+    let mean = |v: &[Figures], f: fn(&Figures) -> f64| v.iter().map(f).sum::<f64>() / v.len() as f64;
+    let (mib, gib, nvidia) = (&figures[0], &figures[1], &figures[2]);
+    println!("\nmeans of {rounds} rounds; NVIDIA's as a ratio to gpushare's (MiB mode, GiB mode):");
+    for (name, f) in [
+        ("pods/s end to end", (|x: &Figures| x.pods_per_s) as fn(&Figures) -> f64),
+        ("kubelet Allocate p50", |x| x.alloc_p50_ms),
+        ("kubelet Allocate p99", |x| x.alloc_p99_ms),
+        ("plugin RSS", |x| x.rss_mib),
+    ] {
+        let (a, g, n) = (mean(mib, f), mean(gib, f), mean(nvidia, f));
+        println!("  {name}: gpushare MiB {a:.2}, GiB {g:.2}; NVIDIA {n:.2}; ratio {:.2}, {:.2}", n / a, n / g);
+    }
+}
+
+async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
+    let mut b = RealCluster::up(&options).await.unwrap_or_else(|e| panic!("{e:#}"));
+    let gpus =
+        |mib: u64, model: &str| -> Vec<FakeGpu> { (0..GPUS).map(|i| FakeGpu::new(NODE, i, mib, model)).collect() };
+    let (resource, devices, ask) = match system {
+        System::GpushareMib => {
+            b.add_node(NODE, &gpus(16384, "Tesla V100-SXM2-16GB"), ("", "")).unwrap();
+            ("gpushare.io/gpu-mem", (16384 * GPUS).to_string(), "200")
+        }
+        System::GpushareGib => {
+            b.add_node(NODE, &gpus(81920, "NVIDIA H100 80GB HBM3"), ("", "[resources]\nunit = \"GiB\"\n")).unwrap();
+            ("gpushare.io/gpu-mem", (80 * GPUS).to_string(), "1")
+        }
+        System::Nvidia => {
+            let replicas = (pods as u32).div_ceil(GPUS);
+            b.add_nvidia_node(NODE, &gpus(16384, "Tesla V100-SXM2-16GB"), NvidiaSharing { replicas }).unwrap();
+            (NVIDIA_GPU, (replicas * GPUS).to_string(), "1")
+        }
+    };
+    b.wait_allocatable(NODE, resource, &devices, Duration::from_secs(120)).unwrap();
+    let items: Vec<Value> = (0..pods)
+        .map(|i| {
+            let limits = json!({resource: ask});
+            json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": format!("b-{i}"), "namespace": "default"},
+                   "spec": {"automountServiceAccountToken": false, "terminationGracePeriodSeconds": 0,
+                            "containers": [{"name": "main", "image": "registry.example/app:1",
+                                            "resources": {"limits": limits}}]}})
+        })
+        .collect();
+    let list = json!({"apiVersion": "v1", "kind": "List", "metadata": {"name": "bench"}, "items": items});
+    let node = b.node(NODE).unwrap();
+    let started = Instant::now();
+    b.plane.create(&list).unwrap();
+    let deadline = started + Duration::from_secs(900);
+    while node.runtime.running().len() < pods {
+        assert!(Instant::now() < deadline, "{} of {pods} running after 15 minutes", node.runtime.running().len());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let rss_mib = rss_kib(node.daemon.pid().unwrap()) / 1024.0;
+    let metrics = kubelet_metrics(&b);
+    let (alloc_p50_ms, alloc_p99_ms) = alloc_quantiles(&metrics, resource);
+    b.shutdown();
+    Figures { pods_per_s: pods as f64 / elapsed, alloc_p50_ms, alloc_p99_ms, rss_mib }
+}
+
+fn rss_kib(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// The node's kubelet's `/metrics`, fetched with a client certificate of the cluster's CA.
+fn kubelet_metrics(b: &RealCluster) -> String {
+    let (crt, key) =
+        b.plane.pki.issue("bench-metrics", "/O=system:masters/CN=bench", "extendedKeyUsage=clientAuth\n").unwrap();
+    let port = b.node(NODE).unwrap().kubelet.port;
+    let out = Command::new("curl")
+        .args(["-sSk", "--cert"])
+        .arg(&crt)
+        .arg("--key")
+        .arg(&key)
+        .arg(format!("https://127.0.0.1:{port}/metrics"))
+        .output()
+        .expect("running curl for the kubelet's metrics");
+    assert!(out.status.success(), "curl: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// p50 and p99 (ms) of `kubelet_device_plugin_alloc_duration_seconds` for `resource`,
+/// interpolated linearly within the histogram's buckets.
+fn alloc_quantiles(metrics: &str, resource: &str) -> (f64, f64) {
+    let prefix = "kubelet_device_plugin_alloc_duration_seconds_bucket{";
+    let mut buckets: Vec<(f64, f64)> = metrics
+        .lines()
+        .filter(|l| l.starts_with(prefix) && l.contains(&format!("resource_name=\"{resource}\"")))
+        .filter_map(|l| {
+            let le = l.split("le=\"").nth(1)?.split('"').next()?;
+            let bound = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
+            let count: f64 = l.rsplit(' ').next()?.parse().ok()?;
+            Some((bound, count))
+        })
+        .collect();
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    assert!(!buckets.is_empty(), "no kubelet_device_plugin_alloc_duration_seconds for {resource}");
+    let total = buckets.last().unwrap().1;
+    let quantile = |q: f64| {
+        let rank = q * total;
+        let (mut lower, mut below) = (0.0, 0.0);
+        for &(bound, count) in &buckets {
+            if count >= rank {
+                if bound.is_infinite() {
+                    return lower * 1000.0;
+                }
+                let share = if count > below { (rank - below) / (count - below) } else { 0.0 };
+                return (lower + (bound - lower) * share) * 1000.0;
+            }
+            (lower, below) = (bound, count);
+        }
+        lower * 1000.0
+    };
+    (quantile(0.5), quantile(0.99))
+}
