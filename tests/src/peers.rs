@@ -8,14 +8,13 @@
 //! device-plugin directory bind-mounted there, as the node's kubelet does ([`crate::realkubelet`]).
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-use anyhow::{Context as _, bail};
+use anyhow::Context as _;
 
 use crate::cluster::Proc;
 use crate::nvml::{self, FakeGpu};
 use crate::realbox::{RealCluster, RealNode};
-use crate::realkubelet::{DEFAULT_GATES, DEVICE_PLUGIN_DIR, RealKubelet};
+use crate::realkubelet::{DEFAULT_GATES, RealKubelet, with_device_plugin_dir};
 
 /// NVIDIA's resource name for a GPU (or a time-slicing replica of one).
 pub const NVIDIA_GPU: &str = "nvidia.com/gpu";
@@ -26,17 +25,7 @@ pub const NVIDIA_GPU: &str = "nvidia.com/gpu";
 /// # Errors
 /// If Go or a C compiler is missing, or the build fails, with its output.
 pub fn binaries() -> anyhow::Result<PathBuf> {
-    if let Some(dir) = std::env::var_os("GPUSHARE_PEERS_BIN") {
-        return Ok(PathBuf::from(dir));
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("peers").join("build");
-    let out = Command::new("bash").arg(&script).output().with_context(|| format!("running {}", script.display()))?;
-    if !out.status.success() {
-        bail!("{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
-    }
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let dir = stdout.lines().last().context("tests/peers/build printed no directory")?;
-    Ok(PathBuf::from(dir.trim()))
+    crate::realkube::built_by("GPUSHARE_PEERS_BIN", &Path::new(env!("CARGO_MANIFEST_DIR")).join("peers").join("build"))
 }
 
 /// The module and version a peer binary was built from, as `tests/peers/build` recorded it
@@ -97,20 +86,15 @@ pub fn start_nvidia_device_plugin(
     let config = host.join("nvidia-device-plugin.yaml");
     std::fs::write(&config, nvidia_config(sharing)).with_context(|| format!("writing {}", config.display()))?;
     let library_dir = library.parent().context("the library's directory")?;
+    let (program, args) = with_device_plugin_dir(
+        plugin_dir,
+        &bin.join("nvidia-device-plugin"),
+        vec![format!("--config-file={}", config.display())],
+    );
     plane.spawn(
         &format!("nvidia-device-plugin-{node}"),
-        Path::new("unshare"),
-        vec![
-            "--mount".into(),
-            "--propagation=private".into(),
-            "--".into(),
-            "sh".into(),
-            "-c".into(),
-            format!("mount --bind \"$0\" {DEVICE_PLUGIN_DIR} && exec \"$@\""),
-            plugin_dir.display().to_string(),
-            bin.join("nvidia-device-plugin").display().to_string(),
-            format!("--config-file={}", config.display()),
-        ],
+        &program,
+        args,
         vec![
             ("LD_LIBRARY_PATH".into(), library_dir.display().to_string()),
             ("FAKE_NVML_CONFIG".into(), nvml_config.display().to_string()),

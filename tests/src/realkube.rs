@@ -29,16 +29,24 @@ pub const EXTENDER_URL: &str = "http://127.0.0.1:39999/gpushare-scheduler";
 /// # Errors
 /// If Go is missing or the build fails, with its output.
 pub fn binaries() -> anyhow::Result<PathBuf> {
-    if let Some(dir) = std::env::var_os("GPUSHARE_KUBE_BIN") {
+    built_by("GPUSHARE_KUBE_BIN", &Path::new(env!("CARGO_MANIFEST_DIR")).join("kube").join("build"))
+}
+
+/// The directory `$env_var` names, or else the one the build script `script` prints last (it
+/// builds into its cache, or finds the binaries there).
+///
+/// # Errors
+/// If the script cannot run or fails, with its standard error.
+pub fn built_by(env_var: &str, script: &Path) -> anyhow::Result<PathBuf> {
+    if let Some(dir) = std::env::var_os(env_var) {
         return Ok(PathBuf::from(dir));
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("kube").join("build");
-    let out = Command::new("bash").arg(&script).output().with_context(|| format!("running {}", script.display()))?;
+    let out = Command::new("bash").arg(script).output().with_context(|| format!("running {}", script.display()))?;
     if !out.status.success() {
         bail!("{} failed:\n{}", script.display(), String::from_utf8_lossy(&out.stderr));
     }
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let dir = stdout.lines().last().context("tests/kube/build printed no directory")?;
+    let dir = stdout.lines().last().with_context(|| format!("{} printed no directory", script.display()))?;
     Ok(PathBuf::from(dir.trim()))
 }
 

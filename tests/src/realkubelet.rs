@@ -153,18 +153,10 @@ impl RealKubelet {
                 logs = dirs.logs.display(),
             ),
         )?;
-        let proc = plane.spawn(
-            &format!("kubelet-{node}"),
-            Path::new("unshare"),
+        let (program, args) = with_device_plugin_dir(
+            &dirs.device_plugins(),
+            &plane.bin.join("kubelet"),
             vec![
-                "--mount".into(),
-                "--propagation=private".into(),
-                "--".into(),
-                "sh".into(),
-                "-c".into(),
-                format!("mount --bind \"$0\" {DEVICE_PLUGIN_DIR} && exec \"$@\""),
-                dirs.device_plugins().display().to_string(),
-                plane.bin.join("kubelet").display().to_string(),
                 format!("--config={}", config.display()),
                 format!("--kubeconfig={}", kubeconfig.display()),
                 format!("--root-dir={}", dirs.root.display()),
@@ -172,8 +164,8 @@ impl RealKubelet {
                 format!("--hostname-override={node}"),
                 "--v=2".into(),
             ],
-            vec![],
-        )?;
+        );
+        let proc = plane.spawn(&format!("kubelet-{node}"), &program, args, vec![])?;
         let mut kubelet = RealKubelet { node: node.to_owned(), dirs, proc, port, healthz };
         kubelet.wait_registered(plane, Duration::from_secs(60))?;
         // No node lifecycle controller runs to lift the taint a new node is registered with
@@ -211,6 +203,26 @@ impl RealKubelet {
                     .is_ok_and(|s| s.trim() == "True")
         })
     }
+}
+
+/// The command that runs `program` with `args` in a mount namespace of its own where
+/// `plugin_dir` is mounted on [`DEVICE_PLUGIN_DIR`], as (program, arguments): `unshare` execs
+/// it, so the process started is `program` itself. The node's kubelet runs so, and so does a
+/// peer's device plugin that serves its socket there whatever its flags say.
+#[must_use]
+pub fn with_device_plugin_dir(plugin_dir: &Path, program: &Path, args: Vec<String>) -> (PathBuf, Vec<String>) {
+    let mut all: Vec<String> = vec![
+        "--mount".into(),
+        "--propagation=private".into(),
+        "--".into(),
+        "sh".into(),
+        "-c".into(),
+        format!("mount --bind \"$0\" {DEVICE_PLUGIN_DIR} && exec \"$@\""),
+        plugin_dir.display().to_string(),
+        program.display().to_string(),
+    ];
+    all.extend(args);
+    (PathBuf::from("unshare"), all)
 }
 
 /// Whether the kubelet's `/healthz` on `port` answers ok.
