@@ -2,7 +2,8 @@
 //! ([`crate::cluster::kube`]), read by the allocator. It keeps serving what it saw through an API-server
 //! outage, so `Allocate` for a pod already seen never waits on the network. Every change is
 //! announced ([`PodStore::subscribe`]), so a kubelet call waiting for its pod to show up wakes
-//! when it does.
+//! when it does; and such a call asks for the pod ([`PodStore::want_news`]), which cuts short the
+//! watch's back-off after an outage: the kubelet has just seen the pod, so the API server is back.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
@@ -61,11 +62,18 @@ pub struct PodStore {
     synced: Arc<std::sync::atomic::AtomicBool>,
     /// Bumped after every change.
     changes: Arc<watch::Sender<u64>>,
+    /// Raised by a kubelet call that waits for a pod the store does not have.
+    wanted: Arc<tokio::sync::Notify>,
 }
 
 impl Default for PodStore {
     fn default() -> Self {
-        PodStore { inner: Arc::default(), synced: Arc::default(), changes: Arc::new(watch::Sender::new(0)) }
+        PodStore {
+            inner: Arc::default(),
+            synced: Arc::default(),
+            changes: Arc::new(watch::Sender::new(0)),
+            wanted: Arc::default(),
+        }
     }
 }
 
@@ -85,6 +93,18 @@ impl PodStore {
     #[must_use]
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.changes.subscribe()
+    }
+
+    /// Says that a kubelet call waits for a pod the store does not have: the kubelet has just
+    /// seen it, so a watch waiting out its back-off should try again now ([`Self::wanted`]).
+    pub fn want_news(&self) {
+        self.wanted.notify_one();
+    }
+
+    /// Completes after the next [`Self::want_news`] (or at once, if one came since the last
+    /// wait).
+    pub async fn wanted(&self) {
+        self.wanted.notified().await;
     }
 
     /// Adds or replaces a pod, decoding its assignment.
@@ -132,5 +152,26 @@ impl PodStore {
     #[must_use]
     pub fn snapshot(&self) -> Vec<Arc<StoredPod>> {
         self.inner.read().map(|map| map.values().cloned().collect()).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::PodStore;
+
+    #[tokio::test]
+    async fn a_call_wanting_a_pod_wakes_the_watch_waiting_out_its_back_off() {
+        let store = PodStore::new();
+        let waiter = store.clone();
+        let woke = tokio::spawn(async move { waiter.wanted().await });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!woke.is_finished(), "nothing wanted yet");
+        store.want_news();
+        tokio::time::timeout(Duration::from_secs(5), woke).await.expect("the watch woke").unwrap();
+        // Asked while nobody waited: the next wait returns at once.
+        store.want_news();
+        tokio::time::timeout(Duration::from_secs(5), store.wanted()).await.expect("kept for the next wait");
     }
 }

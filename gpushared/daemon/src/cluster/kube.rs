@@ -164,7 +164,12 @@ pub async fn watch_pods(client: Client, node: String, store: PodStore, alloc: Ar
                 } else {
                     tracing::debug!(error = %e, retry_in = ?wait, failures = backoff.failures(), "pod watch still failing");
                 }
-                tokio::time::sleep(wait).await;
+                // A kubelet call waiting for a pod this node has not seen cuts the wait short:
+                // the kubelet got the pod from the API server, so it is back.
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => {}
+                    () = store.wanted() => tracing::info!("a kubelet call waits for a pod not seen yet; retrying the pod watch now"),
+                }
             }
         }
     }

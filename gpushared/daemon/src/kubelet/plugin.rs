@@ -155,7 +155,8 @@ pub const CANDIDATE_WAIT: Duration = Duration::from_secs(5);
 
 impl Plugin {
     /// Runs `call` (patient) on the blocking pool; while it finds no pod waiting for what the
-    /// kubelet asks, cannot tell which of several it is, or the first in line is doubtful, runs
+    /// kubelet asks (asking the pod watch for news: [`crate::allocation::pods::PodStore::want_news`]),
+    /// cannot tell which of several it is, or the first in line is doubtful, runs
     /// it again after each change of the pods bound here or of the allocations, for up to
     /// [`CANDIDATE_WAIT`]; then once more, impatient (the oldest look-alike is taken; a doubtful
     /// pod is still refused: failing an admission is safe, handing a container another pod's
@@ -178,8 +179,8 @@ impl Plugin {
                 .map_err(|e| Status::internal(format!("allocation task failed: {e}")))?;
             let waiting = tokio::time::Instant::now() < deadline;
             match result {
-                Err(AllocError::NoCandidate { .. } | AllocError::Doubtful { .. } | AllocError::Rebuilding { .. })
-                    if waiting => {}
+                Err(AllocError::NoCandidate { .. }) if waiting => self.alloc.pods().want_news(),
+                Err(AllocError::Doubtful { .. } | AllocError::Rebuilding { .. }) if waiting => {}
                 Err(AllocError::Ambiguous { .. }) if waiting => {}
                 Err(e @ AllocError::Ambiguous { .. }) if patient => {
                     tracing::warn!(error = %e, "still ambiguous after waiting; serving the oldest");
