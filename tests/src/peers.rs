@@ -28,16 +28,6 @@ pub fn binaries() -> anyhow::Result<PathBuf> {
     crate::realkube::built_by("GPUSHARE_PEERS_BIN", &Path::new(env!("CARGO_MANIFEST_DIR")).join("peers").join("build"))
 }
 
-/// The module and version a peer binary was built from, as `tests/peers/build` recorded it
-/// (`github.com/NVIDIA/k8s-device-plugin v0.19.0`).
-///
-/// # Errors
-/// If the record is missing.
-pub fn version(bin: &Path, name: &str) -> anyhow::Result<String> {
-    let path = bin.join(format!("{name}.version"));
-    Ok(std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?.trim().to_owned())
-}
-
 /// How NVIDIA's device plugin shares a GPU: time-slicing, each GPU advertised `replicas` times
 /// (1: no sharing).
 #[derive(Clone, Copy, Debug)]
