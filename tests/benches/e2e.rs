@@ -69,12 +69,8 @@ async fn run() {
     for n in &mut spec.nodes {
         n.gpus[0].model = "NVIDIA A100".into();
     }
-    let options = Options {
-        dir: std::env::var_os("GPUSHARE_BOX_DIR").map(std::path::PathBuf::from),
-        dbus: false,
-        log_filter: "warn".into(),
-        ..Options::default()
-    };
+    let options =
+        Options { dir: gpushare_testkit::box_dir(), dbus: false, log_filter: "warn".into(), ..Options::default() };
     let started = Instant::now();
     let box_ = Cluster::up(&spec, &options).await.unwrap();
     eprintln!("box up: {nodes} nodes of 4 x 32 GiB ({unit}) in {:.1} s", started.elapsed().as_secs_f64());

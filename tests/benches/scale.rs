@@ -163,7 +163,7 @@ async fn run() {
     let nodes = env("GPUSHARE_SCALE_NODES", 1000);
     let pods = env("GPUSHARE_SCALE_PODS", 5000);
     let temp = tempfile::Builder::new().prefix("gpushare-scale.").tempdir().unwrap();
-    let dir = std::env::var_os("GPUSHARE_BOX_DIR").map_or_else(|| temp.path().to_owned(), std::path::PathBuf::from);
+    let dir = gpushare_testkit::box_dir().unwrap_or_else(|| temp.path().to_owned());
     let repo = realbox::repo();
     let mut plane = ControlPlane::start(&dir, &realkube::binaries().unwrap()).unwrap();
     plane.apply(&repo.join("etc/kubernetes/gpushare-extender-rbac.yaml")).unwrap();

@@ -74,8 +74,7 @@ fn main() {
     let mut figures: Vec<Vec<Figures>> = vec![Vec::new(); SYSTEMS.len()];
     for round in 1..=rounds {
         for (i, system) in SYSTEMS.into_iter().enumerate() {
-            let dir = std::env::var_os("GPUSHARE_BOX_DIR")
-                .map(|d| std::path::PathBuf::from(d).join(format!("{system:?}-{round}").to_lowercase()));
+            let dir = gpushare_testkit::box_dir().map(|d| d.join(format!("{system:?}-{round}").to_lowercase()));
             // The extender counts in the node's unit.
             let extender_extra =
                 if system == System::GpushareGib { "[resources]\nunit = \"GiB\"\n".into() } else { String::new() };

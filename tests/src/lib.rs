@@ -30,6 +30,14 @@ pub mod realkubelet;
 pub mod rng;
 pub mod scheduler;
 
+/// The folder `GPUSHARE_BOX_DIR` names for a box to keep its state, logs and records in, or
+/// `None` where it is unset or empty (an empty value would put them in the test's working
+/// directory, the source tree).
+#[must_use]
+pub fn box_dir() -> Option<std::path::PathBuf> {
+    std::env::var_os("GPUSHARE_BOX_DIR").filter(|d| !d.is_empty()).map(std::path::PathBuf::from)
+}
+
 /// Skips a test whose prerequisite this machine lacks (`reason` says which), except under CI
 /// (`CI` set, as `.ci/run` sets it), where it fails: there a skipped test would count as
 /// passed without proving anything.

@@ -143,7 +143,7 @@ async fn churn_under_faults(started: Instant, shared: Shared) {
     let spec = uniform_cluster(n_nodes, 2, 16_384, gpushare_core::MemoryUnit::Gib);
     let options = Options {
         // GPUSHARE_BOX_DIR keeps the logs, ledgers and records of a run to study.
-        dir: std::env::var_os("GPUSHARE_BOX_DIR").map(std::path::PathBuf::from),
+        dir: gpushare_testkit::box_dir(),
         dbus: false,
         scheduler_backoff_ms: 200,
         daemon_extra: "[health]\nprobe_interval_seconds = 1\nrecovery_seconds = 2\n[reconcile]\ninterval_seconds = 5\ngrace_seconds = 5\n"

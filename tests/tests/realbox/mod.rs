@@ -73,7 +73,7 @@ pub(crate) async fn up_with(scheduler_config: &str, extender_extra: &str) -> Opt
         return None;
     }
     let options = RealOptions {
-        dir: std::env::var_os("GPUSHARE_BOX_DIR").map(std::path::PathBuf::from),
+        dir: gpushare_testkit::box_dir(),
         scheduler_config: scheduler_config.into(),
         extender_extra: extender_extra.into(),
     };
