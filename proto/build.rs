@@ -1,7 +1,7 @@
 //! Compiles the kubelet protos with protox (pure Rust; no `protoc` needed) into `OUT_DIR`.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let files = ["deviceplugin.proto", "podresources.proto"];
+    let files = ["deviceplugin.proto", "podresources.proto", "dra.proto", "pluginregistration.proto"];
     for f in files {
         println!("cargo:rerun-if-changed={f}");
     }

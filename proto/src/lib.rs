@@ -1,6 +1,8 @@
-//! The kubelet's gRPC APIs, generated into `OUT_DIR` from `deviceplugin.proto` and
-//! `podresources.proto` (written from the upstream field tables): the device plugin API that
-//! gpushared serves and registers with, and the PodResources API it reconciles against. The
+//! The kubelet's gRPC APIs, generated into `OUT_DIR` from `deviceplugin.proto`,
+//! `podresources.proto`, `dra.proto` and `pluginregistration.proto` (written from the upstream
+//! field tables): the device plugin API that gpushared serves and registers with, the
+//! PodResources API it reconciles against, and the DRA plugin API it serves as a DRA driver,
+//! registered through the kubelet's plugin watcher. The
 //! stand-in kubelet of the tests uses the same code from the other side. [`compact`] holds the
 //! hand-written messages for the two large device lists; [`uds`] dials gRPC servers on unix
 //! sockets.
@@ -17,6 +19,23 @@ pub mod deviceplugin {
 pub mod podresources {
     tonic::include_proto!("v1");
 }
+
+/// The DRA plugin API, package `k8s.io.kubelet.pkg.apis.dra.v1`.
+#[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic)]
+pub mod dra {
+    tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
+}
+
+/// The plugin registration API, package `pluginregistration` (v1).
+#[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic)]
+pub mod pluginregistration {
+    tonic::include_proto!("pluginregistration");
+}
+
+/// The service a DRA plugin names in `PluginInfo.supported_versions`.
+pub const DRA_PLUGIN_SERVICE: &str = "v1.DRAPlugin";
+/// `PluginInfo.type` of a DRA plugin.
+pub const DRA_PLUGIN_TYPE: &str = "DRAPlugin";
 
 pub mod compact;
 pub mod uds;

@@ -92,16 +92,21 @@ pub enum SharingMode {
     /// The GPU is handed out whole, through the daemon's second resource (one device per GPU),
     /// and never shared: it offers no memory devices and takes no share.
     Whole,
+    /// The GPU is served through Dynamic Resource Allocation: kube-scheduler places
+    /// ResourceClaims on it by its published `memory` capacity, and the daemon prepares them.
+    /// It offers no device-plugin devices and the extender places no share on it.
+    Dra,
 }
 
 impl SharingMode {
-    /// The name in configuration files and annotations: `shared`, `mps` or `whole`.
+    /// The name in configuration files and annotations: `shared`, `mps`, `whole` or `dra`.
     #[must_use]
     pub fn as_str(self) -> &'static str {
         match self {
             SharingMode::Shared => "shared",
             SharingMode::Mps => "mps",
             SharingMode::Whole => "whole",
+            SharingMode::Dra => "dra",
         }
     }
 
@@ -112,8 +117,16 @@ impl SharingMode {
             "shared" => Some(SharingMode::Shared),
             "mps" => Some(SharingMode::Mps),
             "whole" => Some(SharingMode::Whole),
+            "dra" => Some(SharingMode::Dra),
             _ => None,
         }
+    }
+
+    /// Whether the device plugin's memory resource offers shares of a GPU in this mode
+    /// (`shared` and `mps`); a whole GPU and a DRA GPU take none.
+    #[must_use]
+    pub fn takes_device_plugin_shares(self) -> bool {
+        matches!(self, SharingMode::Shared | SharingMode::Mps)
     }
 }
 
@@ -199,17 +212,18 @@ impl Gpu {
         }
     }
 
-    /// Whether new shares may land here: healthy, not cordoned, and not a whole GPU.
+    /// Whether new device-plugin shares may land here: healthy, not cordoned, and neither a
+    /// whole GPU nor a DRA one.
     #[must_use]
     pub fn is_schedulable(&self) -> bool {
-        self.health.is_healthy() && !self.cordoned && self.mode != SharingMode::Whole
+        self.health.is_healthy() && !self.cordoned && self.mode.takes_device_plugin_shares()
     }
 
-    /// The memory that can be handed out as shares under `unit`: the total rounded down to
-    /// whole units; none on a GPU handed out whole.
+    /// The memory that can be handed out as device-plugin shares under `unit`: the total
+    /// rounded down to whole units; none on a GPU handed out whole or served through DRA.
     #[must_use]
     pub fn capacity(&self, unit: MemoryUnit) -> Mib {
-        if self.mode == SharingMode::Whole { Mib::ZERO } else { unit.round_down(self.total) }
+        if self.mode.takes_device_plugin_shares() { unit.round_down(self.total) } else { Mib::ZERO }
     }
 }
 

@@ -10,10 +10,12 @@
 //! - [`schedule`]: the same over many nodes (filter and prioritize);
 //! - [`codec`]: the annotation schemas (node state, pod assignment, Alibaba's keys).
 //! - [`devices`]: kubelet device IDs and the size of the device list the kubelet receives;
+//! - [`dra`]: the DRA driver's device and CDI names, its pool, and the memory a claim consumes;
 //! - [`time`]: RFC 3339 UTC times, formatted and parsed without a clock.
 
 pub mod codec;
 pub mod devices;
+pub mod dra;
 pub mod inventory;
 pub mod placement;
 pub mod request;

@@ -181,6 +181,8 @@ pub enum Unusable {
     Cordoned,
     /// Handed out whole (`whole` mode), never shared.
     Whole,
+    /// Served through DRA (`dra` mode): ResourceClaims only.
+    Dra,
 }
 
 /// Why a pod does not fit on a node.
@@ -260,6 +262,9 @@ fn states(gpus: &[GpuState], need: Option<Mib>) -> String {
             Some(Unusable::Unhealthy(reason)) => format!("GPU{}: unhealthy ({reason})", g.index),
             Some(Unusable::Cordoned) => format!("GPU{}: cordoned", g.index),
             Some(Unusable::Whole) => format!("GPU{}: handed out whole, not shared", g.index),
+            Some(Unusable::Dra) => {
+                format!("GPU{}: served through DRA (ResourceClaims), not device-plugin shares", g.index)
+            }
             None => match need {
                 Some(n) if g.free < n => {
                     format!("GPU{}: {} of {} MiB free, needs {}", g.index, g.free.get(), g.capacity.get(), n.get())
@@ -689,6 +694,7 @@ fn gpu_states(node: NodeView<'_>) -> Vec<GpuState> {
             free: g.capacity(unit).saturating_sub(*used),
             unusable: match (&g.health, g.cordoned) {
                 _ if g.mode == crate::inventory::SharingMode::Whole => Some(Unusable::Whole),
+                _ if g.mode == crate::inventory::SharingMode::Dra => Some(Unusable::Dra),
                 (Health::Unhealthy { reason }, _) => Some(Unusable::Unhealthy(reason.clone())),
                 (Health::Healthy, true) => Some(Unusable::Cordoned),
                 (Health::Healthy, false) => None,

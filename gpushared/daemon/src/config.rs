@@ -134,6 +134,9 @@ pub struct Config {
     /// Over-use detection: containers whose processes use more GPU memory than their budget.
     #[serde(default)]
     pub overuse: OveruseConfig,
+    /// The DRA driver, for the GPUs `[sharing] dra` names (docs/dra.md).
+    #[serde(default)]
+    pub dra: DraConfig,
 }
 
 /// What happens to a container over its budget.
@@ -240,6 +243,10 @@ pub struct SharingConfig {
     /// GPUs (index or UUID) handed out whole through `[resources] whole`, never shared.
     #[serde(default)]
     pub whole: Vec<GpuRef>,
+    /// GPUs (index or UUID) served through DRA: published in the node's ResourceSlice, shared
+    /// by ResourceClaims (docs/dra.md).
+    #[serde(default)]
+    pub dra: Vec<GpuRef>,
 }
 
 impl SharingConfig {
@@ -251,7 +258,7 @@ impl SharingConfig {
     /// A GPU named here that this host does not have, with the GPUs it has.
     pub fn apply(&self, gpus: &mut [Gpu], silent: &[u32]) -> Result<Vec<String>, String> {
         let mut notes = Vec::new();
-        for (key, list) in [("mps", &self.mps), ("whole", &self.whole)] {
+        for (key, list) in [("mps", &self.mps), ("whole", &self.whole), ("dra", &self.dra)] {
             for missing in list.iter().filter(|r| !gpus.iter().any(|g| r.names(g))) {
                 let have: Vec<String> = gpus.iter().map(|g| format!("{} ({})", g.index, g.uuid)).collect();
                 let have = if have.is_empty() { "none".to_owned() } else { have.join(", ") };
@@ -271,17 +278,24 @@ impl SharingConfig {
             }
         }
         for g in gpus.iter_mut() {
-            let (mps, whole) = (self.mps.iter().any(|r| r.names(g)), self.whole.iter().any(|r| r.names(g)));
-            g.mode = match (mps, whole) {
-                (true, true) => {
+            let named: Vec<&str> = [("mps", &self.mps), ("whole", &self.whole), ("dra", &self.dra)]
+                .into_iter()
+                .filter(|(_, list)| list.iter().any(|r| r.names(g)))
+                .map(|(key, _)| key)
+                .collect();
+            g.mode = match named.as_slice() {
+                [] => gpushare_core::SharingMode::Shared,
+                ["mps"] => gpushare_core::SharingMode::Mps,
+                ["whole"] => gpushare_core::SharingMode::Whole,
+                ["dra"] => gpushare_core::SharingMode::Dra,
+                _ => {
                     return Err(format!(
-                        "[sharing] names GPU {} ({}) both in mps and in whole; a GPU is shared one way or handed out whole",
-                        g.index, g.uuid
+                        "[sharing] names GPU {} ({}) in {}; a GPU is served one way: name it in one list",
+                        g.index,
+                        g.uuid,
+                        named.join(" and ")
                     ));
                 }
-                (true, false) => gpushare_core::SharingMode::Mps,
-                (false, true) => gpushare_core::SharingMode::Whole,
-                (false, false) => gpushare_core::SharingMode::Shared,
             };
         }
         Ok(notes)
@@ -751,6 +765,7 @@ impl Config {
         let shared = config.resources.shared();
         shared.check().map_err(|e| invalid(e.to_string()))?;
         shared.check_whole(&config.resources.whole).map_err(|e| invalid(e.to_string()))?;
+        config.dra.check().map_err(invalid)?;
         Ok(config)
     }
 
@@ -788,6 +803,9 @@ impl Config {
         self.kubelet.device_plugin_dir.path().join("kubelet.sock")
     }
 }
+
+mod dra;
+pub use dra::DraConfig;
 
 fn is_dns_subdomain(s: &str) -> bool {
     !s.is_empty()
@@ -835,30 +853,45 @@ mod tests {
     fn sharing_sets_each_gpus_mode_and_refuses_a_gpu_the_host_lacks() {
         let mut gpus: Vec<Gpu> =
             (0..3).map(|i| Gpu::new(i, GpuUuid::new(format!("GPU-{i}")).unwrap(), "T4", Mib::new(1000))).collect();
-        let sharing = SharingConfig { mps: vec![GpuRef::Index(2), GpuRef::Uuid("GPU-0".into())], whole: vec![] };
+        let sharing =
+            SharingConfig { mps: vec![GpuRef::Index(2), GpuRef::Uuid("GPU-0".into())], whole: vec![], dra: vec![] };
         sharing.apply(&mut gpus, &[]).unwrap();
         let modes: Vec<&str> = gpus.iter().map(|g| g.mode.as_str()).collect();
         assert_eq!(modes, ["mps", "shared", "mps"]);
-        let sharing = SharingConfig { mps: vec![GpuRef::Index(2)], whole: vec![GpuRef::Uuid("GPU-1".into())] };
+        let sharing =
+            SharingConfig { mps: vec![GpuRef::Index(2)], whole: vec![GpuRef::Uuid("GPU-1".into())], dra: vec![] };
         sharing.apply(&mut gpus, &[]).unwrap();
         let modes: Vec<&str> = gpus.iter().map(|g| g.mode.as_str()).collect();
         assert_eq!(modes, ["shared", "whole", "mps"]);
-        let err = SharingConfig { mps: vec![GpuRef::Index(7)], whole: vec![] }.apply(&mut gpus, &[]).unwrap_err();
+        let err = SharingConfig { mps: vec![GpuRef::Index(7)], whole: vec![], dra: vec![] }
+            .apply(&mut gpus, &[])
+            .unwrap_err();
         assert!(
             err.contains("names GPU 7, which this host does not have; its GPUs are 0 (GPU-0), 1 (GPU-1), 2 (GPU-2)"),
             "{err}"
         );
-        let err = SharingConfig { mps: vec![], whole: vec![GpuRef::Index(9)] }.apply(&mut gpus, &[]).unwrap_err();
+        let err = SharingConfig { mps: vec![], whole: vec![GpuRef::Index(9)], dra: vec![] }
+            .apply(&mut gpus, &[])
+            .unwrap_err();
         assert!(err.starts_with("[sharing] whole names GPU 9"), "{err}");
-        let both = SharingConfig { mps: vec![GpuRef::Index(1)], whole: vec![GpuRef::Index(1)] };
-        assert!(both.apply(&mut gpus, &[]).unwrap_err().contains("both in mps and in whole"));
+        let both = SharingConfig { mps: vec![GpuRef::Index(1)], whole: vec![GpuRef::Index(1)], dra: vec![] };
+        assert!(both.apply(&mut gpus, &[]).unwrap_err().contains("in mps and whole; a GPU is served one way"));
+        let sharing = SharingConfig { mps: vec![], whole: vec![], dra: vec![GpuRef::Index(0), GpuRef::Index(2)] };
+        sharing.apply(&mut gpus, &[]).unwrap();
+        let modes: Vec<&str> = gpus.iter().map(|g| g.mode.as_str()).collect();
+        assert_eq!(modes, ["dra", "shared", "dra"]);
+        let twice = SharingConfig { mps: vec![], whole: vec![GpuRef::Index(2)], dra: vec![GpuRef::Index(2)] };
+        assert!(twice.apply(&mut gpus, &[]).unwrap_err().contains("in whole and dra"));
         // GPU 7 does not answer (its identity unknown): naming it, or a UUID no GPU answers
         // with, is a note, not a refusal; another missing index is still refused.
-        let sharing = SharingConfig { mps: vec![GpuRef::Index(7), GpuRef::Uuid("GPU-x".into())], whole: vec![] };
+        let sharing =
+            SharingConfig { mps: vec![GpuRef::Index(7), GpuRef::Uuid("GPU-x".into())], whole: vec![], dra: vec![] };
         let notes = sharing.apply(&mut gpus, &[7]).unwrap();
         assert_eq!(notes.len(), 2, "{notes:?}");
         assert!(notes[0].contains("names GPU 7, which is not among the GPUs that answer"), "{notes:?}");
-        assert!(SharingConfig { mps: vec![GpuRef::Index(8)], whole: vec![] }.apply(&mut gpus, &[7]).is_err());
+        assert!(
+            SharingConfig { mps: vec![GpuRef::Index(8)], whole: vec![], dra: vec![] }.apply(&mut gpus, &[7]).is_err()
+        );
     }
 
     #[test]

@@ -956,6 +956,6 @@ mod whole {
         let mut daemon = Daemon::start(&config, host.path("daemon.log"));
         let code = daemon.wait_exit(WAIT);
         assert!(code.is_some_and(|c| c != 0), "{code:?}");
-        assert!(daemon.log().contains("names GPU 1 (GPU-static-1) both in mps and in whole"), "{}", daemon.log());
+        assert!(daemon.log().contains("names GPU 1 (GPU-static-1) in mps and whole"), "{}", daemon.log());
     }
 }

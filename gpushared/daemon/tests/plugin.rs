@@ -145,7 +145,7 @@ fn check_config_exits_zero_or_one_with_the_reason() {
     let out = check(&both);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("names GPU 1 (GPU-static-1) both in mps and in whole"), "{err}");
+    assert!(err.contains("names GPU 1 (GPU-static-1) in mps and whole"), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
     let absent = host.path("absent.toml");
     std::fs::write(&absent, format!("node_name = \"node-a\"\n[sharing]\nmps = [7]\n{gpus}")).unwrap();

@@ -229,6 +229,7 @@ enum WireMode {
     Shared,
     Mps,
     Whole,
+    Dra,
 }
 
 impl WireMode {
@@ -296,6 +297,7 @@ impl NodeState {
                         SharingMode::Shared => WireMode::Shared,
                         SharingMode::Mps => WireMode::Mps,
                         SharingMode::Whole => WireMode::Whole,
+                        SharingMode::Dra => WireMode::Dra,
                     },
                     util_percent: g.activity.and_then(|a| a.utilization),
                     in_use_mib: g.activity.map(|a| a.in_use),
@@ -399,6 +401,7 @@ impl NodeState {
                     WireMode::Shared => SharingMode::Shared,
                     WireMode::Mps => SharingMode::Mps,
                     WireMode::Whole => SharingMode::Whole,
+                    WireMode::Dra => SharingMode::Dra,
                 },
                 activity: g.in_use_mib.map(|in_use| Activity { utilization: g.util_percent, in_use }),
             });

@@ -21,11 +21,12 @@ use gpushare_core::devices::DeviceMap;
 use gpushare_core::{ContainerRole, Health, NodeInventory, ResourceNames};
 use tokio::sync::watch;
 
-use crate::allocation::ledger::{Ledger, LedgerError, NewRow, Row, request_key};
+use crate::allocation::ledger::{ClaimRow, Ledger, LedgerError, NewRow, Row, request_key};
 use crate::allocation::pods::PodStore;
 use crate::config::{Compatibility, MpsConfig};
 
 mod admission;
+mod claims;
 mod env;
 mod error;
 mod gpus;
@@ -37,6 +38,7 @@ mod resolve;
 mod room;
 
 use admission::{Admissions, Owner, Step};
+pub use claims::{ClaimError, ClaimRef, ClaimShare, PreparedShare};
 pub use env::{Answer, Mount};
 pub use error::AllocError;
 pub use gpus::Summary;
@@ -55,6 +57,8 @@ struct State {
     /// The ledger lacks allocations the node last published: these, to be booked again once
     /// the pods bound here are listed ([`rebuild`]). No call is served meanwhile.
     rebuilding: Option<Vec<NodeAllocation>>,
+    /// The live DRA claim rows ([`claims`]), in preparation order.
+    claims: Vec<ClaimRow>,
 }
 
 /// The allocation service of one node.
@@ -105,6 +109,7 @@ impl Allocator {
             }
         }
         let held = ledger.live()?.iter().map(|r| Arc::new(Held::from(r))).collect();
+        let claims = ledger.live_claims()?;
         Ok(Allocator {
             node,
             names,
@@ -119,6 +124,7 @@ impl Allocator {
                 held,
                 admissions: Admissions::default(),
                 rebuilding: None,
+                claims,
             }),
             changes: watch::Sender::new(0),
             activity: watch::Sender::new(0),

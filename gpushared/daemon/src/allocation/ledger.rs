@@ -83,6 +83,26 @@ CREATE TABLE gpus (
 );
 ",
     ),
+    // Version 5: the DRA claims prepared on this node (ledger/claims.rs).
+    Migration::Sql(
+        r"
+CREATE TABLE claims (
+    id             INTEGER PRIMARY KEY,
+    claim_uid      TEXT    NOT NULL,
+    namespace      TEXT    NOT NULL,
+    claim_name     TEXT    NOT NULL,
+    request        TEXT    NOT NULL,
+    share_id       TEXT    NOT NULL,
+    gpu_uuid       TEXT    NOT NULL,
+    gpu_index      INTEGER NOT NULL,
+    mib            INTEGER NOT NULL CHECK (mib > 0),
+    prepared_at    INTEGER NOT NULL,
+    released_at    INTEGER,
+    release_reason TEXT
+);
+CREATE UNIQUE INDEX claims_live ON claims (claim_uid, request, gpu_uuid, share_id) WHERE released_at IS NULL;
+",
+    ),
 ];
 
 /// A ledger problem. Each names the file.
@@ -661,10 +681,12 @@ fn restrict_permissions(path: &Path) {
 }
 
 mod checkpoint;
+mod claims;
 mod events;
 mod gpus;
 
 pub use checkpoint::{Checkpointer, spawn_checkpoints};
+pub use claims::{ClaimRow, NewClaimRow};
 pub use events::EventKind;
 
 #[cfg(test)]

@@ -91,30 +91,52 @@ impl Environment<'_> {
         if self.on_mps(c) { vec![Mount { path: self.mps.pipe_directory.path().to_path_buf() }] } else { Vec::new() }
     }
 
-    /// The environment of a container (documented in docs/gpushared.md).
-    fn envs(&self, pod: &PodRef, assignment: &Assignment, c: &ContainerAssignment) -> BTreeMap<String, String> {
-        let mut gpus: Vec<&GpuShare> = c.gpus.iter().collect();
+    /// A GPU's total memory (zero for one this node does not have).
+    fn total_of(&self, uuid: &GpuUuid) -> Mib {
+        self.inventory.gpus().iter().find(|g| &g.uuid == uuid).map_or(Mib::ZERO, |g| g.total)
+    }
+
+    /// The environment of a prepared DRA claim holding `shares` (its CDI device's, documented
+    /// in docs/dra.md): the GPUs and budget variables a container placed by the device plugin
+    /// gets, with `GPUSHARE_CLAIM` (namespace/name) for the pod and container.
+    pub(super) fn claim_envs(&self, claim: &str, shares: &[GpuShare]) -> BTreeMap<String, String> {
+        let mut gpus: Vec<&GpuShare> = shares.iter().collect();
         gpus.sort_by_key(|g| g.index);
+        let mut env = self.budget_envs(&gpus);
+        env.insert("GPUSHARE_CLAIM".to_owned(), claim.to_owned());
+        env
+    }
+
+    /// The GPUs and budget of a container or claim holding `gpus` (sorted by index).
+    fn budget_envs(&self, gpus: &[&GpuShare]) -> BTreeMap<String, String> {
         let join = |f: &dyn Fn(&GpuShare) -> String| gpus.iter().map(|g| f(g)).collect::<Vec<_>>().join(",");
-        let total_of =
-            |uuid: &GpuUuid| self.inventory.gpus().iter().find(|g| &g.uuid == uuid).map_or(Mib::ZERO, |g| g.total);
         let container_mib: u64 = gpus.iter().map(|g| g.mib.get()).sum();
         let per_gpu = gpus.first().map_or(0, |g| g.mib.get());
         let mut env = BTreeMap::new();
         env.insert("NVIDIA_VISIBLE_DEVICES".to_owned(), join(&|g| g.uuid.to_string()));
         env.insert("GPUSHARE_GPU_UUIDS".to_owned(), join(&|g| g.uuid.to_string()));
         env.insert("GPUSHARE_GPU_INDEXES".to_owned(), join(&|g| g.index.to_string()));
-        env.insert("GPUSHARE_GPU_TOTAL_MIB".to_owned(), join(&|g| total_of(&g.uuid).get().to_string()));
+        env.insert("GPUSHARE_GPU_TOTAL_MIB".to_owned(), join(&|g| self.total_of(&g.uuid).get().to_string()));
         env.insert("GPUSHARE_MEMORY_MIB".to_owned(), per_gpu.to_string());
         env.insert("GPUSHARE_MEMORY_TOTAL_MIB".to_owned(), container_mib.to_string());
         env.insert("GPUSHARE_UNIT".to_owned(), self.inventory.unit().to_string());
-        env.insert("GPUSHARE_POD".to_owned(), pod.to_string());
-        env.insert("GPUSHARE_CONTAINER".to_owned(), c.name.clone());
         // HAMi-core's budget per device, by the container's device ordinal (the order of
         // NVIDIA_VISIBLE_DEVICES): an image that carries that library enforces it.
         for (i, g) in gpus.iter().enumerate() {
             env.insert(format!("CUDA_DEVICE_MEMORY_LIMIT_{i}"), format!("{}m", g.mib.get()));
         }
+        env
+    }
+
+    /// The environment of a container (documented in docs/gpushared.md).
+    fn envs(&self, pod: &PodRef, assignment: &Assignment, c: &ContainerAssignment) -> BTreeMap<String, String> {
+        let mut gpus: Vec<&GpuShare> = c.gpus.iter().collect();
+        gpus.sort_by_key(|g| g.index);
+        let total_of = |uuid: &GpuUuid| self.total_of(uuid);
+        let container_mib: u64 = gpus.iter().map(|g| g.mib.get()).sum();
+        let mut env = self.budget_envs(&gpus);
+        env.insert("GPUSHARE_POD".to_owned(), pod.to_string());
+        env.insert("GPUSHARE_CONTAINER".to_owned(), c.name.clone());
         if self.on_mps(c) {
             // A client of the GPUs' MPS control daemon: its memory pinned to the budget, its
             // threads to the configured share.

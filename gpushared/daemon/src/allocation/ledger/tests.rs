@@ -30,7 +30,7 @@ fn a_new_ledger_is_durable_and_current() {
     let opened = open(&dir);
     assert!(opened.moved_aside.is_none());
     let l = opened.ledger;
-    assert_eq!(l.schema_version().unwrap(), 4);
+    assert_eq!(l.schema_version().unwrap(), 5);
     let mode: String = l.conn.query_row("PRAGMA journal_mode", [], |r| r.get(0)).unwrap();
     assert_eq!(mode, "wal");
     let sync: i64 = l.conn.query_row("PRAGMA synchronous", [], |r| r.get(0)).unwrap();
@@ -139,7 +139,7 @@ fn a_ledger_from_a_newer_daemon_is_refused_untouched() {
         l.conn.pragma_update(None, "user_version", 99).unwrap();
     }
     let err = Ledger::open(&path).unwrap_err();
-    assert!(err.to_string().contains("schema version 99 is newer than this gpushared knows (4)"), "{err}");
+    assert!(err.to_string().contains("schema version 99 is newer than this gpushared knows (5)"), "{err}");
     assert!(path.exists());
 }
 
@@ -180,7 +180,7 @@ fn a_version_1_ledger_is_migrated_to_compact_device_sets() {
         .unwrap();
     }
     let l = Ledger::open(&path).unwrap().ledger;
-    assert_eq!(l.schema_version().unwrap(), 4);
+    assert_eq!(l.schema_version().unwrap(), 5);
     let live = l.live().unwrap();
     assert_eq!(live[0].request_key, "Q3:0-2");
     assert_eq!(live[0].device_ids, vec!["Q30", "Q31", "Q32"]);

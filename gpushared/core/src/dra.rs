@@ -1,0 +1,162 @@
+//! The rules of gpushared's DRA driver that do not touch Kubernetes' types: the names of the
+//! devices it publishes and the CDI devices it hands the runtime, which GPUs its pool offers,
+//! and the memory a claim's allocation consumes. The daemon's `dra` module maps them onto
+//! `resource.k8s.io/v1` objects and CDI spec files; docs/dra.md documents them.
+
+use thiserror::Error;
+
+use crate::inventory::{Gpu, SharingMode};
+use crate::units::{Mib, parse_quantity};
+
+/// The driver name gpushared publishes its ResourceSlices under and kube-scheduler writes into
+/// each allocation result (`[dra] driver` changes it).
+pub const DEFAULT_DRIVER: &str = "gpu.gpushare.io";
+
+/// The capacity each published GPU carries, in bytes (a `resource.k8s.io` quantity in `Mi`).
+pub const MEMORY_CAPACITY: &str = "memory";
+
+/// The CDI kind (`vendor/class`) of the devices gpushared's CDI specs describe.
+pub const CDI_KIND: &str = "gpushare.io/gpu";
+
+const MIB: u64 = 1024 * 1024;
+
+/// The device name a GPU has in the node's ResourceSlice: `gpu-<index>` (a DNS label, stable
+/// while the GPU keeps its index).
+#[must_use]
+pub fn device_name(index: u32) -> String {
+    format!("gpu-{index}")
+}
+
+/// The GPU index a [`device_name`] names, if it is one.
+#[must_use]
+pub fn device_index(name: &str) -> Option<u32> {
+    let digits = name.strip_prefix("gpu-")?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) || (digits.len() > 1 && digits.starts_with('0'))
+    {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// Whether the node's pool offers `gpu` for new claims: in `dra` mode, healthy and not
+/// cordoned. A GPU that stops being offered leaves the ResourceSlice; claims already prepared on
+/// it stay in the ledger until they are unprepared.
+#[must_use]
+pub fn offered(gpu: &Gpu) -> bool {
+    gpu.mode == SharingMode::Dra && gpu.health.is_healthy() && !gpu.cordoned
+}
+
+/// The CDI device name (the part after `=`) of one prepared claim: one device carries the
+/// whole claim's environment (every GPU it holds), so a container that uses the claim gets one
+/// consistent `NVIDIA_VISIBLE_DEVICES` and budget.
+#[must_use]
+pub fn cdi_device(claim_uid: &str) -> String {
+    format!("claim-{claim_uid}")
+}
+
+/// The fully qualified CDI device ID the kubelet hands the runtime: `gpushare.io/gpu=<name>`.
+#[must_use]
+pub fn cdi_device_id(claim_uid: &str) -> String {
+    format!("{CDI_KIND}={}", cdi_device(claim_uid))
+}
+
+/// Why an allocation's consumed memory cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum ConsumedError {
+    /// The allocation has no `memory` in `consumedCapacity`: kube-scheduler allocated the GPU
+    /// without consumable capacity (the feature gate is off somewhere).
+    #[error(
+        "the allocation of {device} consumes no {MEMORY_CAPACITY} capacity: kube-scheduler allocated it without \
+         consumable capacity; turn the DRAConsumableCapacity feature gate on in kube-apiserver, kube-scheduler and the kubelet"
+    )]
+    Missing {
+        /// The device.
+        device: String,
+    },
+    /// The quantity is not one.
+    #[error("the allocation of {device} consumes {text:?} of {MEMORY_CAPACITY}, which is not a byte count: {why}")]
+    Malformed {
+        /// The device.
+        device: String,
+        /// The text.
+        text: String,
+        /// The parser's reason.
+        why: String,
+    },
+    /// Zero bytes.
+    #[error("the allocation of {device} consumes no memory (0 bytes); a claim asks for at least 1Mi")]
+    Zero {
+        /// The device.
+        device: String,
+    },
+}
+
+/// The MiB an allocation of `device` consumes, from its `consumedCapacity.memory` quantity
+/// (`None`: absent), rounded up to whole MiB.
+///
+/// # Errors
+/// A [`ConsumedError`] saying what is wrong.
+pub fn consumed_mib(device: &str, memory: Option<&str>) -> Result<Mib, ConsumedError> {
+    let text = memory.ok_or_else(|| ConsumedError::Missing { device: device.to_owned() })?;
+    let q = parse_quantity(text).map_err(|e| ConsumedError::Malformed {
+        device: device.to_owned(),
+        text: text.to_owned(),
+        why: e.to_string(),
+    })?;
+    if q.value == 0 {
+        return Err(ConsumedError::Zero { device: device.to_owned() });
+    }
+    Ok(Mib::new(q.value.div_ceil(MIB)))
+}
+
+/// A GPU's `memory` capacity as a quantity: its total in `Mi`.
+#[must_use]
+pub fn memory_quantity(total: Mib) -> String {
+    format!("{}Mi", total.get())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inventory::{GpuUuid, Health};
+
+    #[test]
+    fn device_names_round_trip_and_refuse_others() {
+        assert_eq!(device_name(7), "gpu-7");
+        assert_eq!(device_index("gpu-7"), Some(7));
+        assert_eq!(device_index("gpu-12"), Some(12));
+        for bad in ["gpu-", "gpu-07", "gpu-x", "GPU-1", "gpu-1a", "mig-1", "gpu--1"] {
+            assert_eq!(device_index(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn consumed_memory_rounds_up_to_whole_mib_and_names_what_is_wrong() {
+        assert_eq!(consumed_mib("gpu-0", Some("3500Mi")), Ok(Mib::new(3500)));
+        assert_eq!(consumed_mib("gpu-0", Some("4Gi")), Ok(Mib::new(4096)));
+        assert_eq!(consumed_mib("gpu-0", Some("1048577")), Ok(Mib::new(2)));
+        assert_eq!(consumed_mib("gpu-0", Some("1k")), Ok(Mib::new(1)));
+        let missing = consumed_mib("gpu-0", None).unwrap_err().to_string();
+        assert!(missing.contains("DRAConsumableCapacity"), "{missing}");
+        let zero = consumed_mib("gpu-1", Some("0")).unwrap_err().to_string();
+        assert!(zero.contains("gpu-1") && zero.contains("no memory"), "{zero}");
+        let bad = consumed_mib("gpu-1", Some("lots")).unwrap_err().to_string();
+        assert!(bad.contains("\"lots\""), "{bad}");
+        assert_eq!(memory_quantity(Mib::new(81_920)), "81920Mi");
+    }
+
+    #[test]
+    fn the_pool_offers_healthy_uncordoned_dra_gpus_only() {
+        let uuid = GpuUuid::new("GPU-a".to_owned()).unwrap();
+        let mut g = Gpu::new(0, uuid, "m".to_owned(), Mib::new(1000));
+        assert!(!offered(&g), "shared mode is the device plugin's");
+        g.mode = SharingMode::Dra;
+        assert!(offered(&g));
+        g.cordoned = true;
+        assert!(!offered(&g));
+        g.cordoned = false;
+        g.health = Health::Unhealthy { reason: "Xid 79".to_owned() };
+        assert!(!offered(&g));
+        assert_eq!(cdi_device_id("0f1e"), "gpushare.io/gpu=claim-0f1e");
+    }
+}
