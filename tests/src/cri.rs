@@ -2,7 +2,8 @@
 //! v1 `RuntimeService` and `ImageService` on a unix socket, keeping pod sandboxes and containers
 //! as records. A started container "runs" until the kubelet stops it, so its pod is Running; what
 //! `CreateContainer` received (the environment, devices, mounts and CDI devices the device
-//! plugin's Allocate answer put there) is kept for the tests to check, and written to the
+//! plugin's Allocate answer put there, with the environment of those CDI devices applied from
+//! the specs in [`CDI_DIR`] beside its socket) is kept for the tests to check, and written to the
 //! container's log as `KEY=value` lines, as `env` in the container would print them.
 //!
 //! A container whose command is `true`, or one named to [`RecordingRuntime::finish_at_start`]
@@ -28,6 +29,9 @@ pub mod api {
 
 use api::image_service_server::{ImageService, ImageServiceServer};
 use api::runtime_service_server::{RuntimeService, RuntimeServiceServer};
+
+/// The folder beside the runtime's socket whose CDI specs it applies ([`crate::cdi`]).
+pub const CDI_DIR: &str = "cdi";
 
 /// The name the runtime gives the kubelet: container IDs read `gpushare-cri://<id>`.
 pub const RUNTIME_NAME: &str = "gpushare-cri";
@@ -352,8 +356,10 @@ impl RuntimeService for Service {
         let meta = sandbox.config.metadata.clone().unwrap_or_default();
         let log_dir = sandbox.config.log_directory.clone();
         let id = store.id("c");
-        let envs: BTreeMap<String, String> =
+        let mut envs: BTreeMap<String, String> =
             config.envs.iter().map(|kv| (kv.key.clone(), String::from_utf8_lossy(&kv.value).into_owned())).collect();
+        let cdi_devices: Vec<String> = config.cdi_devices.iter().map(|d| d.name.clone()).collect();
+        crate::cdi::apply(&self.fs.join(CDI_DIR), &cdi_devices, &mut envs).map_err(Status::failed_precondition)?;
         let log_path = if log_dir.is_empty() || config.log_path.is_empty() {
             String::new()
         } else {
@@ -371,7 +377,7 @@ impl RuntimeService for Service {
             envs,
             devices: config.devices.iter().map(|d| (d.host_path.clone(), d.container_path.clone())).collect(),
             mounts: config.mounts.iter().map(|m| (m.host_path.clone(), m.container_path.clone())).collect(),
-            cdi_devices: config.cdi_devices.iter().map(|d| d.name.clone()).collect(),
+            cdi_devices,
             running: false,
         };
         tracing::debug!(%id, pod = %created.pod, container = %created.container, "CreateContainer");

@@ -2,6 +2,7 @@
 //!
 //! - [`apiserver`]: the Kubernetes API server's HTTP/JSON for Pods and Nodes;
 //! - [`cri`]: a container runtime for the real kubelet that runs nothing and records what each container was given;
+//! - [`cdi`]: the runtime's CDI: the devices the kubelet names, applied from the specs of one directory;
 //! - [`cluster`]: the whole box as processes (API server, kubelets, daemons, extender, scheduler);
 //! - [`invariants`]: design.md's invariants checked across the box from the outside;
 //! - [`kubelet`]: the kubelet's side of the device plugin API and its PodResources API, restarts included;
@@ -16,6 +17,7 @@
 //! - [`scheduler`]: the kube-scheduler stand-in.
 
 pub mod apiserver;
+pub mod cdi;
 pub mod cluster;
 pub mod cri;
 pub mod invariants;

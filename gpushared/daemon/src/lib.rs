@@ -9,6 +9,7 @@
 //! - [`gpus`]: the node's GPUs (discovery, health, MPS, over-use);
 //! - [`cluster`]: the API-server side (pod watch, node-state publication, heartbeat);
 //! - [`dbus`]: the local status API on the D-Bus system bus;
+//! - [`dra`]: the DRA driver (ResourceSlice, the kubelet's DRA plugin API, CDI specs);
 //! - [`cli`], [`config`], [`startup`]: the command line, the configuration file and the checks
 //!   on it against this host before serving;
 //! - [`memory`]: keeping resident memory small after the kubelet's large device lists;
@@ -24,6 +25,7 @@ pub mod cli;
 pub mod cluster;
 pub mod config;
 pub mod dbus;
+pub mod dra;
 pub mod gpus;
 pub mod kubelet;
 pub mod memory;

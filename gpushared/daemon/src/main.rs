@@ -220,7 +220,11 @@ async fn run(config: Config) -> anyhow::Result<()> {
         node.clone(),
         config.kubernetes.heartbeat_seconds.duration(),
     ));
-    tasks.spawn(publish::run(KubeNode::new(client, node.clone()), Arc::clone(&alloc), publish::Timing::default()));
+    tasks.spawn(publish::run(
+        KubeNode::new(client.clone(), node.clone()),
+        Arc::clone(&alloc),
+        publish::Timing::default(),
+    ));
 
     // The kubelet's device list follows the GPUs' health.
     let (devices_tx, devices_rx) = watch::channel(plugin::DeviceSnapshot { inventory: Arc::new(inventory), numa });
@@ -321,6 +325,18 @@ async fn run(config: Config) -> anyhow::Result<()> {
     } else {
         None
     };
+    // The DRA driver, when `[sharing] dra` names any GPU: its own sockets and the node's
+    // ResourceSlice (docs/dra.md).
+    let mut dra = if alloc.inventory().gpus().iter().any(|g| g.mode == gpushare_core::SharingMode::Dra) {
+        Some(tokio::spawn(gpushared::dra::run(
+            config.dra.clone(),
+            client.clone(),
+            Arc::clone(&alloc),
+            whole_stop.subscribe(),
+        )))
+    } else {
+        None
+    };
     // Without a watchdog nothing reads the heartbeat, and the timer arm is off.
     let mut beat = tokio::time::interval(heartbeat.as_ref().map_or(Duration::from_secs(3600), Heartbeat::period));
     beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -360,6 +376,14 @@ async fn run(config: Config) -> anyhow::Result<()> {
                     registration = Some(register());
                 }
             }
+            Some(ended) = async { match dra.as_mut() { Some(t) => Some(t.await), None => None } } => {
+                dra = None;
+                match ended {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return Err(e),
+                    Err(e) => bail!("the DRA driver task failed: {e}"),
+                }
+            }
             Some(ended) = async { match whole.as_mut() { Some(t) => Some(t.await), None => None } } => {
                 whole = None;
                 match ended {
@@ -381,6 +405,11 @@ async fn run(config: Config) -> anyhow::Result<()> {
         && tokio::time::timeout(Duration::from_secs(6), t).await.is_err()
     {
         tracing::warn!("the whole-GPU plugin did not stop within 6 s");
+    }
+    if let Some(t) = dra
+        && tokio::time::timeout(Duration::from_secs(6), t).await.is_err()
+    {
+        tracing::warn!("the DRA driver did not stop within 6 s");
     }
     tasks.abort_all();
     health_stop.store(true, std::sync::atomic::Ordering::Relaxed);

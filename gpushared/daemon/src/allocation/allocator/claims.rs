@@ -184,6 +184,15 @@ impl Allocator {
         Ok(self.prepared(&name, written))
     }
 
+    /// The claim as prepared, if it is (live rows under its UID): a repeated prepare is
+    /// answered from here, without asking the API server.
+    #[must_use]
+    pub fn prepared_claim(&self, claim: &ClaimRef) -> Option<PreparedShare> {
+        let rows: Vec<ClaimRow> =
+            self.lock().claims.iter().filter(|r| r.share.claim_uid == claim.uid).cloned().collect();
+        (!rows.is_empty()).then(|| self.prepared(&claim.to_string(), rows))
+    }
+
     /// Unprepares the claim with this UID: its live rows are released. Returns how many.
     ///
     /// # Errors

@@ -1,0 +1,133 @@
+//! The kubelet's side of the DRA driver, translated: the `DRAPlugin` service (prepare and
+//! unprepare, each claim answered on its own) on `dra.sock`, and the plugin-registration
+//! service on the registration socket the kubelet's plugin watcher finds. Every decision is
+//! the [`Driver`]'s.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use gpushare_proto::dra::dra_plugin_server::{DraPlugin, DraPluginServer};
+use gpushare_proto::dra::{
+    Device, NodePrepareResourceResponse, NodePrepareResourcesRequest, NodePrepareResourcesResponse,
+    NodeUnprepareResourceResponse, NodeUnprepareResourcesRequest, NodeUnprepareResourcesResponse,
+};
+use gpushare_proto::pluginregistration::registration_server::{Registration, RegistrationServer};
+use gpushare_proto::pluginregistration::{InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse};
+use tonic::{Request, Response, Status};
+
+use crate::allocation::allocator::ClaimRef;
+use crate::dra::service::{ClaimSource, Driver};
+
+/// The `DRAPlugin` service.
+#[derive(Debug)]
+pub struct PluginService<S>(pub Arc<Driver<S>>);
+
+#[tonic::async_trait]
+impl<S: ClaimSource> DraPlugin for PluginService<S> {
+    async fn node_prepare_resources(
+        &self,
+        request: Request<NodePrepareResourcesRequest>,
+    ) -> Result<Response<NodePrepareResourcesResponse>, Status> {
+        let mut claims = HashMap::new();
+        for c in request.into_inner().claims {
+            let claim = ClaimRef { uid: c.uid, namespace: c.namespace, name: c.name };
+            let answer = match self.0.prepare(&claim).await {
+                Ok(devices) => NodePrepareResourceResponse {
+                    devices: devices
+                        .into_iter()
+                        .map(|d| Device {
+                            request_names: vec![d.request],
+                            pool_name: d.pool,
+                            device_name: d.device,
+                            cdi_device_ids: d.cdi_ids,
+                            share_id: d.share_id,
+                        })
+                        .collect(),
+                    error: String::new(),
+                },
+                Err(error) => {
+                    tracing::warn!(claim = %claim, uid = %claim.uid, %error, "claim not prepared");
+                    NodePrepareResourceResponse { devices: Vec::new(), error }
+                }
+            };
+            claims.insert(claim.uid, answer);
+        }
+        Ok(Response::new(NodePrepareResourcesResponse { claims }))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        request: Request<NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<NodeUnprepareResourcesResponse>, Status> {
+        let mut claims = HashMap::new();
+        for c in request.into_inner().claims {
+            let error = self.0.unprepare(&c.uid).err().unwrap_or_default();
+            if !error.is_empty() {
+                tracing::warn!(uid = %c.uid, %error, "claim not unprepared");
+            }
+            claims.insert(c.uid, NodeUnprepareResourceResponse { error });
+        }
+        Ok(Response::new(NodeUnprepareResourcesResponse { claims }))
+    }
+}
+
+/// The registration service: what the kubelet's plugin watcher asks of the plugin.
+#[derive(Clone, Debug)]
+pub struct RegistrationService {
+    /// The driver's name.
+    pub driver: String,
+    /// The DRA socket's absolute path.
+    pub endpoint: String,
+    /// Told whether the kubelet accepted the registration.
+    pub registered: tokio::sync::watch::Sender<Option<Result<(), String>>>,
+}
+
+#[tonic::async_trait]
+impl Registration for RegistrationService {
+    async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<PluginInfo>, Status> {
+        Ok(Response::new(PluginInfo {
+            r#type: gpushare_proto::DRA_PLUGIN_TYPE.to_owned(),
+            name: self.driver.clone(),
+            endpoint: self.endpoint.clone(),
+            supported_versions: vec![gpushare_proto::DRA_PLUGIN_SERVICE.to_owned()],
+        }))
+    }
+
+    async fn notify_registration_status(
+        &self,
+        request: Request<RegistrationStatus>,
+    ) -> Result<Response<RegistrationStatusResponse>, Status> {
+        let status = request.into_inner();
+        if status.plugin_registered {
+            tracing::info!(driver = %self.driver, "the kubelet registered the DRA plugin");
+            self.registered.send_replace(Some(Ok(())));
+        } else {
+            tracing::error!(driver = %self.driver, error = %status.error, "the kubelet refused the DRA plugin");
+            self.registered.send_replace(Some(Err(status.error)));
+        }
+        Ok(Response::new(RegistrationStatusResponse {}))
+    }
+}
+
+/// Serves the DRA plugin on `plugin` and the registration service on `registration` until
+/// `shutdown` resolves.
+///
+/// # Errors
+/// The transport error if serving fails.
+pub async fn serve<S: ClaimSource>(
+    driver: Arc<Driver<S>>,
+    registration: RegistrationService,
+    (plugin, reg): (tokio::net::UnixListener, tokio::net::UnixListener),
+    shutdown: impl Future<Output = ()> + Send + Clone + 'static,
+) -> Result<(), tonic::transport::Error> {
+    let incoming = |l| tokio_stream::wrappers::UnixListenerStream::new(l);
+    let dra = tonic::transport::Server::builder()
+        .add_service(DraPluginServer::new(PluginService(driver)))
+        .serve_with_incoming_shutdown(incoming(plugin), shutdown.clone());
+    // The kubelet's plugin watcher sends the socket's path as `:authority` (authority.rs).
+    let reg = tonic::transport::Server::builder()
+        .add_service(RegistrationServer::new(registration))
+        .serve_with_incoming_shutdown(crate::dra::authority::incoming(reg), shutdown);
+    let (a, b) = tokio::join!(dra, reg);
+    a.and(b)
+}

@@ -1,0 +1,197 @@
+//! gpushared as a DRA driver under the real kube-scheduler and kubelet: a node of the
+//! real-cluster box serves its GPUs through DRA (`[sharing] dra`); gpushared publishes the
+//! node's ResourceSlice and registers with the kubelet's plugin watcher; kube-scheduler
+//! allocates each ResourceClaim a share of one GPU's `memory` capacity; the kubelet asks
+//! gpushared to prepare it and hands the runtime the CDI device, which the box's runtime
+//! resolves from gpushared's spec. What each container was created with is checked: the GPU the
+//! scheduler allocated and the claim's budget.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use gpushare_testkit::cri::Created;
+use gpushare_testkit::nvml::FakeGpu;
+use gpushare_testkit::realbox::{RealNode, is_root, repo};
+use serde_json::{Value, json};
+
+mod realbox;
+use realbox::{RealBox, get, up};
+
+const NODE: &str = "node-d";
+const GPU_MIB: u64 = 40_960;
+
+/// The box with one node whose two 40 GB GPUs are served through DRA; waits for its slice.
+async fn dra_box() -> Option<RealBox> {
+    if !is_root() {
+        gpushare_testkit::skip_unless_ci("the real kubelet needs root (it runs in a mount namespace of its own)");
+        return None;
+    }
+    let mut b = up().await?;
+    b.plane.apply(&repo().join("etc/kubernetes/gpushare-deviceclass.yaml")).unwrap_or_else(|e| panic!("{e:#}"));
+    let host = b.plane.dir.join(NODE);
+    let config = format!(
+        "[sharing]\ndra = [0, 1]\n[dra]\nregistry_dir = \"{}\"\nplugin_dir = \"{}\"\ncdi_dir = \"{}\"\n",
+        host.join("kubelet/plugins_registry").display(),
+        host.join("dra-plugin").display(),
+        host.join("cri").join(gpushare_testkit::cri::CDI_DIR).display(),
+    );
+    let gpus = [FakeGpu::new(NODE, 0, GPU_MIB, "A100-PCIE-40GB"), FakeGpu::new(NODE, 1, GPU_MIB, "A100-PCIE-40GB")];
+    b.add_node(NODE, &gpus, ("", &config)).unwrap_or_else(|e| panic!("{e:#}"));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let slices = get(&b.plane, &["get", "resourceslices"]);
+        let devices = slices["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|s| s["spec"]["nodeName"] == NODE)
+            .map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len))
+            .sum::<usize>();
+        if devices == 2 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no ResourceSlice with 2 devices after 60 s: {slices}\ngpushared:\n{}",
+            node(&b).daemon.log_tail(40)
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    Some(b)
+}
+
+fn node(b: &RealBox) -> &RealNode {
+    b.node(NODE).unwrap()
+}
+
+/// A ResourceClaim for `mib` MiB of one GPU of the shipped class.
+fn claim(name: &str, mib: u64) -> Value {
+    json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": "gpushare-memory",
+            "capacity": {"requests": {"memory": format!("{mib}Mi")}},
+        }}]}},
+    })
+}
+
+/// A pod whose `containers` all use the claim `claim`.
+fn pod(name: &str, claim: &str, containers: &[&str]) -> Value {
+    let containers: Vec<Value> = containers
+        .iter()
+        .map(|c| json!({"name": c, "image": "busybox", "command": ["sleep", "infinity"], "resources": {"claims": [{"name": "gpu"}]}}))
+        .collect();
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"automountServiceAccountToken": false,
+                 "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}], "containers": containers},
+    })
+}
+
+/// Waits until `pod` has `count` running containers; returns them by container name.
+fn wait_running(b: &RealBox, pod: &str, count: usize) -> BTreeMap<String, Created> {
+    let n = node(b);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let running: BTreeMap<String, Created> =
+            n.runtime.running().into_iter().filter(|c| c.pod == pod).map(|c| (c.container.clone(), c)).collect();
+        let p = get(&b.plane, &["get", "pod", pod, "-n", "default"]);
+        if running.len() == count && p["status"]["phase"] == "Running" {
+            return running;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{pod}: {} of {count} containers running after 60 s\npod: {p}\nkubelet:\n{}\ngpushared:\n{}",
+            running.len(),
+            n.kubelet.proc.log_tail(40),
+            n.daemon.log_tail(40)
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// The GPU device (`gpu-<index>`) and MiB kube-scheduler allocated to `claim`.
+fn allocated(b: &RealBox, claim: &str) -> (String, String) {
+    let c = get(&b.plane, &["get", "resourceclaim", claim, "-n", "default"]);
+    let r = &c["status"]["allocation"]["devices"]["results"][0];
+    assert_eq!(r["driver"], "gpu.gpushare.io", "{c}");
+    assert_eq!(r["pool"], NODE, "{c}");
+    (r["device"].as_str().unwrap().to_owned(), r["consumedCapacity"]["memory"].as_str().unwrap_or_default().to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_for_3500_mib_runs_with_its_gpu_and_budget_and_its_containers_share_it() {
+    let Some(mut b) = dra_box().await else { return };
+    b.plane.create(&claim("c-3500", 3500)).unwrap();
+    b.plane.create(&pod("p-3500", "c-3500", &["main", "sidecar"])).unwrap();
+    let running = wait_running(&b, "p-3500", 2);
+    let (device, consumed) = allocated(&b, "c-3500");
+    assert_eq!(consumed, "3500Mi");
+    let index: u32 = device.strip_prefix("gpu-").unwrap().parse().unwrap();
+    let uuid = FakeGpu::new(NODE, index, GPU_MIB, "A100-PCIE-40GB").uuid;
+    for (name, c) in &running {
+        let env = |k: &str| c.envs.get(k).cloned().unwrap_or_default();
+        assert_eq!(c.cdi_devices, [format!("gpushare.io/gpu=claim-{}", claim_uid(&b, "c-3500"))], "{name}");
+        assert_eq!(env("NVIDIA_VISIBLE_DEVICES"), uuid, "{name}: {:?}", c.envs);
+        assert_eq!(env("GPUSHARE_MEMORY_MIB"), "3500", "{name}");
+        assert_eq!(env("CUDA_DEVICE_MEMORY_LIMIT_0"), "3500m", "{name}");
+        assert_eq!(env("GPUSHARE_GPU_TOTAL_MIB"), GPU_MIB.to_string(), "{name}");
+        assert_eq!(env("GPUSHARE_CLAIM"), "default/c-3500", "{name}");
+    }
+    // The claim is in the node's ledger before the pod ran; deleting the pod unprepares it.
+    assert!(node(&b).daemon.log().contains("claim prepared"), "{}", node(&b).daemon.log_tail(20));
+    b.plane.kubectl(&["delete", "pod", "p-3500", "--wait=true", "--timeout=60s"]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !node(&b).daemon.log().contains("claim unprepared") {
+        assert!(Instant::now() < deadline, "not unprepared after 60 s:\n{}", node(&b).daemon.log_tail(30));
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    b.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_of_mixed_sizes_pack_without_overcommit_and_one_that_fits_nowhere_stays_pending() {
+    let Some(mut b) = dra_box().await else { return };
+    // 2 x 40960 MiB: 30000 + 10000 on one GPU, 30000 + 10000 on the other; 20000 fits nowhere.
+    let sizes = [("a", 30_000), ("b", 30_000), ("c", 10_000), ("d", 10_000)];
+    for (name, mib) in sizes {
+        b.plane.create(&claim(&format!("c-{name}"), mib)).unwrap();
+        b.plane.create(&pod(&format!("p-{name}"), &format!("c-{name}"), &["main"])).unwrap();
+    }
+    let mut per_gpu: BTreeMap<String, u64> = BTreeMap::new();
+    for (name, mib) in sizes {
+        let running = wait_running(&b, &format!("p-{name}"), 1);
+        let (device, _) = allocated(&b, &format!("c-{name}"));
+        assert_eq!(running["main"].envs["GPUSHARE_MEMORY_MIB"], mib.to_string());
+        *per_gpu.entry(device).or_default() += mib;
+    }
+    assert!(per_gpu.values().all(|&m| m <= GPU_MIB), "{per_gpu:?}");
+    b.plane.create(&claim("c-big", 20_000)).unwrap();
+    b.plane.create(&pod("p-big", "c-big", &["main"])).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let p = get(&b.plane, &["get", "pod", "p-big", "-n", "default"]);
+        let reason = p["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|c| c["type"] == "PodScheduled" && c["status"] == "False")
+            .map(|c| c["message"].as_str().unwrap_or_default().to_owned());
+        if let Some(reason) = reason {
+            assert_eq!(p["status"]["phase"], "Pending");
+            // kube-scheduler's own reason: no node has a GPU with 20000 MiB of memory left.
+            assert!(reason.contains("cannot allocate all claims"), "{reason}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "p-big not reported unschedulable: {p}");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    b.shutdown();
+}
+
+fn claim_uid(b: &RealBox, name: &str) -> String {
+    get(&b.plane, &["get", "resourceclaim", name, "-n", "default"])["metadata"]["uid"].as_str().unwrap().to_owned()
+}
