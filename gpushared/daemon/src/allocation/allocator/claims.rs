@@ -278,6 +278,8 @@ mod tests {
         let err = alloc.prepare_claim(&claim("d"), &[share("gpu-2", 600), share("gpu-2", 600)]).unwrap_err();
         assert!(err.to_string().contains("GPU 2 has 400 MiB free"), "{err}");
         assert_eq!(alloc.live_claims().len(), 2, "a refused claim writes nothing");
+        // The node state publishes what the ledger holds on each GPU, claims included.
+        assert_eq!(alloc.node_state(1, "t").used, [Mib::ZERO, Mib::new(1000), Mib::ZERO]);
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! publishes of them with its allocations ([`Allocator::node_state`]).
 
 use gpushare_core::codec::node::{NodeAllocation, NodeState, OverBudget, used_per_gpu};
-use gpushare_core::{Activity, Health, NodeInventory};
+use gpushare_core::{Activity, Health, Mib, NodeInventory};
 
 use super::{AllocError, Allocator};
 use crate::allocation::ledger::{EventKind, LedgerError};
@@ -154,9 +154,10 @@ impl Allocator {
     #[must_use]
     pub fn node_state(&self, generation: u64, daemon_version: &str) -> NodeState {
         // Copy out under the lock (pointers, not rows); compute without it.
-        let (inventory, held, rebuilding) = {
+        let (inventory, held, rebuilding, claims) = {
             let state = self.lock();
-            (state.inventory.clone(), state.held.clone(), state.rebuilding.clone().unwrap_or_default())
+            let claims: Vec<(u32, Mib)> = state.claims.iter().map(|r| (r.share.gpu_index, r.share.mib)).collect();
+            (state.inventory.clone(), state.held.clone(), state.rebuilding.clone().unwrap_or_default(), claims)
         };
         // While the ledger is rebuilt, what it lost is still published as held.
         let allocations: Vec<NodeAllocation> = held
@@ -173,7 +174,13 @@ impl Allocator {
             })
             .chain(rebuilding)
             .collect();
-        let used = used_per_gpu(&inventory, &allocations);
+        let mut used = used_per_gpu(&inventory, &allocations);
+        // DRA claims count on their GPUs too: `usedMiB` is what the ledger holds there.
+        for (index, mib) in claims {
+            if let Some(u) = inventory.gpus().iter().position(|g| g.index == index).and_then(|i| used.get_mut(i)) {
+                *u = u.saturating_add(mib);
+            }
+        }
         let over_budget = self.over_budget();
         NodeState { generation, daemon_version: daemon_version.to_owned(), inventory, used, allocations, over_budget }
     }
