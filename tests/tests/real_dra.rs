@@ -23,6 +23,12 @@ const GPU_MIB: u64 = 40_960;
 
 /// The box with one node whose two 40 GB GPUs are served through DRA; waits for its slice.
 async fn dra_box() -> Option<RealBox> {
+    dra_box_with(2, GPU_MIB, "").await
+}
+
+/// The box with one node of `count` GPUs of `mib` MiB, all served through DRA, with
+/// `config_extra` added to gpushared.toml; waits for its slice.
+async fn dra_box_with(count: u32, mib: u64, config_extra: &str) -> Option<RealBox> {
     if !is_root() {
         gpushare_testkit::skip_unless_ci("the real kubelet needs root (it runs in a mount namespace of its own)");
         return None;
@@ -30,35 +36,51 @@ async fn dra_box() -> Option<RealBox> {
     let mut b = up().await?;
     b.plane.apply(&repo().join("etc/kubernetes/gpushare-deviceclass.yaml")).unwrap_or_else(|e| panic!("{e:#}"));
     let host = b.plane.dir.join(NODE);
+    let indexes: Vec<String> = (0..count).map(|i| i.to_string()).collect();
     let config = format!(
-        "[sharing]\ndra = [0, 1]\n[dra]\nregistry_dir = \"{}\"\nplugin_dir = \"{}\"\ncdi_dir = \"{}\"\n",
+        "{config_extra}[sharing]\ndra = [{}]\n[dra]\nregistry_dir = \"{}\"\nplugin_dir = \"{}\"\ncdi_dir = \"{}\"\n",
+        indexes.join(", "),
         host.join("kubelet/plugins_registry").display(),
         host.join("dra-plugin").display(),
         host.join("cri").join(gpushare_testkit::cri::CDI_DIR).display(),
     );
-    let gpus = [FakeGpu::new(NODE, 0, GPU_MIB, "A100-PCIE-40GB"), FakeGpu::new(NODE, 1, GPU_MIB, "A100-PCIE-40GB")];
+    let gpus: Vec<FakeGpu> = (0..count).map(|i| FakeGpu::new(NODE, i, mib, "A100-PCIE-40GB")).collect();
     b.add_node(NODE, &gpus, ("", &config)).unwrap_or_else(|e| panic!("{e:#}"));
+    let all: Vec<String> = (0..count).map(|i| format!("gpu-{i}")).collect();
+    wait_slice(&b, &all.iter().map(String::as_str).collect::<Vec<_>>());
+    Some(b)
+}
+
+/// The devices of the node's ResourceSlice.
+fn slice_devices(b: &RealBox) -> Vec<String> {
+    let slices = get(&b.plane, &["get", "resourceslices"]);
+    let mut names: Vec<String> = slices["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|s| s["spec"]["nodeName"] == NODE)
+        .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+        .filter_map(|d| d["name"].as_str().map(str::to_owned))
+        .collect();
+    names.sort();
+    names
+}
+
+/// Waits until the node's ResourceSlice lists exactly `devices`.
+fn wait_slice(b: &RealBox, devices: &[&str]) {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let slices = get(&b.plane, &["get", "resourceslices"]);
-        let devices = slices["items"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter(|s| s["spec"]["nodeName"] == NODE)
-            .map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len))
-            .sum::<usize>();
-        if devices == 2 {
-            break;
+        let now = slice_devices(b);
+        if now == devices {
+            return;
         }
         assert!(
             Instant::now() < deadline,
-            "no ResourceSlice with 2 devices after 60 s: {slices}\ngpushared:\n{}",
-            node(&b).daemon.log_tail(40)
+            "the ResourceSlice lists {now:?}, not {devices:?}, after 60 s\ngpushared:\n{}",
+            node(b).daemon.log_tail(40)
         );
         std::thread::sleep(Duration::from_millis(250));
     }
-    Some(b)
 }
 
 fn node(b: &RealBox) -> &RealNode {
@@ -194,4 +216,105 @@ async fn claims_of_mixed_sizes_pack_without_overcommit_and_one_that_fits_nowhere
 
 fn claim_uid(b: &RealBox, name: &str) -> String {
     get(&b.plane, &["get", "resourceclaim", name, "-n", "default"])["metadata"]["uid"].as_str().unwrap().to_owned()
+}
+
+/// The node's published usage per GPU (`usedMiB`, DRA claims included).
+fn published_used(b: &RealBox) -> Vec<u64> {
+    let n = get(&b.plane, &["get", "node", NODE]);
+    let state: Value =
+        serde_json::from_str(n["metadata"]["annotations"]["gpushare.io/node-state"].as_str().unwrap_or("{}")).unwrap();
+    state["gpus"].as_array().into_iter().flatten().map(|g| g["usedMiB"].as_u64().unwrap_or(0)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_xid_takes_the_gpu_out_of_the_pool_until_it_recovers() {
+    let config = "[health]\nprobe_interval_seconds = 1\nrecovery_seconds = 15\n";
+    let Some(mut b) = dra_box_with(2, GPU_MIB, config).await else { return };
+    b.plane.create(&claim("c-1", 1000)).unwrap();
+    b.plane.create(&pod("p-1", "c-1", &["main"])).unwrap();
+    wait_running(&b, "p-1", 1);
+    let (device, _) = allocated(&b, "c-1");
+    let (sick, healthy) = if device == "gpu-0" { (0, "gpu-1") } else { (1, "gpu-0") };
+    gpushare_testkit::nvml::inject(&node(&b).events, &format!("xid {sick} 79")).unwrap();
+    // The sick GPU leaves the pool; the running pod runs on; a new claim goes to the other GPU.
+    wait_slice(&b, &[healthy]);
+    b.plane.create(&claim("c-2", 1000)).unwrap();
+    b.plane.create(&pod("p-2", "c-2", &["main"])).unwrap();
+    wait_running(&b, "p-2", 1);
+    assert_eq!(allocated(&b, "c-2").0, healthy);
+    assert!(node(&b).runtime.running().iter().any(|c| c.pod == "p-1"), "p-1 runs on");
+    // No new fault for recovery_seconds and the GPU answers: back in the pool.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while slice_devices(&b).len() != 2 {
+        assert!(Instant::now() < deadline, "GPU {sick} not back after 60 s:\n{}", node(&b).daemon.log_tail(30));
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    b.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpushared_and_the_kubelet_killed_during_a_burst_of_prepares_lose_no_claim() {
+    let Some(mut b) = dra_box().await else { return };
+    // 12 claims of 6000 MiB: 6 fit each 40960 MiB GPU.
+    let names: Vec<String> = (0..12).map(|i| format!("b-{i}")).collect();
+    for n in &names {
+        b.plane.create(&claim(&format!("c-{n}"), 6000)).unwrap();
+        b.plane.create(&pod(n, &format!("c-{n}"), &["main"])).unwrap();
+    }
+    // Mid-burst: gpushared SIGKILLed and started again, then the kubelet.
+    std::thread::sleep(Duration::from_millis(1500));
+    b.nodes[0].daemon.kill_and_restart().unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+    let plane = &b.plane;
+    b.nodes[0].kubelet.restart(plane).unwrap();
+    let mut per_gpu = vec![0u64; 2];
+    for n in &names {
+        let running = wait_running(&b, n, 1);
+        let c = &running["main"];
+        let (device, consumed) = allocated(&b, &format!("c-{n}"));
+        assert_eq!(consumed, "6000Mi");
+        let index: usize = device.strip_prefix("gpu-").unwrap().parse().unwrap();
+        let uuid = FakeGpu::new(NODE, u32::try_from(index).unwrap(), GPU_MIB, "A100-PCIE-40GB").uuid;
+        assert_eq!(c.envs.get("NVIDIA_VISIBLE_DEVICES"), Some(&uuid), "{n}");
+        assert_eq!(c.envs.get("GPUSHARE_MEMORY_MIB").map(String::as_str), Some("6000"), "{n}");
+        per_gpu[index] += 6000;
+    }
+    assert_eq!(per_gpu, [36_000, 36_000]);
+    // The ledger holds every claim once: the node publishes exactly what was allocated.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while published_used(&b) != per_gpu {
+        assert!(Instant::now() < deadline, "published {:?}, allocated {per_gpu:?}", published_used(&b));
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    // Each container was created once, even across the restarts.
+    for n in &names {
+        let created = node(&b).runtime.created().into_iter().filter(|c| &c.pod == n).count();
+        assert_eq!(created, 1, "{n} created {created} times");
+    }
+    // Deleting the pods unprepares every claim: nothing is left on either GPU.
+    b.plane.kubectl(&["delete", "pods", "--all", "--wait=true", "--timeout=90s"]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while published_used(&b) != [0, 0] {
+        assert!(Instant::now() < deadline, "still published {:?}", published_used(&b));
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    b.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_8x80gb_node_takes_claims_at_mib_granularity() {
+    let Some(mut b) = dra_box_with(8, 81_920, "").await else { return };
+    let slices = get(&b.plane, &["get", "resourceslices", "-o", "json"]);
+    eprintln!("ResourceSlice of 8 x 80 GB: {} bytes of JSON", slices["items"][0].to_string().len());
+    for (name, mib) in [("one", 1), ("most", 81_919), ("odd", 4097)] {
+        b.plane.create(&claim(&format!("c-{name}"), mib)).unwrap();
+        b.plane.create(&pod(name, &format!("c-{name}"), &["main"])).unwrap();
+    }
+    for (name, mib) in [("one", 1), ("most", 81_919), ("odd", 4097)] {
+        let running = wait_running(&b, name, 1);
+        assert_eq!(running["main"].envs["GPUSHARE_MEMORY_MIB"], mib.to_string(), "{name}");
+        assert_eq!(running["main"].envs["GPUSHARE_GPU_TOTAL_MIB"], "81920", "{name}");
+        assert_eq!(allocated(&b, &format!("c-{name}")).1, format!("{mib}Mi"));
+    }
+    b.shutdown();
 }
