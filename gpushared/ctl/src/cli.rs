@@ -79,6 +79,8 @@ pub enum Request {
         #[arg(long, value_name = "NS/NAME")]
         pod: Option<String>,
     },
+    /// The live DRA claims: which GPU each holds and how much
+    Claims,
     /// Allocations, releases, health changes and cordons since a time (default: the last hour)
     History {
         /// An RFC 3339 time (2026-11-23T10:00:00Z), a Unix time in ms, or a duration ago (30s, 10m, 2h, 1d)
@@ -115,6 +117,7 @@ impl Request {
             Request::Status => "status",
             Request::Gpus => "gpus",
             Request::Allocations { .. } => "allocations",
+            Request::Claims => "claims",
             Request::History { .. } => "history",
             Request::OverBudget => "over-budget",
             Request::Explain { .. } => "explain",

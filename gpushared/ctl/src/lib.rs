@@ -7,6 +7,7 @@
 //!   completions ([`completions`]) are generated;
 //! - [`connect`] and [`execute`]: one request against a [`Gpushare1Proxy`], answered as the text
 //!   to print;
+//! - [`claims`]: the DRA claims' table and JSON;
 //! - [`render`]: the text and JSON shapes of each answer ([`render_table`], [`gpus_text`],
 //!   [`gpus_json`], …);
 //! - [`since`]: times: [`format_ms`] (RFC 3339 UTC, from the core's `time`) and [`parse_since`];
@@ -20,6 +21,7 @@ use gpushared::config::Bus;
 use gpushared::dbus::{GpuRecord, Gpushare1Proxy};
 use serde_json::{Value, json};
 
+pub mod claims;
 pub mod cli;
 pub mod failure;
 pub mod render;
@@ -95,6 +97,10 @@ pub async fn execute(proxy: &Gpushare1Proxy<'_>, request: &Request, json: bool, 
         Request::Allocations { pod } => {
             let rows = proxy.list_allocations(pod.as_deref().unwrap_or("")).await?;
             if json { pretty(&allocations_json(&rows)) } else { allocations_text(&rows, pod.as_deref()) }
+        }
+        Request::Claims => {
+            let rows = proxy.list_claims().await?;
+            if json { pretty(&claims::claims_json(&rows)) } else { claims::claims_text(&rows) }
         }
         Request::History { since } => {
             let since = since.unwrap_or_else(|| now_ms.saturating_sub(DEFAULT_HISTORY_MS));

@@ -24,7 +24,7 @@ pub const INTERFACE: &str = "io.gpushare.GpuShare1";
 
 mod records;
 
-pub use records::{ActivityRecord, AllocationRecord, GpuRecord, HistoryRecord, OverBudgetRecord};
+pub use records::{ActivityRecord, AllocationRecord, ClaimRecord, GpuRecord, HistoryRecord, OverBudgetRecord};
 
 /// The served object.
 #[derive(Debug)]
@@ -177,6 +177,23 @@ impl StatusApi {
             .collect())
     }
 
+    /// The live DRA claims' shares, in preparation order (docs/dra.md).
+    async fn list_claims(&self) -> Vec<ClaimRecord> {
+        self.alloc
+            .live_claims()
+            .into_iter()
+            .map(|r| ClaimRecord {
+                namespace: r.share.namespace,
+                claim: r.share.name,
+                claim_uid: r.share.claim_uid,
+                gpu_uuid: r.share.gpu_uuid.to_string(),
+                gpu_index: r.share.gpu_index,
+                mib: r.share.mib.get(),
+                prepared_at_ms: r.prepared_at,
+            })
+            .collect()
+    }
+
     /// Where a pod (`NAMESPACE/NAME`) is on this node and why, or why it is not.
     async fn explain(&self, pod: &str) -> fdo::Result<String> {
         let (ns, name) = pod_name(pod)?;
@@ -231,6 +248,8 @@ pub trait Gpushare1 {
     fn gpu_activity(&self) -> zbus::Result<Vec<ActivityRecord>>;
     /// Live allocations, of one pod if `pod` is not empty.
     fn list_allocations(&self, pod: &str) -> zbus::Result<Vec<AllocationRecord>>;
+    /// The live DRA claims.
+    fn list_claims(&self) -> zbus::Result<Vec<ClaimRecord>>;
     /// Where a pod is and why.
     fn explain(&self, pod: &str) -> zbus::Result<String>;
     /// The history since a time.

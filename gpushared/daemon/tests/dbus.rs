@@ -483,6 +483,9 @@ async fn nobody_reads_but_changes_nothing(node: &Node, p: &Gpushare1Proxy<'_>) {
     assert_eq!(code, 0, "{out}");
     let json: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(json.as_array().unwrap().len(), 1);
+    let (code, out) = ctl(Some("nobody"), address, &["--json", "claims"]).await;
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(out.trim(), "[]", "this node serves no GPU through DRA");
     let (code, out) = ctl(Some("nobody"), address, &["explain", "default/infer-1"]).await;
     assert_eq!(code, 0, "{out}");
     let (code, out) = ctl(Some("nobody"), address, &["history", "--since", "1h"]).await;

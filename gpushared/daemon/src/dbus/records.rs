@@ -94,6 +94,25 @@ pub struct HistoryRecord {
     pub detail: String,
 }
 
+/// One live DRA claim's share of a GPU; wire signature `(ssssutx)`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct ClaimRecord {
+    /// The claim's namespace.
+    pub namespace: String,
+    /// The claim's name.
+    pub claim: String,
+    /// The claim's UID.
+    pub claim_uid: String,
+    /// The GPU's UUID.
+    pub gpu_uuid: String,
+    /// The GPU's NVML index.
+    pub gpu_index: u32,
+    /// MiB held.
+    pub mib: u64,
+    /// When it was prepared, Unix ms.
+    pub prepared_at_ms: i64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -105,5 +124,6 @@ mod tests {
         assert_eq!(<Vec<ActivityRecord> as Type>::SIGNATURE.to_string(), "a(usix)");
         assert_eq!(<Vec<OverBudgetRecord> as Type>::SIGNATURE.to_string(), "a(ssssuttx)");
         assert_eq!(<Vec<HistoryRecord> as Type>::SIGNATURE.to_string(), "a(xss)");
+        assert_eq!(<Vec<ClaimRecord> as Type>::SIGNATURE.to_string(), "a(ssssutx)");
     }
 }
