@@ -109,10 +109,18 @@ pub fn consumed_mib(device: &str, memory: Option<&str>) -> Result<Mib, ConsumedE
     Ok(Mib::new(q.value.div_ceil(MIB)))
 }
 
-/// A GPU's `memory` capacity as a quantity: its total in `Mi`.
+/// A GPU's `memory` capacity as a quantity, in the canonical form the API server stores:
+/// the largest binary suffix that keeps it whole (`40960` MiB is `40Gi`, `15000` MiB `15000Mi`),
+/// so the slice read back compares equal to the one written.
 #[must_use]
 pub fn memory_quantity(total: Mib) -> String {
-    format!("{}Mi", total.get())
+    const SUFFIXES: [&str; 5] = ["Mi", "Gi", "Ti", "Pi", "Ei"];
+    let (mut value, mut i) = (total.get(), 0);
+    while value != 0 && value % 1024 == 0 && i + 1 < SUFFIXES.len() {
+        value /= 1024;
+        i += 1;
+    }
+    format!("{value}{}", SUFFIXES[i])
 }
 
 #[cfg(test)]
@@ -142,7 +150,11 @@ mod tests {
         assert!(zero.contains("gpu-1") && zero.contains("no memory"), "{zero}");
         let bad = consumed_mib("gpu-1", Some("lots")).unwrap_err().to_string();
         assert!(bad.contains("\"lots\""), "{bad}");
-        assert_eq!(memory_quantity(Mib::new(81_920)), "81920Mi");
+        assert_eq!(memory_quantity(Mib::new(81_920)), "80Gi");
+        assert_eq!(memory_quantity(Mib::new(15_000)), "15000Mi");
+        assert_eq!(memory_quantity(Mib::new(1_048_576)), "1Ti");
+        assert_eq!(memory_quantity(Mib::new(1)), "1Mi");
+        assert_eq!(memory_quantity(Mib::ZERO), "0Mi");
     }
 
     #[test]

@@ -81,14 +81,18 @@ pub async fn run(client: kube::Client, driver: String, alloc: Arc<Allocator>) {
     let node = alloc.node().to_owned();
     let name = slice_name(&node, &driver);
     let mut changes = alloc.subscribe();
+    let mut resync = tokio::time::interval_at(tokio::time::Instant::now() + RESYNC, RESYNC);
+    resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut published: Option<Vec<Device>> = None;
     loop {
         let inventory = alloc.current_inventory();
         let devices: Vec<Device> = inventory.gpus().iter().filter(|g| dra::offered(g)).map(device).collect();
         if published.as_ref() != Some(&devices) {
             match publish(&api, &driver, &node, &inventory).await {
-                Ok(generation) => {
-                    tracing::info!(slice = %name, devices = devices.len(), generation, "ResourceSlice published");
+                Ok(written) => {
+                    if let Some(generation) = written {
+                        tracing::info!(slice = %name, devices = devices.len(), generation, "ResourceSlice published");
+                    }
                     published = Some(devices);
                 }
                 Err(e) => {
@@ -98,19 +102,26 @@ pub async fn run(client: kube::Client, driver: String, alloc: Arc<Allocator>) {
                 }
             }
         }
-        if changes.changed().await.is_err() {
-            return;
+        tokio::select! {
+            changed = changes.changed() => if changed.is_err() { return },
+            // The slice as the API server has it is checked again now and then: one deleted or
+            // changed by someone else is written back.
+            _ = resync.tick() => published = None,
         }
     }
 }
 
-/// Creates the slice, or replaces the one there with the pool's next generation.
+/// How often the slice in the API server is compared with the node's GPUs.
+const RESYNC: Duration = Duration::from_secs(60);
+
+/// Creates the slice, or replaces the one there with the pool's next generation; returns the
+/// generation written, or `None` when the slice there already lists these devices.
 async fn publish(
     api: &Api<ResourceSlice>,
     driver: &str,
     node: &str,
     inventory: &NodeInventory,
-) -> Result<i64, kube::Error> {
+) -> Result<Option<i64>, kube::Error> {
     let name = slice_name(node, driver);
     // A node may only list its own slices (by `spec.nodeName`), and may not get one that does
     // not exist yet (the Node authorizer answers 403, not 404).
@@ -118,14 +129,18 @@ async fn publish(
     match mine.items.into_iter().find(|s| s.metadata.name.as_deref() == Some(name.as_str())) {
         None => {
             api.create(&PostParams::default(), &slice(driver, node, inventory, 0)).await?;
-            Ok(0)
+            Ok(Some(0))
         }
         Some(old) => {
+            let want = slice(driver, node, inventory, old.spec.pool.generation);
+            if old.spec == want.spec {
+                return Ok(None);
+            }
             let generation = old.spec.pool.generation.saturating_add(1);
             let mut new = slice(driver, node, inventory, generation);
             new.metadata.resource_version = old.metadata.resource_version;
             api.replace(&name, &PostParams::default(), &new).await?;
-            Ok(generation)
+            Ok(Some(generation))
         }
     }
 }
@@ -157,7 +172,7 @@ mod tests {
         let d = &devices[0];
         assert_eq!(d.allow_multiple_allocations, Some(true));
         let memory = &d.capacity.as_ref().unwrap()["memory"];
-        assert_eq!(memory.value.0, "81920Mi");
+        assert_eq!(memory.value.0, "80Gi");
         let policy = memory.request_policy.as_ref().unwrap();
         assert_eq!(policy.valid_range.as_ref().unwrap().step.as_ref().unwrap().0, "1Mi");
         let attrs = d.attributes.as_ref().unwrap();
