@@ -9,7 +9,9 @@
 //!
 //! gpushare in MiB mode: gpushared on 8 × 16 GiB (131,072 devices of 1 MiB), pods of 200 MiB
 //! placed through gpushare-extender. gpushare in GiB mode: 8 × 80 GiB (640 devices of 1 GiB),
-//! pods of 1 GiB. NVIDIA: its device plugin v0.19.0 (`tests/peers/build`) with
+//! pods of 1 GiB. gpushare through DRA: the same 8 × 80 GiB served as `[sharing] dra`, each pod
+//! with a ResourceClaim of 1024 MiB of the shipped DeviceClass, allocated by kube-scheduler
+//! itself (no extender call) and prepared by gpushared. NVIDIA: its device plugin v0.19.0 (`tests/peers/build`) with
 //! time-slicing, enough replicas per GPU for every pod, pods of `nvidia.com/gpu: 1` placed by
 //! kube-scheduler alone. Reported per system and round: pods per second from the one `kubectl
 //! create` of all pods to the last container running (the recording runtime, polled every
@@ -18,7 +20,10 @@
 //! its buckets: 5, 10, 25, 50, 100, 250 ms, ...); and the device plugin's resident memory
 //! (`VmRSS`) once every pod runs. Then each figure of NVIDIA's as a ratio to gpushare's.
 //! Needs root and Go, as the real-cluster tests do. `GPUSHARE_BOX_DIR` keeps each box's logs
-//! and state, in `<dir>/<system>-<round>`.
+//! and state, in `<dir>/<system>-<round>`. `GPUSHARE_BENCH_SYSTEMS` (e.g. `gib,dra`) runs only
+//! the systems named (`mib`, `gib`, `dra`, `nvidia`). The kubelet's DRA histogram starts at
+//! 100 ms, too coarse for a prepare: the DRA row's `Allocate` figures are left out (the prepare's
+//! latency is `cargo bench -p gpushared --bench dra_prepare`'s).
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -49,10 +54,23 @@ fn env(name: &str, default: u64) -> u64 {
 enum System {
     GpushareMib,
     GpushareGib,
+    GpushareDra,
     Nvidia,
 }
 
-const SYSTEMS: [System; 3] = [System::GpushareMib, System::GpushareGib, System::Nvidia];
+const SYSTEMS: [System; 4] = [System::GpushareMib, System::GpushareGib, System::GpushareDra, System::Nvidia];
+
+impl System {
+    /// The name `GPUSHARE_BENCH_SYSTEMS` uses.
+    fn short(self) -> &'static str {
+        match self {
+            System::GpushareMib => "mib",
+            System::GpushareGib => "gib",
+            System::GpushareDra => "dra",
+            System::Nvidia => "nvidia",
+        }
+    }
+}
 
 /// One round's figures.
 #[derive(Clone, Copy, Debug)]
@@ -71,9 +89,11 @@ fn main() {
     let pods = env("GPUSHARE_BENCH_PODS", 500) as usize;
     let rounds = env("GPUSHARE_BENCH_ROUNDS", 2);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let chosen = std::env::var("GPUSHARE_BENCH_SYSTEMS").unwrap_or_else(|_| "mib,gib,dra,nvidia".into());
+    let chosen: Vec<&str> = chosen.split(',').map(str::trim).collect();
     let mut figures: Vec<Vec<Figures>> = vec![Vec::new(); SYSTEMS.len()];
     for round in 1..=rounds {
-        for (i, system) in SYSTEMS.into_iter().enumerate() {
+        for (i, system) in SYSTEMS.into_iter().enumerate().filter(|(_, s)| chosen.contains(&s.short())) {
             let dir = gpushare_testkit::box_dir().map(|d| d.join(format!("{system:?}-{round}").to_lowercase()));
             // The extender counts in the node's unit.
             let extender_extra =
@@ -89,16 +109,20 @@ fn main() {
         }
     }
     let mean = |v: &[Figures], f: fn(&Figures) -> f64| v.iter().map(f).sum::<f64>() / v.len() as f64;
-    let (mib, gib, nvidia) = (&figures[0], &figures[1], &figures[2]);
-    println!("\nmeans of {rounds} rounds; NVIDIA's as a ratio to gpushare's (MiB mode, GiB mode):");
+    let (mib, gib, dra, nvidia) = (&figures[0], &figures[1], &figures[2], &figures[3]);
+    println!("\nmeans of {rounds} rounds (NaN: not run); ratios to gpushare GiB mode (DRA's, NVIDIA's):");
     for (name, f) in [
         ("pods/s end to end", (|x: &Figures| x.pods_per_s) as fn(&Figures) -> f64),
         ("kubelet Allocate p50", |x| x.alloc_p50_ms),
         ("kubelet Allocate p99", |x| x.alloc_p99_ms),
         ("plugin RSS", |x| x.rss_mib),
     ] {
-        let (a, g, n) = (mean(mib, f), mean(gib, f), mean(nvidia, f));
-        println!("  {name}: gpushare MiB {a:.2}, GiB {g:.2}; NVIDIA {n:.2}; ratio {:.2}, {:.2}", n / a, n / g);
+        let (a, g, d, n) = (mean(mib, f), mean(gib, f), mean(dra, f), mean(nvidia, f));
+        println!(
+            "  {name}: gpushare MiB {a:.2}, GiB {g:.2}, DRA {d:.2}; NVIDIA {n:.2}; ratio {:.2}, {:.2}",
+            d / g,
+            n / g
+        );
     }
 }
 
@@ -115,22 +139,41 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
             b.add_node(NODE, &gpus(81920, "NVIDIA H100 80GB HBM3"), ("", "[resources]\nunit = \"GiB\"\n")).unwrap();
             ("gpushare.io/gpu-mem", (80 * GPUS).to_string(), "1")
         }
+        System::GpushareDra => {
+            let config = b.dra_config(NODE, &(0..GPUS).collect::<Vec<_>>());
+            b.plane.apply(&gpushare_testkit::realbox::repo().join("etc/kubernetes/gpushare-deviceclass.yaml")).unwrap();
+            b.add_node(NODE, &gpus(81920, "NVIDIA H100 80GB HBM3"), ("", &config)).unwrap();
+            ("", String::new(), "1024Mi")
+        }
         System::Nvidia => {
             let replicas = (pods as u32).div_ceil(GPUS);
             b.add_nvidia_node(NODE, &gpus(16384, "Tesla V100-SXM2-16GB"), NvidiaSharing { replicas }).unwrap();
             (NVIDIA_GPU, (replicas * GPUS).to_string(), "1")
         }
     };
-    b.wait_allocatable(NODE, resource, &devices, Duration::from_secs(120)).unwrap();
-    let items: Vec<Value> = (0..pods)
-        .map(|i| {
-            let limits = json!({resource: ask});
-            json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": format!("b-{i}"), "namespace": "default"},
-                   "spec": {"automountServiceAccountToken": false, "terminationGracePeriodSeconds": 0,
-                            "containers": [{"name": "main", "image": "registry.example/app:1",
-                                            "resources": {"limits": limits}}]}})
-        })
-        .collect();
+    let dra = system == System::GpushareDra;
+    if dra {
+        wait_slice(&b, GPUS as usize);
+    } else {
+        b.wait_allocatable(NODE, resource, &devices, Duration::from_secs(120)).unwrap();
+    }
+    let mut items: Vec<Value> = Vec::new();
+    for i in 0..pods {
+        let name = format!("b-{i}");
+        let (resources, claims) = if dra {
+            items.push(json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                "metadata": {"name": name, "namespace": "default"},
+                "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                    "deviceClassName": "gpushare-memory", "capacity": {"requests": {"memory": ask}}}}]}}}));
+            (json!({"claims": [{"name": "gpu"}]}), json!([{"name": "gpu", "resourceClaimName": name}]))
+        } else {
+            (json!({"limits": {resource: ask}}), json!([]))
+        };
+        items.push(json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+               "spec": {"automountServiceAccountToken": false, "terminationGracePeriodSeconds": 0,
+                        "resourceClaims": claims,
+                        "containers": [{"name": "main", "image": "registry.example/app:1", "resources": resources}]}}));
+    }
     let list = json!({"apiVersion": "v1", "kind": "List", "metadata": {"name": "bench"}, "items": items});
     let node = b.node(NODE).unwrap();
     let started = Instant::now();
@@ -142,10 +185,30 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
     }
     let elapsed = started.elapsed().as_secs_f64();
     let rss_mib = rss_kib(node.daemon.pid().unwrap()) / 1024.0;
-    let metrics = kubelet_metrics(&b);
-    let (alloc_p50_ms, alloc_p99_ms) = alloc_quantiles(&metrics, resource);
+    let (alloc_p50_ms, alloc_p99_ms) =
+        if dra { (f64::NAN, f64::NAN) } else { alloc_quantiles(&kubelet_metrics(&b), resource) };
     b.shutdown();
     Figures { pods_per_s: pods as f64 / elapsed, alloc_p50_ms, alloc_p99_ms, rss_mib }
+}
+
+/// Waits until the node's ResourceSlice lists `devices` devices.
+fn wait_slice(b: &RealCluster, devices: usize) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let out = b.plane.kubectl(&["get", "resourceslices", "-o", "json"]).unwrap();
+        let slices: Value = serde_json::from_str(&out).unwrap();
+        let n: usize = slices["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len))
+            .sum();
+        if n == devices {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the node's ResourceSlice has {n} devices, not {devices}");
+        std::thread::sleep(Duration::from_millis(250));
+    }
 }
 
 fn rss_kib(pid: u32) -> f64 {

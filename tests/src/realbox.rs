@@ -16,7 +16,7 @@ use crate::cluster::{Binaries, ClusterSpec, Proc, fake_gpus, free_port, http_get
 use crate::cri::RecordingRuntime;
 use crate::nvml::{self, FakeGpu};
 use crate::realkube::{self, ControlPlane};
-use crate::realkubelet::{DEFAULT_GATES, RealKubelet};
+use crate::realkubelet::{DEFAULT_GATES, KubeletDirs, RealKubelet};
 
 /// The repository the box's shipped files (`etc/`) come from.
 #[must_use]
@@ -206,6 +206,22 @@ impl RealCluster {
         )?;
         self.nodes.push(RealNode { name: name.to_owned(), host, runtime, kubelet, daemon, events });
         self.nodes.last_mut().context("the node just added")
+    }
+
+    /// gpushared.toml text that serves the GPUs `indexes` of the node `name` (not added yet)
+    /// through DRA, with its sockets where that node's kubelet looks and its CDI specs where the
+    /// node's runtime reads them (docs/dra.md).
+    #[must_use]
+    pub fn dra_config(&self, name: &str, indexes: &[u32]) -> String {
+        let host = self.plane.dir.join(name);
+        let indexes: Vec<String> = indexes.iter().map(u32::to_string).collect();
+        format!(
+            "[sharing]\ndra = [{}]\n[dra]\nregistry_dir = \"{}\"\nplugin_dir = \"{}\"\ncdi_dir = \"{}\"\n",
+            indexes.join(", "),
+            KubeletDirs::under(&host).root.join("plugins_registry").display(),
+            host.join("dra-plugin").display(),
+            host.join("cri").join(crate::cri::CDI_DIR).display(),
+        )
     }
 
     /// The node called `name`.

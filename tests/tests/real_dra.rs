@@ -35,15 +35,7 @@ async fn dra_box_with(count: u32, mib: u64, config_extra: &str) -> Option<RealBo
     }
     let mut b = up().await?;
     b.plane.apply(&repo().join("etc/kubernetes/gpushare-deviceclass.yaml")).unwrap_or_else(|e| panic!("{e:#}"));
-    let host = b.plane.dir.join(NODE);
-    let indexes: Vec<String> = (0..count).map(|i| i.to_string()).collect();
-    let config = format!(
-        "{config_extra}[sharing]\ndra = [{}]\n[dra]\nregistry_dir = \"{}\"\nplugin_dir = \"{}\"\ncdi_dir = \"{}\"\n",
-        indexes.join(", "),
-        host.join("kubelet/plugins_registry").display(),
-        host.join("dra-plugin").display(),
-        host.join("cri").join(gpushare_testkit::cri::CDI_DIR).display(),
-    );
+    let config = format!("{config_extra}{}", b.dra_config(NODE, &(0..count).collect::<Vec<_>>()));
     let gpus: Vec<FakeGpu> = (0..count).map(|i| FakeGpu::new(NODE, i, mib, "A100-PCIE-40GB")).collect();
     b.add_node(NODE, &gpus, ("", &config)).unwrap_or_else(|e| panic!("{e:#}"));
     let all: Vec<String> = (0..count).map(|i| format!("gpu-{i}")).collect();
@@ -152,6 +144,10 @@ async fn a_claim_for_3500_mib_runs_with_its_gpu_and_budget_and_its_containers_sh
     let running = wait_running(&b, "p-3500", 2);
     let (device, consumed) = allocated(&b, "c-3500");
     assert_eq!(consumed, "3500Mi");
+    // Written once: the slice read back agrees with the node's GPUs (40960 MiB stored as 40Gi).
+    let slice = &get(&b.plane, &["get", "resourceslices"])["items"][0]["spec"];
+    assert_eq!(slice["pool"]["generation"], 0, "{slice}");
+    assert_eq!(slice["devices"][0]["capacity"]["memory"]["value"], "40Gi", "{slice}");
     let index: u32 = device.strip_prefix("gpu-").unwrap().parse().unwrap();
     let uuid = FakeGpu::new(NODE, index, GPU_MIB, "A100-PCIE-40GB").uuid;
     for (name, c) in &running {
