@@ -107,11 +107,7 @@ async fn main() {
     let socket = dir.path().join("dra.sock");
     let plugin = gpushared::kubelet::plugin::bind(&socket).unwrap();
     let reg = gpushared::kubelet::plugin::bind(&dir.path().join("reg.sock")).unwrap();
-    let registration = RegistrationService {
-        driver: DRIVER.into(),
-        endpoint: socket.display().to_string(),
-        registered: tokio::sync::watch::Sender::new(None),
-    };
+    let registration = RegistrationService { driver: DRIVER.into(), endpoint: socket.display().to_string() };
     let shutdown = futures::FutureExt::shared(Box::pin(std::future::pending::<()>()));
     tokio::spawn(serve(driver, registration, (plugin, reg), shutdown));
     let mut client = DraPluginClient::new(gpushare_proto::uds::connect(&socket).await.unwrap());

@@ -67,11 +67,8 @@ pub async fn run(
         node: alloc.node().to_owned(),
         cdi_dir: config.cdi_dir.path().to_owned(),
     });
-    let registration = grpc::RegistrationService {
-        driver: config.driver.clone(),
-        endpoint: plugin_socket.display().to_string(),
-        registered: tokio::sync::watch::Sender::new(None),
-    };
+    let registration =
+        grpc::RegistrationService { driver: config.driver.clone(), endpoint: plugin_socket.display().to_string() };
     tracing::info!(driver = %config.driver, socket = %plugin_socket.display(), registration = %registration_socket.display(),
         cdi = %config.cdi_dir.path().display(), "serving the DRA plugin API");
     let publisher = tokio::spawn(slices::run(client, config.driver.clone(), alloc));

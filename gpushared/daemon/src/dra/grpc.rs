@@ -78,8 +78,6 @@ pub struct RegistrationService {
     pub driver: String,
     /// The DRA socket's absolute path.
     pub endpoint: String,
-    /// Told whether the kubelet accepted the registration.
-    pub registered: tokio::sync::watch::Sender<Option<Result<(), String>>>,
 }
 
 #[tonic::async_trait]
@@ -100,10 +98,8 @@ impl Registration for RegistrationService {
         let status = request.into_inner();
         if status.plugin_registered {
             tracing::info!(driver = %self.driver, "the kubelet registered the DRA plugin");
-            self.registered.send_replace(Some(Ok(())));
         } else {
             tracing::error!(driver = %self.driver, error = %status.error, "the kubelet refused the DRA plugin");
-            self.registered.send_replace(Some(Err(status.error)));
         }
         Ok(Response::new(RegistrationStatusResponse {}))
     }
