@@ -2,17 +2,23 @@
 //! kubelet names in `CreateContainer` (`vendor/class=name`) is looked up in the JSON specs of
 //! one directory, and its container edits (the spec's own, then the device's) are applied to
 //! the container. A device no spec describes fails the container's creation, as an
-//! "unresolvable CDI devices" error does in containerd. Only the environment is applied: it is
-//! all gpushare's specs carry.
+//! "unresolvable CDI devices" error does in containerd. The environment and mounts are applied:
+//! they are all gpushare's specs carry.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// Applies the CDI devices `names` found in `dir` to `envs`.
+/// Applies the CDI devices `names` found in `dir` to `envs` and `mounts` (host path, container
+/// path).
 ///
 /// # Errors
 /// The devices no spec in `dir` describes, or a spec that cannot be read.
-pub fn apply(dir: &Path, names: &[String], envs: &mut BTreeMap<String, String>) -> Result<(), String> {
+pub fn apply(
+    dir: &Path,
+    names: &[String],
+    envs: &mut BTreeMap<String, String>,
+    mounts: &mut Vec<(String, String)>,
+) -> Result<(), String> {
     if names.is_empty() {
         return Ok(());
     }
@@ -49,6 +55,10 @@ pub fn apply(dir: &Path, names: &[String], envs: &mut BTreeMap<String, String>) 
                 let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
                 envs.insert(k.to_owned(), v.to_owned());
             }
+            for m in edits["mounts"].as_array().into_iter().flatten() {
+                let path = |key: &str| m[key].as_str().unwrap_or_default().to_owned();
+                mounts.push((path("hostPath"), path("containerPath")));
+            }
         }
     }
     if unresolved.is_empty() {
@@ -68,16 +78,19 @@ mod tests {
         let spec = serde_json::json!({
             "cdiVersion": "0.6.0", "kind": "gpushare.io/gpu",
             "containerEdits": {"env": ["COMMON=1"]},
-            "devices": [{"name": "claim-a", "containerEdits": {"env": ["NVIDIA_VISIBLE_DEVICES=GPU-1", "X=a=b"]}}],
+            "devices": [{"name": "claim-a", "containerEdits": {"env": ["NVIDIA_VISIBLE_DEVICES=GPU-1", "X=a=b"],
+                "mounts": [{"hostPath": "/run/mps", "containerPath": "/run/mps", "options": ["rbind"]}]}}],
         });
         std::fs::write(dir.path().join("a.json"), spec.to_string()).unwrap();
         std::fs::write(dir.path().join(".a.tmp"), "not json").unwrap();
         let mut envs = BTreeMap::from([("X".to_owned(), "old".to_owned())]);
-        apply(dir.path(), &["gpushare.io/gpu=claim-a".to_owned()], &mut envs).unwrap();
+        let mut mounts = Vec::new();
+        apply(dir.path(), &["gpushare.io/gpu=claim-a".to_owned()], &mut envs, &mut mounts).unwrap();
+        assert_eq!(mounts, [("/run/mps".to_owned(), "/run/mps".to_owned())]);
         assert_eq!(envs["NVIDIA_VISIBLE_DEVICES"], "GPU-1");
         assert_eq!(envs["X"], "a=b");
         assert_eq!(envs["COMMON"], "1");
-        let e = apply(dir.path(), &["gpushare.io/gpu=claim-b".to_owned()], &mut envs).unwrap_err();
+        let e = apply(dir.path(), &["gpushare.io/gpu=claim-b".to_owned()], &mut envs, &mut mounts).unwrap_err();
         assert!(e.contains("unresolvable CDI devices gpushare.io/gpu=claim-b"), "{e}");
     }
 }

@@ -359,7 +359,10 @@ impl RuntimeService for Service {
         let mut envs: BTreeMap<String, String> =
             config.envs.iter().map(|kv| (kv.key.clone(), String::from_utf8_lossy(&kv.value).into_owned())).collect();
         let cdi_devices: Vec<String> = config.cdi_devices.iter().map(|d| d.name.clone()).collect();
-        crate::cdi::apply(&self.fs.join(CDI_DIR), &cdi_devices, &mut envs).map_err(Status::failed_precondition)?;
+        let mut mounts: Vec<(String, String)> =
+            config.mounts.iter().map(|m| (m.host_path.clone(), m.container_path.clone())).collect();
+        crate::cdi::apply(&self.fs.join(CDI_DIR), &cdi_devices, &mut envs, &mut mounts)
+            .map_err(Status::failed_precondition)?;
         let log_path = if log_dir.is_empty() || config.log_path.is_empty() {
             String::new()
         } else {
@@ -376,7 +379,7 @@ impl RuntimeService for Service {
             container: config.metadata.as_ref().map(|m| m.name.clone()).unwrap_or_default(),
             envs,
             devices: config.devices.iter().map(|d| (d.host_path.clone(), d.container_path.clone())).collect(),
-            mounts: config.mounts.iter().map(|m| (m.host_path.clone(), m.container_path.clone())).collect(),
+            mounts,
             cdi_devices,
             running: false,
         };

@@ -27,7 +27,8 @@ async fn dra_box() -> Option<RealBox> {
 }
 
 /// The box with one node of `count` GPUs of `mib` MiB, all served through DRA, with
-/// `config_extra` added to gpushared.toml; waits for its slice.
+/// `config_extra` added to gpushared.toml (`{host}` in it: the node's directory); waits for its
+/// slice.
 async fn dra_box_with(count: u32, mib: u64, config_extra: &str) -> Option<RealBox> {
     if !is_root() {
         gpushare_testkit::skip_unless_ci("the real kubelet needs root (it runs in a mount namespace of its own)");
@@ -35,7 +36,20 @@ async fn dra_box_with(count: u32, mib: u64, config_extra: &str) -> Option<RealBo
     }
     let mut b = up().await?;
     b.plane.apply(&repo().join("etc/kubernetes/gpushare-deviceclass.yaml")).unwrap_or_else(|e| panic!("{e:#}"));
-    let config = format!("{config_extra}{}", b.dra_config(NODE, &(0..count).collect::<Vec<_>>()));
+    let host = b.plane.dir.join(NODE);
+    let config_extra = config_extra.replace("{host}", &host.display().to_string());
+    // Both texts may have a [sharing] table: merged table by table.
+    let mut config: toml::Table = config_extra.parse().unwrap();
+    let dra: toml::Table = b.dra_config(NODE, &(0..count).collect::<Vec<_>>()).parse().unwrap();
+    for (key, value) in dra {
+        match (config.get_mut(&key), value) {
+            (Some(toml::Value::Table(old)), toml::Value::Table(new)) => old.extend(new),
+            (_, value) => {
+                config.insert(key, value);
+            }
+        }
+    }
+    let config = toml::to_string(&config).unwrap();
     let gpus: Vec<FakeGpu> = (0..count).map(|i| FakeGpu::new(NODE, i, mib, "A100-PCIE-40GB")).collect();
     b.add_node(NODE, &gpus, ("", &config)).unwrap_or_else(|e| panic!("{e:#}"));
     let all: Vec<String> = (0..count).map(|i| format!("gpu-{i}")).collect();
@@ -312,5 +326,41 @@ async fn an_8x80gb_node_takes_claims_at_mib_granularity() {
         assert_eq!(running["main"].envs["GPUSHARE_GPU_TOTAL_MIB"], "81920", "{name}");
         assert_eq!(allocated(&b, &format!("c-{name}")).1, format!("{mib}Mi"));
     }
+    b.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_on_a_dra_mps_gpu_is_an_mps_client_with_its_pipe_directory() {
+    // GPU 1 is named in [sharing] mps too: dra-mps. MPS's directories go under the node's.
+    let config = "[mps]\npipe_directory = \"{host}/mps-pipe\"\nlog_directory = \"{host}/mps-log\"\n\
+                  environment_file = \"{host}/mps.env\"\n";
+    let Some(mut b) = dra_box_with(2, GPU_MIB, &format!("{config}[sharing]\nmps = [1]\n")).await else { return };
+    let host = b.plane.dir.join(NODE);
+    let pipe = host.join("mps-pipe").display().to_string();
+    // One claim per GPU, each chosen by the slice's attributes (the sharing mode, the index).
+    for (name, expression) in [
+        ("c-mps", r#"device.attributes["gpu.gpushare.io"].sharing == "dra-mps""#),
+        ("c-plain", r#"device.attributes["gpu.gpushare.io"].index == 0"#),
+    ] {
+        let mut c = claim(name, 10_240);
+        c["spec"]["devices"]["requests"][0]["exactly"]["selectors"] = json!([{"cel": {"expression": expression}}]);
+        b.plane.create(&c).unwrap();
+        b.plane.create(&pod(&name.replace("c-", "p-"), name, &["main"])).unwrap();
+    }
+    let mps = wait_running(&b, "p-mps", 1);
+    let plain = wait_running(&b, "p-plain", 1);
+    assert_eq!(allocated(&b, "c-mps").0, "gpu-1");
+    assert_eq!(allocated(&b, "c-plain").0, "gpu-0");
+    let c = &mps["main"];
+    assert_eq!(c.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=10240M", "{:?}", c.envs);
+    assert_eq!(c.envs["CUDA_MPS_PIPE_DIRECTORY"], pipe);
+    assert_eq!(c.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "25");
+    assert!(c.mounts.contains(&(pipe.clone(), pipe.clone())), "{:?}", c.mounts);
+    let c = &plain["main"];
+    assert!(!c.envs.contains_key("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"), "{c:?}");
+    assert!(!c.mounts.iter().any(|(host, _)| *host == pipe), "{c:?}");
+    // gpushared-mps.service's environment names the MPS GPU.
+    let env = std::fs::read_to_string(host.join("mps.env")).unwrap();
+    assert!(env.contains("GPU-fake-node-d-1") && !env.contains("GPU-fake-node-d-0"), "{env}");
     b.shutdown();
 }

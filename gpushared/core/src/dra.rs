@@ -5,7 +5,7 @@
 
 use thiserror::Error;
 
-use crate::inventory::{Gpu, SharingMode};
+use crate::inventory::Gpu;
 use crate::units::{Mib, parse_quantity};
 
 /// The driver name gpushared publishes its ResourceSlices under and kube-scheduler writes into
@@ -38,12 +38,12 @@ pub fn device_index(name: &str) -> Option<u32> {
     digits.parse().ok()
 }
 
-/// Whether the node's pool offers `gpu` for new claims: in `dra` mode, healthy and not
+/// Whether the node's pool offers `gpu` for new claims: in `dra` or `dra-mps` mode, healthy and not
 /// cordoned. A GPU that stops being offered leaves the ResourceSlice; claims already prepared on
 /// it stay in the ledger until they are unprepared.
 #[must_use]
 pub fn offered(gpu: &Gpu) -> bool {
-    gpu.mode == SharingMode::Dra && gpu.health.is_healthy() && !gpu.cordoned
+    gpu.mode.is_dra() && gpu.health.is_healthy() && !gpu.cordoned
 }
 
 /// The CDI device name (the part after `=`) of one prepared claim: one device carries the
@@ -126,7 +126,7 @@ pub fn memory_quantity(total: Mib) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::inventory::{GpuUuid, Health};
+    use crate::inventory::{GpuUuid, Health, SharingMode};
 
     #[test]
     fn device_names_round_trip_and_refuse_others() {
@@ -163,6 +163,8 @@ mod tests {
         let mut g = Gpu::new(0, uuid, "m".to_owned(), Mib::new(1000));
         assert!(!offered(&g), "shared mode is the device plugin's");
         g.mode = SharingMode::Dra;
+        assert!(offered(&g));
+        g.mode = SharingMode::DraMps;
         assert!(offered(&g));
         g.cordoned = true;
         assert!(!offered(&g));

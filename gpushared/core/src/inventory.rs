@@ -96,10 +96,14 @@ pub enum SharingMode {
     /// ResourceClaims on it by its published `memory` capacity, and the daemon prepares them.
     /// It offers no device-plugin devices and the extender places no share on it.
     Dra,
+    /// Served through DRA, and each claim's containers are clients of the GPU's CUDA MPS
+    /// control daemon (named in both `[sharing] dra` and `[sharing] mps`).
+    DraMps,
 }
 
 impl SharingMode {
-    /// The name in configuration files and annotations: `shared`, `mps`, `whole` or `dra`.
+    /// The name in configuration files and annotations: `shared`, `mps`, `whole`, `dra` or
+    /// `dra-mps`.
     #[must_use]
     pub fn as_str(self) -> &'static str {
         match self {
@@ -107,6 +111,7 @@ impl SharingMode {
             SharingMode::Mps => "mps",
             SharingMode::Whole => "whole",
             SharingMode::Dra => "dra",
+            SharingMode::DraMps => "dra-mps",
         }
     }
 
@@ -118,6 +123,7 @@ impl SharingMode {
             "mps" => Some(SharingMode::Mps),
             "whole" => Some(SharingMode::Whole),
             "dra" => Some(SharingMode::Dra),
+            "dra-mps" => Some(SharingMode::DraMps),
             _ => None,
         }
     }
@@ -127,6 +133,19 @@ impl SharingMode {
     #[must_use]
     pub fn takes_device_plugin_shares(self) -> bool {
         matches!(self, SharingMode::Shared | SharingMode::Mps)
+    }
+
+    /// Whether the GPU is served through DRA (`dra` or `dra-mps`).
+    #[must_use]
+    pub fn is_dra(self) -> bool {
+        matches!(self, SharingMode::Dra | SharingMode::DraMps)
+    }
+
+    /// Whether the GPU's containers are clients of its CUDA MPS control daemon (`mps` or
+    /// `dra-mps`).
+    #[must_use]
+    pub fn runs_mps(self) -> bool {
+        matches!(self, SharingMode::Mps | SharingMode::DraMps)
     }
 }
 

@@ -694,7 +694,7 @@ fn gpu_states(node: NodeView<'_>) -> Vec<GpuState> {
             free: g.capacity(unit).saturating_sub(*used),
             unusable: match (&g.health, g.cordoned) {
                 _ if g.mode == crate::inventory::SharingMode::Whole => Some(Unusable::Whole),
-                _ if g.mode == crate::inventory::SharingMode::Dra => Some(Unusable::Dra),
+                _ if g.mode.is_dra() => Some(Unusable::Dra),
                 (Health::Unhealthy { reason }, _) => Some(Unusable::Unhealthy(reason.clone())),
                 (Health::Healthy, true) => Some(Unusable::Cordoned),
                 (Health::Healthy, false) => None,

@@ -288,6 +288,8 @@ impl SharingConfig {
                 ["mps"] => gpushare_core::SharingMode::Mps,
                 ["whole"] => gpushare_core::SharingMode::Whole,
                 ["dra"] => gpushare_core::SharingMode::Dra,
+                // Served through DRA, its claims' containers MPS clients.
+                ["mps", "dra"] => gpushare_core::SharingMode::DraMps,
                 _ => {
                     return Err(format!(
                         "[sharing] names GPU {} ({}) in {}; a GPU is served one way: name it in one list",
@@ -882,6 +884,9 @@ mod tests {
         assert_eq!(modes, ["dra", "shared", "dra"]);
         let twice = SharingConfig { mps: vec![], whole: vec![GpuRef::Index(2)], dra: vec![GpuRef::Index(2)] };
         assert!(twice.apply(&mut gpus, &[]).unwrap_err().contains("in whole and dra"));
+        let both = SharingConfig { mps: vec![GpuRef::Index(1)], whole: vec![], dra: vec![GpuRef::Index(1)] };
+        both.apply(&mut gpus, &[]).unwrap();
+        assert_eq!(gpus[1].mode.as_str(), "dra-mps");
         // GPU 7 does not answer (its identity unknown): naming it, or a UUID no GPU answers
         // with, is a note, not a refusal; another missing index is still refused.
         let sharing =

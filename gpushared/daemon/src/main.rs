@@ -327,7 +327,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
     };
     // The DRA driver, when `[sharing] dra` names any GPU: its own sockets and the node's
     // ResourceSlice (docs/dra.md).
-    let mut dra = if alloc.inventory().gpus().iter().any(|g| g.mode == gpushare_core::SharingMode::Dra) {
+    let mut dra = if alloc.inventory().gpus().iter().any(|g| g.mode.is_dra()) {
         Some(tokio::spawn(gpushared::dra::run(
             config.dra.clone(),
             client.clone(),

@@ -230,6 +230,8 @@ enum WireMode {
     Mps,
     Whole,
     Dra,
+    #[serde(rename = "dra-mps")]
+    DraMps,
 }
 
 impl WireMode {
@@ -298,6 +300,7 @@ impl NodeState {
                         SharingMode::Mps => WireMode::Mps,
                         SharingMode::Whole => WireMode::Whole,
                         SharingMode::Dra => WireMode::Dra,
+                        SharingMode::DraMps => WireMode::DraMps,
                     },
                     util_percent: g.activity.and_then(|a| a.utilization),
                     in_use_mib: g.activity.map(|a| a.in_use),
@@ -402,6 +405,7 @@ impl NodeState {
                     WireMode::Mps => SharingMode::Mps,
                     WireMode::Whole => SharingMode::Whole,
                     WireMode::Dra => SharingMode::Dra,
+                    WireMode::DraMps => SharingMode::DraMps,
                 },
                 activity: g.in_use_mib.map(|in_use| Activity { utilization: g.util_percent, in_use }),
             });

@@ -1,5 +1,6 @@
 //! CDI specs for prepared claims: one JSON file per claim in `[dra] cdi_dir`, describing one
-//! device (`gpushare.io/gpu=claim-<uid>`) whose container edits carry the claim's environment.
+//! device (`gpushare.io/gpu=claim-<uid>`) whose container edits carry the claim's environment
+//! and, on `dra-mps` GPUs, the MPS pipe directory as a bind mount.
 //! The runtime (containerd, CRI-O, or the test box's) applies the device the kubelet names in
 //! `CreateContainer`. A spec is written whole (a temporary file, fsynced, renamed) before the
 //! prepare is answered, and removed when the claim is unprepared.
@@ -11,8 +12,8 @@ use std::path::{Path, PathBuf};
 use gpushare_core::dra;
 use serde_json::json;
 
-/// The CDI specification version the specs are written in (env-only edits: any runtime that
-/// reads CDI 0.5 or later accepts them).
+/// The CDI specification version the specs are written in (environment and mount edits: any
+/// runtime that reads CDI 0.5 or later accepts them).
 pub const CDI_VERSION: &str = "0.6.0";
 
 /// The spec file of a claim: `<dir>/gpushare.io-gpu-claim-<uid>.json`.
@@ -21,14 +22,20 @@ pub fn spec_path(dir: &Path, claim_uid: &str) -> PathBuf {
     dir.join(format!("gpushare.io-gpu-{}.json", dra::cdi_device(claim_uid)))
 }
 
-/// The spec of a claim whose device sets `envs`.
+/// The spec of a claim whose device sets `envs` and bind-mounts each of `mounts` at the same
+/// path, read-write.
 #[must_use]
-pub fn spec(claim_uid: &str, envs: &BTreeMap<String, String>) -> serde_json::Value {
+pub fn spec(claim_uid: &str, envs: &BTreeMap<String, String>, mounts: &[PathBuf]) -> serde_json::Value {
     let env: Vec<String> = envs.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let mut edits = json!({ "env": env });
+    if !mounts.is_empty() {
+        edits["mounts"] =
+            mounts.iter().map(|m| json!({ "hostPath": m, "containerPath": m, "options": ["rbind", "rw"] })).collect();
+    }
     json!({
         "cdiVersion": CDI_VERSION,
         "kind": dra::CDI_KIND,
-        "devices": [{ "name": dra::cdi_device(claim_uid), "containerEdits": { "env": env } }],
+        "devices": [{ "name": dra::cdi_device(claim_uid), "containerEdits": edits }],
     })
 }
 
@@ -36,14 +43,19 @@ pub fn spec(claim_uid: &str, envs: &BTreeMap<String, String>) -> serde_json::Val
 ///
 /// # Errors
 /// The I/O error, with the path.
-pub fn write(dir: &Path, claim_uid: &str, envs: &BTreeMap<String, String>) -> Result<PathBuf, String> {
+pub fn write(
+    dir: &Path,
+    claim_uid: &str,
+    envs: &BTreeMap<String, String>,
+    mounts: &[PathBuf],
+) -> Result<PathBuf, String> {
     let path = spec_path(dir, claim_uid);
     let io = |what: &str, e: std::io::Error| format!("{what} {}: {e}", path.display());
     std::fs::create_dir_all(dir).map_err(|e| io("creating the CDI directory for", e))?;
     // A dot-named temporary file: CDI readers take only *.json and *.yaml.
     let tmp = dir.join(format!(".{}.tmp", dra::cdi_device(claim_uid)));
-    let text =
-        serde_json::to_vec_pretty(&spec(claim_uid, envs)).map_err(|e| format!("encoding {}: {e}", path.display()))?;
+    let text = serde_json::to_vec_pretty(&spec(claim_uid, envs, mounts))
+        .map_err(|e| format!("encoding {}: {e}", path.display()))?;
     let mut f = std::fs::File::create(&tmp).map_err(|e| io("writing", e))?;
     f.write_all(&text).and_then(|()| f.sync_all()).map_err(|e| io("writing", e))?;
     std::fs::rename(&tmp, &path).map_err(|e| io("renaming into", e))?;
@@ -75,12 +87,19 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let cdi = dir.path().join("cdi");
         let envs = BTreeMap::from([("A".to_owned(), "1".to_owned()), ("B".to_owned(), "x=y".to_owned())]);
-        let path = write(&cdi, "u-1", &envs).unwrap();
+        let path = write(&cdi, "u-1", &envs, &[]).unwrap();
         assert_eq!(path, cdi.join("gpushare.io-gpu-claim-u-1.json"));
         let read: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
         assert_eq!(read["kind"], "gpushare.io/gpu");
         assert_eq!(read["devices"][0]["name"], "claim-u-1");
         assert_eq!(read["devices"][0]["containerEdits"]["env"], json!(["A=1", "B=x=y"]));
+        assert!(read["devices"][0]["containerEdits"].get("mounts").is_none());
+        write(&cdi, "u-1", &envs, &[PathBuf::from("/tmp/nvidia-mps")]).unwrap();
+        let read: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        assert_eq!(
+            read["devices"][0]["containerEdits"]["mounts"],
+            json!([{"hostPath": "/tmp/nvidia-mps", "containerPath": "/tmp/nvidia-mps", "options": ["rbind", "rw"]}])
+        );
         let names: Vec<_> = std::fs::read_dir(&cdi).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names.len(), 1, "no temporary file is left: {names:?}");
         remove(&cdi, "u-1").unwrap();

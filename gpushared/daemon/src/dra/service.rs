@@ -65,7 +65,8 @@ impl<S: ClaimSource> Driver<S> {
             }
         };
         // Written again on a repeated prepare: a spec lost with /var/run is back.
-        cdi::write(&self.cdi_dir, &claim.uid, &prepared.envs)?;
+        let mounts: Vec<PathBuf> = prepared.mounts.iter().map(|m| m.path.clone()).collect();
+        cdi::write(&self.cdi_dir, &claim.uid, &prepared.envs, &mounts)?;
         Ok(self.devices(claim, &prepared))
     }
 

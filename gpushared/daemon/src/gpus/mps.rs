@@ -8,14 +8,14 @@
 use std::io::Write as _;
 use std::path::Path;
 
-use gpushare_core::{Gpu, SharingMode};
+use gpushare_core::Gpu;
 
 use crate::config::MpsConfig;
 
 /// The file's contents for `gpus`, or `None` when no GPU is in MPS mode.
 #[must_use]
 pub fn environment(gpus: &[Gpu], mps: &MpsConfig) -> Option<String> {
-    let uuids: Vec<&str> = gpus.iter().filter(|g| g.mode == SharingMode::Mps).map(|g| g.uuid.as_str()).collect();
+    let uuids: Vec<&str> = gpus.iter().filter(|g| g.mode.runs_mps()).map(|g| g.uuid.as_str()).collect();
     if uuids.is_empty() {
         return None;
     }
@@ -55,8 +55,9 @@ pub fn write_environment(path: &Path, contents: Option<&str>) -> Result<&'static
 
 #[cfg(test)]
 mod tests {
+    use gpushare_core::{GpuUuid, Mib, SharingMode};
+
     use super::*;
-    use gpushare_core::{GpuUuid, Mib};
 
     fn gpus(modes: &[SharingMode]) -> Vec<Gpu> {
         modes

@@ -324,8 +324,7 @@ pub fn run(
     evict: &tokio::sync::mpsc::UnboundedSender<Eviction>,
     stop: &AtomicBool,
 ) {
-    let gpus: Vec<(u32, bool)> =
-        alloc.inventory().gpus().iter().map(|g| (g.index, g.mode == gpushare_core::SharingMode::Mps)).collect();
+    let gpus: Vec<(u32, bool)> = alloc.inventory().gpus().iter().map(|g| (g.index, g.mode.runs_mps())).collect();
     let mut failing: BTreeSet<u32> = BTreeSet::new();
     while !stop.load(Ordering::Relaxed) {
         let mut processes = Vec::new();

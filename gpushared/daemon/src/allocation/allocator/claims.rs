@@ -45,14 +45,16 @@ pub struct ClaimShare {
     pub mib: Mib,
 }
 
-/// A claim prepared: its shares as the ledger holds them, and the environment its CDI device
-/// carries.
+/// A claim prepared: its shares as the ledger holds them, and the environment and mounts its
+/// CDI device carries.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PreparedShare {
     /// The rows, one per share.
     pub rows: Vec<ClaimRow>,
     /// The claim's environment.
     pub envs: BTreeMap<String, String>,
+    /// Host directories its containers mount (the MPS pipe directory on `dra-mps` GPUs).
+    pub mounts: Vec<super::Mount>,
 }
 
 /// Why a claim cannot be prepared. Each says what an operator can do.
@@ -141,7 +143,7 @@ impl Allocator {
             let gpu = dra::device_index(&s.device)
                 .and_then(|i| state.inventory.gpus().iter().find(|g| g.index == i))
                 .ok_or_else(|| ClaimError::UnknownDevice { claim: name.clone(), device: s.device.clone() })?;
-            if gpu.mode != SharingMode::Dra {
+            if !gpu.mode.is_dra() {
                 return Err(ClaimError::NotDra { claim: name, index: gpu.index, mode: gpu.mode });
             }
             if let Health::Unhealthy { reason } = &gpu.health {
@@ -220,8 +222,8 @@ impl Allocator {
             .iter()
             .map(|r| GpuShare { index: r.share.gpu_index, uuid: r.share.gpu_uuid.clone(), mib: r.share.mib })
             .collect();
-        let envs = self.environment().claim_envs(name, &shares);
-        PreparedShare { rows, envs }
+        let (envs, mounts) = self.environment().claim_answer(name, &shares);
+        PreparedShare { rows, envs, mounts }
     }
 }
 
@@ -236,13 +238,14 @@ mod tests {
     use crate::allocation::pods::PodStore;
     use crate::config::Compatibility;
 
-    /// Node-a with GPU 0 shared and GPUs 1 and 2 (1000 MiB each) in DRA mode.
+    /// Node-a with GPU 0 shared, GPU 1 in DRA mode and GPU 2 in DRA mode with MPS (1000 MiB
+    /// each).
     fn allocator(dir: &std::path::Path) -> Arc<Allocator> {
         let ledger = Ledger::open(&dir.join("ledger.db")).unwrap().ledger;
         let gpus = (0..3)
             .map(|i| {
                 let mut g = Gpu::new(i, GpuUuid::new(format!("GPU-{i}")).unwrap(), "T4", Mib::new(1000));
-                g.mode = if i == 0 { SharingMode::Shared } else { SharingMode::Dra };
+                g.mode = [SharingMode::Shared, SharingMode::Dra, SharingMode::DraMps][i as usize];
                 g
             })
             .collect();
@@ -280,6 +283,20 @@ mod tests {
         assert_eq!(alloc.live_claims().len(), 2, "a refused claim writes nothing");
         // The node state publishes what the ledger holds on each GPU, claims included.
         assert_eq!(alloc.node_state(1, "t").used, [Mib::ZERO, Mib::new(1000), Mib::ZERO]);
+    }
+
+    #[test]
+    fn a_claim_on_a_dra_mps_gpu_is_a_client_of_its_mps_daemon() {
+        let dir = tempfile::tempdir().unwrap();
+        let alloc = allocator(dir.path());
+        let mps = alloc.prepare_claim(&claim("m"), &[share("gpu-2", 250)]).unwrap();
+        assert_eq!(mps.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=250M");
+        assert_eq!(mps.envs["CUDA_MPS_PIPE_DIRECTORY"], "/tmp/nvidia-mps");
+        assert_eq!(mps.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "25", "proportional: 250 of 1000 MiB");
+        assert_eq!(mps.mounts.len(), 1);
+        assert_eq!(mps.mounts[0].path, std::path::Path::new("/tmp/nvidia-mps"));
+        let plain = alloc.prepare_claim(&claim("p"), &[share("gpu-1", 250)]).unwrap();
+        assert!(!plain.envs.contains_key("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") && plain.mounts.is_empty());
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use gpushare_core::codec::alibaba;
 use gpushare_core::codec::assignment::{Assignment, ContainerAssignment, GpuShare};
 use gpushare_core::codec::node::PodRef;
-use gpushare_core::{GpuUuid, Mib, NodeInventory, SharingMode};
+use gpushare_core::{GpuUuid, Mib, NodeInventory};
 
 use crate::allocation::ledger::Row;
 use crate::allocation::pods::StoredPod;
@@ -80,15 +80,22 @@ impl Environment<'_> {
     /// Whether every GPU of the container is in MPS mode (a container spanning shared and MPS
     /// GPUs is served as shared: one MPS client cannot leave some of its devices out).
     fn on_mps(&self, c: &ContainerAssignment) -> bool {
-        !c.gpus.is_empty()
-            && c.gpus
-                .iter()
-                .all(|g| self.inventory.gpus().iter().any(|x| x.uuid == g.uuid && x.mode == SharingMode::Mps))
+        self.all_mps(&c.gpus)
+    }
+
+    /// Whether there are GPUs and every one runs MPS (`mps` or `dra-mps`).
+    fn all_mps(&self, gpus: &[GpuShare]) -> bool {
+        !gpus.is_empty()
+            && gpus.iter().all(|g| self.inventory.gpus().iter().any(|x| x.uuid == g.uuid && x.mode.runs_mps()))
     }
 
     /// What a container mounts: the MPS pipe directory when it is an MPS client.
     fn mounts(&self, c: &ContainerAssignment) -> Vec<Mount> {
-        if self.on_mps(c) { vec![Mount { path: self.mps.pipe_directory.path().to_path_buf() }] } else { Vec::new() }
+        self.mps_mounts(self.on_mps(c))
+    }
+
+    fn mps_mounts(&self, mps: bool) -> Vec<Mount> {
+        if mps { vec![Mount { path: self.mps.pipe_directory.path().to_path_buf() }] } else { Vec::new() }
     }
 
     /// A GPU's total memory (zero for one this node does not have).
@@ -96,15 +103,20 @@ impl Environment<'_> {
         self.inventory.gpus().iter().find(|g| &g.uuid == uuid).map_or(Mib::ZERO, |g| g.total)
     }
 
-    /// The environment of a prepared DRA claim holding `shares` (its CDI device's, documented
-    /// in docs/dra.md): the GPUs and budget variables a container placed by the device plugin
-    /// gets, with `GPUSHARE_CLAIM` (namespace/name) for the pod and container.
-    pub(super) fn claim_envs(&self, claim: &str, shares: &[GpuShare]) -> BTreeMap<String, String> {
+    /// The environment and mounts of a prepared DRA claim holding `shares` (its CDI device's,
+    /// documented in docs/dra.md): the GPUs and budget variables a container placed by the
+    /// device plugin gets, with `GPUSHARE_CLAIM` (namespace/name) for the pod and container; on
+    /// `dra-mps` GPUs, the MPS client's variables and the pipe directory.
+    pub(super) fn claim_answer(&self, claim: &str, shares: &[GpuShare]) -> (BTreeMap<String, String>, Vec<Mount>) {
         let mut gpus: Vec<&GpuShare> = shares.iter().collect();
         gpus.sort_by_key(|g| g.index);
         let mut env = self.budget_envs(&gpus);
         env.insert("GPUSHARE_CLAIM".to_owned(), claim.to_owned());
-        env
+        let mps = self.all_mps(shares);
+        if mps {
+            self.mps_envs(&gpus, &mut env);
+        }
+        (env, self.mps_mounts(mps))
     }
 
     /// The GPUs and budget of a container or claim holding `gpus` (sorted by index).
@@ -128,29 +140,32 @@ impl Environment<'_> {
         env
     }
 
+    /// A client of the GPUs' MPS control daemon (`gpus` sorted by index): its memory pinned to
+    /// the budget, its threads to the configured share.
+    fn mps_envs(&self, gpus: &[&GpuShare], env: &mut BTreeMap<String, String>) {
+        env.insert("CUDA_MPS_PIPE_DIRECTORY".to_owned(), self.mps.pipe_directory.path().display().to_string());
+        env.insert(
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".to_owned(),
+            gpus.iter().enumerate().map(|(i, g)| format!("{i}={}M", g.mib.get())).collect::<Vec<_>>().join(","),
+        );
+        let share = gpus
+            .iter()
+            .map(|g| self.mps.active_thread_percentage.percentage(g.mib, self.total_of(&g.uuid)))
+            .max()
+            .unwrap_or(100);
+        env.insert("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".to_owned(), share.to_string());
+    }
+
     /// The environment of a container (documented in docs/gpushared.md).
     fn envs(&self, pod: &PodRef, assignment: &Assignment, c: &ContainerAssignment) -> BTreeMap<String, String> {
         let mut gpus: Vec<&GpuShare> = c.gpus.iter().collect();
         gpus.sort_by_key(|g| g.index);
-        let total_of = |uuid: &GpuUuid| self.total_of(uuid);
         let container_mib: u64 = gpus.iter().map(|g| g.mib.get()).sum();
         let mut env = self.budget_envs(&gpus);
         env.insert("GPUSHARE_POD".to_owned(), pod.to_string());
         env.insert("GPUSHARE_CONTAINER".to_owned(), c.name.clone());
         if self.on_mps(c) {
-            // A client of the GPUs' MPS control daemon: its memory pinned to the budget, its
-            // threads to the configured share.
-            env.insert("CUDA_MPS_PIPE_DIRECTORY".to_owned(), self.mps.pipe_directory.path().display().to_string());
-            env.insert(
-                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".to_owned(),
-                gpus.iter().enumerate().map(|(i, g)| format!("{i}={}M", g.mib.get())).collect::<Vec<_>>().join(","),
-            );
-            let share = gpus
-                .iter()
-                .map(|g| self.mps.active_thread_percentage.percentage(g.mib, total_of(&g.uuid)))
-                .max()
-                .unwrap_or(100);
-            env.insert("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".to_owned(), share.to_string());
+            self.mps_envs(&gpus, &mut env);
         }
         if self.compat == Compatibility::Alibaba {
             let unit = self.inventory.unit();
