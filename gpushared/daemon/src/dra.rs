@@ -4,12 +4,12 @@
 //! writes its CDI spec ([`service`], [`cdi`]). Claims are rows of the same ledger as the device
 //! plugin's allocations.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::Context as _;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
+use thiserror::Error;
 
 use crate::allocation::allocator::Allocator;
 use crate::config::DraConfig;
@@ -40,6 +40,24 @@ impl service::ClaimSource for ApiClaims {
     }
 }
 
+/// Why the DRA driver stopped serving.
+#[derive(Debug, Error)]
+pub enum DraError {
+    /// A directory or socket could not be made.
+    #[error("{what} {path}: {source}; check [dra] in gpushared.toml and that the directory is writable")]
+    Socket {
+        /// What was being done.
+        what: &'static str,
+        /// The path.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The gRPC servers failed.
+    #[error("serving the DRA plugin API: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
 /// Serves the DRA driver until `stop` turns true: binds the DRA socket, then the registration
 /// socket (so the kubelet never dials a socket that is not there yet), and keeps the node's
 /// ResourceSlice published.
@@ -51,13 +69,23 @@ pub async fn run(
     client: kube::Client,
     alloc: Arc<Allocator>,
     mut stop: tokio::sync::watch::Receiver<bool>,
-) -> anyhow::Result<()> {
+) -> Result<(), DraError> {
     let plugin_socket = config.plugin_socket();
     let registration_socket = config.registration_socket();
     for dir in [config.plugin_dir.path(), config.registry_dir.path()] {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(|source| DraError::Socket {
+            what: "creating",
+            path: dir.to_owned(),
+            source,
+        })?;
     }
-    let bind = |p: &Path| crate::kubelet::plugin::bind(p).with_context(|| format!("binding {}", p.display()));
+    let bind = |p: &Path| {
+        crate::kubelet::plugin::bind(p).map_err(|source| DraError::Socket {
+            what: "binding",
+            path: p.to_owned(),
+            source,
+        })
+    };
     let plugin = bind(&plugin_socket)?;
     let reg = bind(&registration_socket)?;
     let driver = Arc::new(service::Driver {
@@ -81,5 +109,5 @@ pub async fn run(
     // The registration socket goes with the driver: the kubelet's watcher sees it removed.
     let _ = std::fs::remove_file(&registration_socket);
     let _ = std::fs::remove_file(&plugin_socket);
-    served.context("serving the DRA plugin API")
+    Ok(served?)
 }

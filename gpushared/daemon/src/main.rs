@@ -380,7 +380,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
                 dra = None;
                 match ended {
                     Ok(Ok(())) => {}
-                    Ok(Err(e)) => return Err(e),
+                    Ok(Err(e)) => return Err(e.into()),
                     Err(e) => bail!("the DRA driver task failed: {e}"),
                 }
             }
