@@ -430,7 +430,10 @@ pub fn start_gpushared(
 /// `extra` laid over `base` (both TOML): its tables merged into those of `base` key by key, so
 /// an extra `[kubernetes]` (gpushared) or `[resources]` (the extender) section adds to the one
 /// `base` has rather than repeating it.
-fn merge_toml(base: &str, extra: &str) -> anyhow::Result<String> {
+///
+/// # Errors
+/// Either text is not TOML.
+pub fn merge_toml(base: &str, extra: &str) -> anyhow::Result<String> {
     fn merge(into: &mut toml::Table, from: toml::Table) {
         for (key, value) in from {
             match (into.get_mut(&key), value) {

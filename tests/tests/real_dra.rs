@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use gpushare_testkit::cri::Created;
 use gpushare_testkit::nvml::FakeGpu;
-use gpushare_testkit::realbox::{RealNode, is_root, repo};
+use gpushare_testkit::realbox::{RealNode, is_root, merge_toml, repo};
 use serde_json::{Value, json};
 
 mod realbox;
@@ -39,17 +39,7 @@ async fn dra_box_with(count: u32, mib: u64, config_extra: &str) -> Option<RealBo
     let host = b.plane.dir.join(NODE);
     let config_extra = config_extra.replace("{host}", &host.display().to_string());
     // Both texts may have a [sharing] table: merged table by table.
-    let mut config: toml::Table = config_extra.parse().unwrap();
-    let dra: toml::Table = b.dra_config(NODE, &(0..count).collect::<Vec<_>>()).parse().unwrap();
-    for (key, value) in dra {
-        match (config.get_mut(&key), value) {
-            (Some(toml::Value::Table(old)), toml::Value::Table(new)) => old.extend(new),
-            (_, value) => {
-                config.insert(key, value);
-            }
-        }
-    }
-    let config = toml::to_string(&config).unwrap();
+    let config = merge_toml(&config_extra, &b.dra_config(NODE, &(0..count).collect::<Vec<_>>())).unwrap();
     let gpus: Vec<FakeGpu> = (0..count).map(|i| FakeGpu::new(NODE, i, mib, "A100-PCIE-40GB")).collect();
     b.add_node(NODE, &gpus, ("", &config)).unwrap_or_else(|e| panic!("{e:#}"));
     let all: Vec<String> = (0..count).map(|i| format!("gpu-{i}")).collect();
