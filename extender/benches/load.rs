@@ -46,6 +46,7 @@ fn node(i: usize) -> Value {
         inventory: NodeInventory::new(MemoryUnit::Mib, gpus).unwrap(),
         used: vec![Mib::ZERO; GPUS as usize],
         allocations: vec![],
+        claims: vec![],
         over_budget: vec![],
     };
     json!({"apiVersion": "v1", "kind": "Node",
@@ -97,7 +98,7 @@ fn report_allocated(api: &ApiServer, daemon: &std::sync::Mutex<NodeState>, node:
             });
         }
     }
-    state.used = gpushare_core::codec::node::used_per_gpu(&state.inventory, &state.allocations);
+    state.used = gpushare_core::codec::node::used_per_gpu(&state.inventory, &state.allocations, &state.claims);
     state.generation += 1;
     let value = state.encode().unwrap();
     api.patch(

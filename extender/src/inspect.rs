@@ -182,6 +182,9 @@ pub struct GpuReport {
     pub in_use_mib: Option<u64>,
     /// Who holds it.
     pub pods: Vec<PodShare>,
+    /// The DRA claims prepared on it, as its daemon reported them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub claims: Vec<ClaimShare>,
     /// Containers whose processes use more of it than their budget, as its daemon last saw.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub over_budget: Vec<OverBudgetShare>,
@@ -202,6 +205,20 @@ pub struct OverBudgetShare {
     /// Its budget there (0: none).
     #[serde(rename = "budgetMiB")]
     pub budget_mib: u64,
+}
+
+/// One request's share of one GPU in a DRA ResourceClaim, as its node's daemon reported it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimShare {
+    /// `namespace/name` of the ResourceClaim.
+    pub claim: String,
+    /// Its UID.
+    pub uid: String,
+    /// The claim's request the share answers.
+    pub request: String,
+    /// Memory it consumes (kube-scheduler's `consumedCapacity`).
+    pub mib: u64,
 }
 
 /// A pod's memory on one GPU (or, for pending pods, its request).
@@ -229,13 +246,13 @@ impl ClusterReport {
         for name in names {
             let Some(entry) = view.node(&name) else { continue };
             let address = entry.address.clone();
-            let over_budget = match &entry.gpus {
+            let (over_budget, claims) = match &entry.gpus {
                 NodeGpus::NotSharing => continue,
                 NodeGpus::Invalid(why) => {
                     report.unreadable.push((name, why.clone()));
                     continue;
                 }
-                NodeGpus::Reported(state) => state.over_budget.clone(),
+                NodeGpus::Reported(state) => (state.over_budget.clone(), state.claims.clone()),
             };
             let Ok(inventory) = view.inventory(&name).cloned() else { continue };
             let Ok(usage) = view.usage(&name).cloned() else { continue };
@@ -267,6 +284,16 @@ impl ClusterReport {
                             container: o.container.clone(),
                             in_use_mib: o.in_use.get(),
                             budget_mib: o.budget.get(),
+                        })
+                        .collect(),
+                    claims: claims
+                        .iter()
+                        .filter(|c| c.gpu == g.index)
+                        .map(|c| ClaimShare {
+                            claim: c.claim.to_string(),
+                            uid: c.claim.uid.clone(),
+                            request: c.request.clone(),
+                            mib: c.mib.get(),
                         })
                         .collect(),
                     pods: usage
@@ -337,7 +364,7 @@ impl ClusterReport {
     }
 
     /// The details table (`kubectl inspect gpushare -d`): per node, one row per pod with what
-    /// it holds on each GPU.
+    /// it holds on each GPU, then one per DRA claim (named `resourceclaim/<name>`).
     #[must_use]
     pub fn details(&self) -> String {
         let units = |mib: u64| self.unit.whole_units(Mib::new(mib));
@@ -365,13 +392,24 @@ impl ClusterReport {
             for p in &n.pending {
                 pods.entry(p.pod.as_str()).or_insert_with(|| (vec![0; n.gpus.len()], 0)).1 += units(p.mib);
             }
+            // claim -> per-GPU units (a claim's shares on several GPUs make one row).
+            let mut claims: std::collections::BTreeMap<&str, Vec<u64>> = std::collections::BTreeMap::new();
+            for (i, g) in n.gpus.iter().enumerate() {
+                for c in &g.claims {
+                    claims.entry(c.claim.as_str()).or_insert_with(|| vec![0; n.gpus.len()])[i] += units(c.mib);
+                }
+            }
             let mut table = vec![header];
-            for (pod, (gpus, pending)) in &pods {
-                let (namespace, name) = pod.split_once('/').unwrap_or(("", pod));
-                let mut row = vec![name.to_owned(), namespace.to_owned()];
+            let rows = pods
+                .iter()
+                .map(|(pod, (gpus, pending))| (String::new(), *pod, gpus, Some(*pending)))
+                .chain(claims.iter().map(|(claim, gpus)| ("resourceclaim/".to_owned(), *claim, gpus, None)));
+            for (kind, object, gpus, pending) in rows {
+                let (namespace, name) = object.split_once('/').unwrap_or(("", object));
+                let mut row = vec![format!("{kind}{name}"), namespace.to_owned()];
                 row.extend(gpus.iter().map(u64::to_string));
                 if with_pending {
-                    row.push(pending.to_string());
+                    row.push(pending.map(|p| p.to_string()).unwrap_or_default());
                 }
                 table.push(row);
             }
@@ -558,6 +596,60 @@ Allocated/Total GPU Memory In Cluster:
         assert!(b.contains("GPU0(Allocated)  Pending(Allocated)\n"), "{b}");
         assert!(b.contains("next         ml          0                2000\n"), "{b}");
         assert!(b.contains("Allocated :  6096 (39%)\n"), "{b}");
+    }
+
+    #[test]
+    fn details_list_dra_claims_beside_the_pods() {
+        let claim =
+            |name: &str, mib| ClaimShare { claim: format!("ml/{name}"), uid: "u".into(), request: "gpu".into(), mib };
+        let gpu = |index, pods: Vec<PodShare>, claims: Vec<ClaimShare>| GpuReport {
+            index,
+            total_mib: 40_960,
+            used_mib: pods.iter().map(|p| p.mib).chain(claims.iter().map(|c| c.mib)).sum(),
+            healthy: true,
+            pods,
+            claims,
+            ..GpuReport::default()
+        };
+        let train = PodShare { pod: "ml/train".into(), uid: "p".into(), mib: 4096, in_flight: false };
+        let waiting = PodShare { pod: "ml/next".into(), uid: String::new(), mib: 2000, in_flight: false };
+        let report = ClusterReport {
+            unit: MemoryUnit::Mib,
+            nodes: vec![NodeReport {
+                name: "n".into(),
+                address: "10.0.0.1".into(),
+                unit: MemoryUnit::Mib,
+                // A claim with shares on both GPUs is one row.
+                gpus: vec![
+                    gpu(0, vec![train], vec![claim("wide", 1000)]),
+                    gpu(1, vec![], vec![claim("infer-gpu", 3500), claim("wide", 1000)]),
+                ],
+                pending: vec![waiting],
+                ..NodeReport::default()
+            }],
+            unreadable: vec![],
+        };
+        let out = report.details();
+        let want = "\
+NAME                     NAMESPACE    GPU0(Allocated)  GPU1(Allocated)  Pending(Allocated)
+next                     ml           0                0                2000
+train                    ml           4096             0                0
+resourceclaim/infer-gpu  ml           0                3500
+resourceclaim/wide       ml           1000             1000
+Allocated :              11596 (14%)
+";
+        assert!(out.contains(want), "{out}");
+        // The JSON carries each share; none on a GPU without claims.
+        let json = serde_json::to_value(&report).unwrap();
+        assert_eq!(
+            json["nodes"][0]["gpus"][1]["claims"][0],
+            serde_json::json!({"claim": "ml/infer-gpu", "uid": "u", "request": "gpu", "mib": 3500})
+        );
+        let plain = ClusterReport {
+            nodes: vec![NodeReport { gpus: vec![gpu(0, vec![], vec![])], ..report.nodes[0].clone() }],
+            ..report.clone()
+        };
+        assert!(serde_json::to_string(&plain).unwrap().find("claims").is_none());
     }
 
     #[test]

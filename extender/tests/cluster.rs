@@ -46,7 +46,7 @@ fn publish_allocations(api: &gpushare_testkit::apiserver::ApiServer, generation:
             }
         }
     }
-    state.used = used_per_gpu(&state.inventory, &state.allocations);
+    state.used = used_per_gpu(&state.inventory, &state.allocations, &state.claims);
     state.generation = generation;
     let n = state.allocations.len();
     api.patch(
@@ -204,30 +204,37 @@ async fn a_cluster_switches_over_from_alibabas_extender() {
     assert_eq!(annotations[alibaba::ASSIGNED], "false");
 }
 
-/// A node whose daemon hands GPU1 out whole and reports a container over its budget on GPU0:
-/// the extender places shares only on GPU0, and the over-budget container reaches the inspect
-/// view and the metrics.
+/// A node whose daemon hands GPU1 out whole, serves GPU2 through DRA with one claim prepared,
+/// and reports a container over its budget on GPU0: the extender places shares only on GPU0,
+/// and the over-budget container and the claim reach the inspect view and the metrics.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn whole_gpus_take_no_share_and_over_budget_containers_are_reported() {
-    use gpushare_core::codec::node::OverBudget;
+async fn whole_and_dra_gpus_take_no_share_and_their_holders_are_reported() {
+    use gpushare_core::codec::node::{NodeClaim, OverBudget};
+    use gpushare_core::dra::ClaimRef;
     use gpushare_core::{Gpu, GpuUuid, MemoryUnit, NodeInventory, SharingMode};
 
     let h = start(1024 * 1024).await;
-    let gpus: Vec<Gpu> = (0..2)
+    let gpus: Vec<Gpu> = (0..3)
         .map(|i| {
             let mut g = Gpu::new(i, GpuUuid::new(format!("GPU-w-{i}")).unwrap(), "A100", Mib::new(16_000));
-            if i == 1 {
-                g.mode = SharingMode::Whole;
-            }
+            g.mode = [SharingMode::Shared, SharingMode::Whole, SharingMode::Dra][i as usize];
             g
         })
         .collect();
+    let inventory = NodeInventory::new(MemoryUnit::Mib, gpus).unwrap();
+    let claims = vec![NodeClaim {
+        claim: ClaimRef { uid: "u-claim".into(), namespace: "ml".into(), name: "infer-gpu".into() },
+        request: "gpu".into(),
+        gpu: 2,
+        mib: Mib::new(3500),
+    }];
     let state = NodeState {
         generation: 1,
         daemon_version: "0.1.0".into(),
-        inventory: NodeInventory::new(MemoryUnit::Mib, gpus).unwrap(),
-        used: vec![Mib::ZERO; 2],
+        used: used_per_gpu(&inventory, &[], &claims),
+        inventory,
         allocations: vec![],
+        claims,
         over_budget: vec![OverBudget {
             pod: PodRef { namespace: "ml".into(), name: "train".into(), uid: "u-train".into() },
             container: "main".into(),
@@ -275,6 +282,13 @@ async fn whole_gpus_take_no_share_and_over_budget_containers_are_reported() {
         json!([{"pod": "ml/train", "container": "main", "inUseMiB": 5200, "budgetMiB": 4096}]),
         "{body}"
     );
+    assert_eq!((gpus[2]["mode"].as_str(), gpus[2]["usedMiB"].as_u64()), (Some("dra"), Some(3500)), "{body}");
+    assert_eq!(
+        gpus[2]["claims"],
+        json!([{"claim": "ml/infer-gpu", "uid": "u-claim", "request": "gpu", "mib": 3500}]),
+        "{body}"
+    );
+    assert!(gpus[0].get("claims").is_none(), "{body}");
     let (_, metrics) = http(h.addr, "GET", "/metrics", "").await;
     assert!(
         metrics.contains("gpushare_gpu_containers_over_budget{node=\"gpu-w\",gpu=\"0\",uuid=\"GPU-w-0\"} 1\n"),
@@ -287,6 +301,10 @@ async fn whole_gpus_take_no_share_and_over_budget_containers_are_reported() {
         "{metrics}"
     );
     assert!(metrics.contains("gpushare_gpu_schedulable{node=\"gpu-w\",gpu=\"1\",uuid=\"GPU-w-1\"} 0\n"), "{metrics}");
+    assert!(
+        metrics.contains("gpushare_gpu_memory_used_mib{node=\"gpu-w\",gpu=\"2\",uuid=\"GPU-w-2\"} 3500\n"),
+        "{metrics}"
+    );
 }
 
 /// A T4 holding one pod whose init container (10 000 MiB) ran before its app container

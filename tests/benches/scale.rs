@@ -52,6 +52,7 @@ fn node_object(name: &str) -> Value {
         inventory: NodeInventory::new(MemoryUnit::Mib, gpus).unwrap(),
         used: vec![Mib::ZERO; GPUS as usize],
         allocations: vec![],
+        claims: vec![],
         over_budget: vec![],
     };
     json!({"apiVersion": "v1", "kind": "Node",

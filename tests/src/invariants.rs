@@ -349,6 +349,7 @@ mod tests {
                     mib: Mib::new(*mib),
                 })
                 .collect(),
+            claims: vec![],
             over_budget: vec![],
         };
         serde_json::from_value(

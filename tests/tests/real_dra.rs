@@ -163,14 +163,25 @@ async fn a_claim_for_3500_mib_runs_with_its_gpu_and_budget_and_its_containers_sh
         assert_eq!(env("GPUSHARE_GPU_TOTAL_MIB"), GPU_MIB.to_string(), "{name}");
         assert_eq!(env("GPUSHARE_CLAIM"), "default/c-3500", "{name}");
     }
-    // The claim is in the node's ledger before the pod ran; deleting the pod unprepares it.
+    // The claim is in the node's ledger before the pod ran; the node annotation lists it on its
+    // GPU, and `kubectl inspect gpushare -d` gives it a row.
     assert!(node(&b).daemon.log().contains("claim prepared"), "{}", node(&b).daemon.log_tail(20));
+    let uid = claim_uid(&b, "c-3500");
+    wait_published_claims(&b, &[("c-3500", uid.as_str(), index, 3500)]);
+    let details = b.inspect(&["-d"]).unwrap();
+    let row = details.lines().find(|l| l.starts_with("resourceclaim/c-3500 ")).unwrap_or_else(|| panic!("{details}"));
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    let mut want = vec!["resourceclaim/c-3500", "default", "0", "0"];
+    want[2 + index as usize] = "3500";
+    assert_eq!(cells, want, "{details}");
+    // Deleting the pod unprepares it, and it leaves the annotation.
     b.plane.kubectl(&["delete", "pod", "p-3500", "--wait=true", "--timeout=60s"]).unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
     while !node(&b).daemon.log().contains("claim unprepared") {
         assert!(Instant::now() < deadline, "not unprepared after 60 s:\n{}", node(&b).daemon.log_tail(30));
         std::thread::sleep(Duration::from_millis(250));
     }
+    wait_published_claims(&b, &[]);
     b.shutdown();
 }
 
@@ -216,6 +227,30 @@ async fn claims_of_mixed_sizes_pack_without_overcommit_and_one_that_fits_nowhere
 
 fn claim_uid(b: &RealBox, name: &str) -> String {
     get(&b.plane, &["get", "resourceclaim", name, "-n", "default"])["metadata"]["uid"].as_str().unwrap().to_owned()
+}
+
+/// Waits until the node annotation lists exactly `want` as its claims: (name, UID, GPU, MiB).
+fn wait_published_claims(b: &RealBox, want: &[(&str, &str, u32, u64)]) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let state = b.node_state(NODE).unwrap();
+        let mut got: Vec<(String, String, u32, u64)> =
+            state.claims.iter().map(|c| (c.claim.name.clone(), c.claim.uid.clone(), c.gpu, c.mib.get())).collect();
+        got.sort();
+        let want: Vec<(String, String, u32, u64)> =
+            want.iter().map(|(n, u, g, m)| ((*n).to_owned(), (*u).to_owned(), *g, *m)).collect();
+        if got == want {
+            // Counted once each in `usedMiB`.
+            let mut used = vec![0; state.inventory.gpus().len()];
+            for (_, _, g, m) in &want {
+                used[*g as usize] += m;
+            }
+            assert_eq!(state.used.iter().map(|m| m.get()).collect::<Vec<_>>(), used);
+            return;
+        }
+        assert!(Instant::now() < deadline, "the node annotation lists claims {got:?}, not {want:?}, after 30 s");
+        std::thread::sleep(Duration::from_millis(250));
+    }
 }
 
 /// The node's published usage per GPU (`usedMiB`, DRA claims included).

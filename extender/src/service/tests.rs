@@ -391,6 +391,7 @@ fn prioritize_weighs_gpu_activity_only_when_configured() {
             inventory,
             used: vec![gpushare_core::Mib::ZERO],
             allocations: vec![],
+            claims: vec![],
             over_budget: vec![],
         };
         serde_json::from_value::<crate::objects::NodeObject>(json!({

@@ -41,8 +41,15 @@ pub(crate) fn node(name: &str, gpus: u32, mib: u64, generation: u64, allocations
     for a in &allocations {
         used[a.gpu as usize] = used[a.gpu as usize].saturating_add(a.mib);
     }
-    let state =
-        NodeState { generation, daemon_version: "0.1.0".into(), inventory, used, allocations, over_budget: vec![] };
+    let state = NodeState {
+        generation,
+        daemon_version: "0.1.0".into(),
+        inventory,
+        used,
+        allocations,
+        claims: vec![],
+        over_budget: vec![],
+    };
     serde_json::from_value(json!({
         "metadata": {"name": name, "annotations": {NODE_STATE_KEY: state.encode().unwrap()}},
         "status": {"addresses": [{"type": "InternalIP", "address": "10.0.0.1"}]}

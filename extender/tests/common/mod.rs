@@ -33,6 +33,7 @@ pub fn node_object(name: &str, gpus: u32, mib: u64) -> Value {
         used: vec![Mib::ZERO; gpus as usize],
         inventory,
         allocations: vec![],
+        claims: vec![],
         over_budget: vec![],
     };
     json!({

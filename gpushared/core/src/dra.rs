@@ -20,6 +20,24 @@ pub const CDI_KIND: &str = "gpushare.io/gpu";
 
 const MIB: u64 = 1024 * 1024;
 
+/// A ResourceClaim as the kubelet names it to the driver and the node state lists it.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ClaimRef {
+    /// Its UID, which tells a re-created claim of the same name apart.
+    pub uid: String,
+    /// Its namespace.
+    pub namespace: String,
+    /// Its name.
+    pub name: String,
+}
+
+/// `namespace/name`, as kubectl names a claim (the UID is left out).
+impl std::fmt::Display for ClaimRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
 /// The device name a GPU has in the node's ResourceSlice: `gpu-<index>` (a DNS label, stable
 /// while the GPU keeps its index).
 #[must_use]

@@ -4,7 +4,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use gpushare_core::codec::assignment::{Assignment, ContainerAssignment, GpuShare};
-use gpushare_core::codec::node::{NodeAllocation, NodeState, PodRef};
+use gpushare_core::codec::node::{NodeAllocation, NodeClaim, NodeState, PodRef};
+use gpushare_core::dra::ClaimRef;
 use gpushare_core::placement::{GpuPolicy, NodePolicy, NodeView, Placer, footprint};
 use gpushare_core::request::{ContainerRequest, ContainerRole, PodRequest};
 use gpushare_core::{Gpu, GpuUuid, Health, MemoryUnit, Mib, NodeInventory};
@@ -164,6 +165,7 @@ proptest! {
         (inv, used) in arb_node(),
         generation in any::<u64>(),
         holders in proptest::collection::vec(("[a-z][a-z0-9-]{0,20}", "[a-z0-9-]{1,36}", "[a-z]{1,8}", 0u8..3, 1u64..100_000), 0..20),
+        claims in proptest::collection::vec(("[a-z][a-z0-9-]{0,20}", "[a-z0-9-]{1,36}", "[a-z]{0,8}", 1u64..100_000), 0..10),
     ) {
         let n = inv.gpus().len();
         let allocations = holders
@@ -177,7 +179,17 @@ proptest! {
                 mib: Mib::new(mib),
             })
             .collect::<Vec<_>>();
-        let state = NodeState { generation, daemon_version: "0.1.0".into(), inventory: inv, used, allocations, over_budget: vec![] };
+        let claims = claims
+            .into_iter()
+            .enumerate()
+            .map(|(i, (name, uid, request, mib))| NodeClaim {
+                claim: ClaimRef { uid, namespace: "ns".into(), name },
+                request,
+                gpu: u32::try_from(i % n).unwrap(),
+                mib: Mib::new(mib),
+            })
+            .collect::<Vec<_>>();
+        let state = NodeState { generation, daemon_version: "0.1.0".into(), inventory: inv, used, allocations, claims, over_budget: vec![] };
         let text = state.encode().unwrap();
         let back = NodeState::decode(&text).unwrap();
         // Allocations come back grouped by GPU; compare as sets.
@@ -185,6 +197,11 @@ proptest! {
         let mut got = back.allocations.clone();
         want.sort_by(|a, b| (a.gpu, &a.pod, &a.container).cmp(&(b.gpu, &b.pod, &b.container)));
         got.sort_by(|a, b| (a.gpu, &a.pod, &a.container).cmp(&(b.gpu, &b.pod, &b.container)));
+        prop_assert_eq!(want, got);
+        let mut want = state.claims.clone();
+        let mut got = back.claims.clone();
+        want.sort_by(|a, b| (a.gpu, &a.claim, &a.request).cmp(&(b.gpu, &b.claim, &b.request)));
+        got.sort_by(|a, b| (a.gpu, &a.claim, &a.request).cmp(&(b.gpu, &b.claim, &b.request)));
         prop_assert_eq!(want, got);
         prop_assert_eq!(back.inventory, state.inventory);
         prop_assert_eq!(back.used, state.used);

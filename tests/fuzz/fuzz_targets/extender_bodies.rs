@@ -36,6 +36,7 @@ fn extender() -> &'static Extender<FakeCluster> {
                 inventory: NodeInventory::new(MemoryUnit::Mib, list).unwrap(),
                 used: vec![Mib::ZERO; gpus as usize],
                 allocations: vec![],
+                claims: vec![],
                 over_budget: vec![],
             };
             let object = json!({"metadata": {"name": node, "annotations": {NODE_STATE_KEY: state.encode().unwrap()}}});

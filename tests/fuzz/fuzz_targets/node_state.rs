@@ -12,8 +12,10 @@ fuzz_target!(|text: &str| {
         assert_eq!(again.inventory, state.inventory);
         assert_eq!(again.used, state.used);
         assert_eq!(again.allocations.len(), state.allocations.len());
+        assert_eq!(again.claims.len(), state.claims.len());
         let _ = pod_footprints(&state.inventory, &state.allocations);
-        assert_eq!(used_per_gpu(&state.inventory, &state.allocations).len(), state.inventory.gpus().len());
+        let used = used_per_gpu(&state.inventory, &state.allocations, &state.claims);
+        assert_eq!(used.len(), state.inventory.gpus().len());
     }
     if let Ok(h) = Heartbeat::decode(text) {
         assert_eq!(Heartbeat::decode(&h.encode().expect("encodes")).expect("decodes"), h);

@@ -29,6 +29,7 @@ pub(crate) fn node(name: &str, model: &str, mib: u64, count: u32) -> (Value, Val
         inventory: NodeInventory::new(MemoryUnit::Mib, gpus).unwrap(),
         used: vec![Mib::ZERO; count as usize],
         allocations: vec![],
+        claims: vec![],
         over_budget: vec![],
     };
     let total = (mib * u64::from(count)).to_string();

@@ -4,15 +4,20 @@
 //! {"v":1,"generation":7,"daemon":"0.1.0","unit":"MiB","gpus":[
 //!   {"index":0,"uuid":"GPU-8f6e…","minor":0,"model":"Tesla T4","totalMiB":15360,"numa":0,
 //!    "health":"Healthy","cordoned":false,"usedMiB":3500,
-//!    "pods":[{"namespace":"default","name":"infer-1","uid":"3f1c…","container":"main","mib":3500}]}]}
+//!    "pods":[{"namespace":"default","name":"infer-1","uid":"3f1c…","container":"main","mib":3500}]},
+//!   {"index":1,"uuid":"GPU-2a41…","model":"Tesla T4","totalMiB":15360,"health":"Healthy","mode":"dra",
+//!    "usedMiB":4096,"pods":[],
+//!    "claims":[{"namespace":"ml","name":"train-gpu-x7k2q","uid":"9d0e…","request":"gpu","mib":4096}]}]}
 //! ```
 //!
 //! `usedMiB` is the daemon's own figure (what its ledger holds on the GPU, by the init-container
 //! rule of [`crate::placement`]); the extender trusts it over its own assumptions. `pods` lists
 //! the holders per container for people and for reconciliation; a holder's `role` (`init` or
 //! `sidecar`; omitted for app containers) lets every reader charge each pod by the same rule,
-//! [`pod_footprints`], so no view adds an init container to the app containers it ran before. `generation` grows with every publication so a
-//! reader can ignore a stale value. `overBudget` (absent when empty) lists the containers whose
+//! [`pod_footprints`], so no view adds an init container to the app containers it ran before.
+//! `claims` (absent when empty) lists the DRA ResourceClaims prepared on the GPU, each request's
+//! share once; they count in `usedMiB` as they are ([`used_per_gpu`]). `generation` grows with
+//! every publication so a reader can ignore a stale value. `overBudget` (absent when empty) lists the containers whose
 //! processes use more of the GPU's memory than their budget, as the daemon last sampled them.
 
 use serde::{Deserialize, Serialize};
@@ -20,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 use super::{CodecError, app_role, decode_versioned, encode_checked, is_app_role};
+use crate::dra::ClaimRef;
 use crate::inventory::{Activity, Gpu, GpuUuid, Health, NodeInventory, SharingMode};
 use crate::placement::footprint;
 use crate::request::ContainerRole;
@@ -60,6 +66,19 @@ pub struct NodeAllocation {
     /// The GPU's NVML index.
     pub gpu: u32,
     /// Memory held.
+    pub mib: Mib,
+}
+
+/// One request's share of one GPU in a DRA ResourceClaim, as the daemon's ledger holds it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeClaim {
+    /// The claim.
+    pub claim: ClaimRef,
+    /// The claim's request the share answers.
+    pub request: String,
+    /// The GPU's NVML index.
+    pub gpu: u32,
+    /// Memory it consumes.
     pub mib: Mib,
 }
 
@@ -109,13 +128,20 @@ pub fn pod_footprints<'a>(
         .collect()
 }
 
-/// Memory used per GPU position of `inventory`: the sum of every pod's [`pod_footprints`].
+/// Memory used per GPU position of `inventory`: the sum of every pod's [`pod_footprints`] plus
+/// every DRA claim's share (a claim holds what kube-scheduler allocated it for as long as it is
+/// prepared, whichever of its containers run). Rows on a GPU the inventory lacks are left out.
 #[must_use]
-pub fn used_per_gpu(inventory: &NodeInventory, allocations: &[NodeAllocation]) -> Vec<Mib> {
+pub fn used_per_gpu(inventory: &NodeInventory, allocations: &[NodeAllocation], claims: &[NodeClaim]) -> Vec<Mib> {
     let mut used = vec![Mib::ZERO; inventory.gpus().len()];
     for f in pod_footprints(inventory, allocations).values() {
         for (u, m) in used.iter_mut().zip(&f.mib) {
             *u = u.saturating_add(*m);
+        }
+    }
+    for c in claims {
+        if let Some(u) = inventory.gpus().iter().position(|g| g.index == c.gpu).and_then(|p| used.get_mut(p)) {
+            *u = u.saturating_add(c.mib);
         }
     }
     used
@@ -150,8 +176,10 @@ pub struct NodeState {
     pub inventory: NodeInventory,
     /// Used memory per GPU, in inventory order.
     pub used: Vec<Mib>,
-    /// The allocations behind `used`.
+    /// The device-plugin allocations behind `used`.
     pub allocations: Vec<NodeAllocation>,
+    /// The DRA claims behind `used`.
+    pub claims: Vec<NodeClaim>,
     /// Containers over their budget.
     pub over_budget: Vec<OverBudget>,
 }
@@ -197,8 +225,20 @@ struct WireGpu {
     used_mib: Mib,
     #[serde(default)]
     pods: Vec<WireHolder>,
+    /// Absent when empty (and from daemons before DRA).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    claims: Vec<WireClaim>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     over_budget: Vec<WireOver>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct WireClaim {
+    namespace: String,
+    name: String,
+    uid: String,
+    request: String,
+    mib: Mib,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -270,6 +310,9 @@ impl NodeState {
                 a.pod.namespace, a.pod.name, a.gpu
             )));
         }
+        if let Some(c) = self.claims.iter().find(|c| self.inventory.by_index(c.gpu).is_none()) {
+            return Err(invalid(format!("claim {} names unknown GPU{}", c.claim, c.gpu)));
+        }
         if let Some(o) = self.over_budget.iter().find(|o| self.inventory.by_index(o.gpu).is_none()) {
             return Err(invalid(format!("over-budget {}/{} names unknown GPU{}", o.pod.namespace, o.pod.name, o.gpu)));
         }
@@ -318,6 +361,18 @@ impl NodeState {
                             mib: a.mib,
                         })
                         .collect(),
+                    claims: self
+                        .claims
+                        .iter()
+                        .filter(|c| c.gpu == g.index)
+                        .map(|c| WireClaim {
+                            namespace: c.claim.namespace.clone(),
+                            name: c.claim.name.clone(),
+                            uid: c.claim.uid.clone(),
+                            request: c.request.clone(),
+                            mib: c.mib,
+                        })
+                        .collect(),
                     over_budget: self
                         .over_budget
                         .iter()
@@ -347,6 +402,7 @@ impl NodeState {
         let mut gpus = Vec::with_capacity(wire.gpus.len());
         let mut used = Vec::with_capacity(wire.gpus.len());
         let mut allocations = Vec::new();
+        let mut claims = Vec::new();
         let mut over_budget = Vec::new();
         for g in wire.gpus {
             let health = match (g.health, g.health_reason) {
@@ -369,6 +425,20 @@ impl NodeState {
                     role: h.role,
                     gpu: g.index,
                     mib: h.mib,
+                });
+            }
+            for c in g.claims {
+                if c.namespace.is_empty() || c.name.is_empty() || c.uid.is_empty() {
+                    return Err(invalid(format!("GPU{} lists a claim with an empty namespace, name or UID", g.index)));
+                }
+                if c.mib == Mib::ZERO {
+                    return Err(invalid(format!("GPU{}: claim {}/{} consumes 0 MiB", g.index, c.namespace, c.name)));
+                }
+                claims.push(NodeClaim {
+                    claim: ClaimRef { uid: c.uid, namespace: c.namespace, name: c.name },
+                    request: c.request,
+                    gpu: g.index,
+                    mib: c.mib,
                 });
             }
             for o in g.over_budget {
@@ -420,6 +490,7 @@ impl NodeState {
             inventory,
             used: used.into_iter().map(|(_, m)| m).collect(),
             allocations,
+            claims,
             over_budget,
         })
     }
@@ -453,13 +524,19 @@ mod tests {
             generation: 7,
             daemon_version: "0.1.0".into(),
             inventory: NodeInventory::new(MemoryUnit::Mib, vec![g0, sick]).unwrap(),
-            used: vec![Mib::new(3500), Mib::ZERO],
+            used: vec![Mib::new(3500), Mib::new(2048)],
             allocations: vec![NodeAllocation {
                 pod: PodRef { namespace: "default".into(), name: "infer-1".into(), uid: "u1".into() },
                 container: "main".into(),
                 role: ContainerRole::App,
                 gpu: 0,
                 mib: Mib::new(3500),
+            }],
+            claims: vec![NodeClaim {
+                claim: ClaimRef { uid: "c9".into(), namespace: "ml".into(), name: "train-gpu".into() },
+                request: "gpu".into(),
+                gpu: 1,
+                mib: Mib::new(2048),
             }],
             over_budget: vec![OverBudget {
                 pod: PodRef { namespace: "default".into(), name: "infer-1".into(), uid: "u1".into() },
@@ -483,6 +560,12 @@ mod tests {
         assert!(text.contains(r#""health":"Unhealthy","healthReason":"Xid 79""#), "{text}");
         assert!(text.contains(r#""usedMiB":3500,"pods":[{"namespace":"default","name":"infer-1""#), "{text}");
         assert!(text.contains(r#""mode":"mps","utilPercent":37,"inUseMiB":4100,"#), "{text}");
+        assert!(
+            text.contains(r#""usedMiB":2048,"pods":[],"claims":[{"namespace":"ml","name":"train-gpu","uid":"c9","request":"gpu","mib":2048}]"#),
+            "{text}"
+        );
+        // A GPU without claims carries no key (what daemons before DRA wrote).
+        assert_eq!(text.matches(r#""claims""#).count(), 1, "{text}");
         // Shared and unsampled GPUs carry neither key (what daemons before them wrote).
         let sick = &text[text.find(r#""index":1"#).unwrap()..];
         assert!(!sick.contains(r#""mode":"#) && !sick.contains("utilPercent") && !sick.contains("inUseMiB"), "{sick}");
@@ -539,6 +622,18 @@ mod tests {
                 r#"{"v":1,"generation":1,"daemon":"x","unit":"MiB","gpus":[{"index":0,"uuid":"a","model":"m","totalMiB":9,"health":"Healthy","pods":[{"namespace":"d","name":"p","uid":"u","container":"c","mib":0}]}]}"#,
                 "holds 0 MiB",
             ),
+            (
+                r#"{"v":1,"generation":1,"daemon":"x","unit":"MiB","gpus":[{"index":0,"uuid":"a","model":"m","totalMiB":9,"health":"Healthy","claims":[{"namespace":"d","name":"c","uid":"","request":"gpu","mib":1}]}]}"#,
+                "a claim with an empty namespace, name or UID",
+            ),
+            (
+                r#"{"v":1,"generation":1,"daemon":"x","unit":"MiB","gpus":[{"index":0,"uuid":"a","model":"m","totalMiB":9,"health":"Healthy","claims":[{"namespace":"d","name":"c","uid":"u","request":"gpu","mib":0}]}]}"#,
+                "claim d/c consumes 0 MiB",
+            ),
+            (
+                r#"{"v":1,"generation":1,"daemon":"x","unit":"MiB","gpus":[{"index":0,"uuid":"a","model":"m","totalMiB":9,"health":"Healthy","claims":[{"namespace":"d","name":"c","uid":"u","mib":5}]}]}"#,
+                "malformed",
+            ),
         ];
         for (text, want) in cases {
             let err = NodeState::decode(text).unwrap_err().to_string();
@@ -576,14 +671,26 @@ mod tests {
         assert_eq!(f["a"].mib, vec![Mib::new(10_000), Mib::ZERO]);
         assert_eq!(f["b"].mib, vec![Mib::ZERO, Mib::new(3500)]);
         assert!(!f.contains_key("c"), "{f:?}");
-        assert_eq!(used_per_gpu(&inventory, &allocations), vec![Mib::new(10_000), Mib::new(3500)]);
+        assert_eq!(used_per_gpu(&inventory, &allocations, &[]), vec![Mib::new(10_000), Mib::new(3500)]);
+        // A DRA claim counts as it is, beside the pods (and not on a GPU the inventory lacks).
+        let claim = |gpu, mib| NodeClaim {
+            claim: ClaimRef { uid: "c".into(), namespace: "ml".into(), name: "c".into() },
+            request: "gpu".into(),
+            gpu,
+            mib: Mib::new(mib),
+        };
+        assert_eq!(
+            used_per_gpu(&inventory, &allocations, &[claim(0, 2000), claim(0, 48), claim(7, 1)]),
+            vec![Mib::new(12_048), Mib::new(3500)]
+        );
         // The role travels in the annotation (omitted for app containers, as before).
         let state = NodeState {
             generation: 1,
             daemon_version: "x".into(),
-            used: used_per_gpu(&inventory, &allocations[..5]),
+            used: used_per_gpu(&inventory, &allocations[..5], &[]),
             inventory,
             allocations: allocations[..5].to_vec(),
+            claims: Vec::new(),
             over_budget: Vec::new(),
         };
         let text = state.encode().unwrap();
@@ -600,5 +707,8 @@ mod tests {
         let mut state = sample();
         state.allocations[0].gpu = 9;
         assert!(state.encode().unwrap_err().to_string().contains("unknown GPU9"));
+        let mut state = sample();
+        state.claims[0].gpu = 4;
+        assert!(state.encode().unwrap_err().to_string().contains("claim ml/train-gpu names unknown GPU4"));
     }
 }

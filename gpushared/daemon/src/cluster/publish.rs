@@ -17,10 +17,10 @@
 //! - Kubernetes limits the total of all annotations of an object (every key and value) to
 //!   256 KiB. The publisher learns the size of the Node's other annotations from the Node it
 //!   reads at start and the Node each patch returns (and reads it again after any failure). A
-//!   value that would take the total over the limit drops the per-GPU holder lists (the memory
-//!   figures stay) and says so in the log; if even that would not fit, nothing is written, an
-//!   error names the sizes and the fix, and the publisher checks again every 10 s (the longest
-//!   backoff).
+//!   value that would take the total over the limit drops the per-GPU holder and claim lists
+//!   (the memory figures stay) and says so in the log; if even that would not fit, nothing is
+//!   written, an error names the sizes and the fix, and the publisher checks again every 10 s
+//!   (the longest backoff).
 
 use std::time::Duration;
 
@@ -185,7 +185,7 @@ pub fn encode(state: &NodeState, others: usize) -> Result<Encoded, CodecError> {
         Ok(_) | Err(CodecError::TooLarge { .. }) => {}
         Err(e) => return Err(e),
     }
-    match (NodeState { allocations: Vec::new(), ..state.clone() }).encode() {
+    match (NodeState { allocations: Vec::new(), claims: Vec::new(), ..state.clone() }).encode() {
         Ok(v) if fits(&v) => Ok(Encoded::WithoutHolders(v)),
         Ok(v) => Ok(Encoded::DoesNotFit { own: with_key(&v) }),
         Err(CodecError::TooLarge { len, .. }) => Ok(Encoded::DoesNotFit { own: NODE_STATE_KEY.len() + len }),
@@ -355,6 +355,7 @@ impl Publisher {
         if reduced && !self.reduced {
             tracing::warn!(
                 holders = state.allocations.len(),
+                claims = state.claims.len(),
                 other_annotation_bytes = others,
                 limit_bytes = MAX_TOTAL_ANNOTATION_BYTES,
                 "the node state with every holder would take the Node's annotations over Kubernetes' limit; publishing the memory figures without the holder lists"
@@ -388,7 +389,8 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     use super::*;
-    use gpushare_core::codec::node::{NodeAllocation, PodRef};
+    use gpushare_core::codec::node::{NodeAllocation, NodeClaim, PodRef};
+    use gpushare_core::dra::ClaimRef;
     use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory};
 
     /// A node of 8 x 80 GiB GPUs with `pods` single-container pods of realistic name lengths
@@ -432,13 +434,14 @@ mod tests {
             inventory,
             used,
             allocations,
+            claims: Vec::new(),
             over_budget: Vec::new(),
         }
     }
 
     /// The value without the holder lists.
     fn reduced(state: &NodeState) -> String {
-        NodeState { allocations: Vec::new(), ..state.clone() }.encode().unwrap()
+        NodeState { allocations: Vec::new(), claims: Vec::new(), ..state.clone() }.encode().unwrap()
     }
 
     #[test]
@@ -455,12 +458,43 @@ mod tests {
     }
 
     #[test]
+    fn hundreds_of_dra_claims_fit_the_annotation_limit() {
+        // Claims from ResourceClaimTemplates, named `<pod>-<request>-<suffix>`.
+        for (claims, most) in [(110, 25_000), (500, 110_000)] {
+            let mut state = state(0);
+            state.claims = (0..claims)
+                .map(|c| NodeClaim {
+                    claim: ClaimRef {
+                        uid: format!("9d0e4c7b-1a2b-4c3d-8e9f-{c:012}"),
+                        namespace: "ml-inference-prod".into(),
+                        name: format!("llama-serving-deployment-7d9f8b6c5-{c:05}-gpu-x7k2q"),
+                    },
+                    request: "gpu".into(),
+                    gpu: u32::try_from(c % 8).unwrap(),
+                    mib: Mib::new(1024),
+                })
+                .collect();
+            let Encoded::Complete(value) = encode(&state, 0).unwrap() else { panic!("{claims} claims: reduced") };
+            assert!(value.len() < most, "{claims} claims: {} bytes", value.len());
+            // BENCHMARKS.md records these (`-- --nocapture`).
+            println!("node-state annotation, 8 GPUs, {claims} claims: {} bytes", value.len());
+            assert_eq!(NodeState::decode(&value).unwrap().claims.len(), claims);
+        }
+    }
+
+    #[test]
     fn an_oversized_state_keeps_the_memory_figures_without_the_holders() {
-        let big = state(3_000);
+        let mut big = state(3_000);
+        big.claims.push(NodeClaim {
+            claim: ClaimRef { uid: "u".into(), namespace: "ml".into(), name: "c".into() },
+            request: "gpu".into(),
+            gpu: 0,
+            mib: Mib::new(1),
+        });
         assert!(matches!(big.encode(), Err(CodecError::TooLarge { .. })));
         let Encoded::WithoutHolders(value) = encode(&big, 0).unwrap() else { panic!("not reduced") };
         let back = NodeState::decode(&value).unwrap();
-        assert!(back.allocations.is_empty());
+        assert!(back.allocations.is_empty() && back.claims.is_empty());
         assert_eq!(back.used, big.used);
     }
 

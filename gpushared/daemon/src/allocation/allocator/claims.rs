@@ -9,28 +9,12 @@
 use std::collections::BTreeMap;
 
 use gpushare_core::codec::assignment::GpuShare;
+pub use gpushare_core::dra::ClaimRef;
 use gpushare_core::{Health, Mib, SharingMode, dra};
 use thiserror::Error;
 
 use super::Allocator;
 use crate::allocation::ledger::{ClaimRow, LedgerError, NewClaimRow};
-
-/// The ResourceClaim the kubelet names.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ClaimRef {
-    /// Its UID.
-    pub uid: String,
-    /// Its namespace.
-    pub namespace: String,
-    /// Its name.
-    pub name: String,
-}
-
-impl std::fmt::Display for ClaimRef {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
-    }
-}
 
 /// One device of the claim's allocation that is this driver's on this node.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -2,8 +2,9 @@
 //! the containers over budget, each change recorded in the ledger history; and what the node
 //! publishes of them with its allocations ([`Allocator::node_state`]).
 
-use gpushare_core::codec::node::{NodeAllocation, NodeState, OverBudget, used_per_gpu};
-use gpushare_core::{Activity, Health, Mib, NodeInventory};
+use gpushare_core::codec::node::{NodeAllocation, NodeClaim, NodeState, OverBudget, used_per_gpu};
+use gpushare_core::dra::ClaimRef;
+use gpushare_core::{Activity, Health, NodeInventory};
 
 use super::{AllocError, Allocator};
 use crate::allocation::ledger::{EventKind, LedgerError};
@@ -149,14 +150,27 @@ impl Allocator {
         Ok((index, true))
     }
 
-    /// What this node publishes: its GPUs, the memory its ledger holds on each (by the
-    /// init-container rule) and the holders.
+    /// What this node publishes: its GPUs, the memory its ledger holds on each (pods by the
+    /// init-container rule, DRA claims as they are) and the holders.
     #[must_use]
     pub fn node_state(&self, generation: u64, daemon_version: &str) -> NodeState {
         // Copy out under the lock (pointers, not rows); compute without it.
         let (inventory, held, rebuilding, claims) = {
             let state = self.lock();
-            let claims: Vec<(u32, Mib)> = state.claims.iter().map(|r| (r.share.gpu_index, r.share.mib)).collect();
+            let claims: Vec<NodeClaim> = state
+                .claims
+                .iter()
+                .map(|r| NodeClaim {
+                    claim: ClaimRef {
+                        uid: r.share.claim_uid.clone(),
+                        namespace: r.share.namespace.clone(),
+                        name: r.share.name.clone(),
+                    },
+                    request: r.share.request.clone(),
+                    gpu: r.share.gpu_index,
+                    mib: r.share.mib,
+                })
+                .collect();
             (state.inventory.clone(), state.held.clone(), state.rebuilding.clone().unwrap_or_default(), claims)
         };
         // While the ledger is rebuilt, what it lost is still published as held.
@@ -174,14 +188,16 @@ impl Allocator {
             })
             .chain(rebuilding)
             .collect();
-        let mut used = used_per_gpu(&inventory, &allocations);
-        // DRA claims count on their GPUs too: `usedMiB` is what the ledger holds there.
-        for (index, mib) in claims {
-            if let Some(u) = inventory.gpus().iter().position(|g| g.index == index).and_then(|i| used.get_mut(i)) {
-                *u = u.saturating_add(mib);
-            }
-        }
+        let used = used_per_gpu(&inventory, &allocations, &claims);
         let over_budget = self.over_budget();
-        NodeState { generation, daemon_version: daemon_version.to_owned(), inventory, used, allocations, over_budget }
+        NodeState {
+            generation,
+            daemon_version: daemon_version.to_owned(),
+            inventory,
+            used,
+            allocations,
+            claims,
+            over_budget,
+        }
     }
 }
