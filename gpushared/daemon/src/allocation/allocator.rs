@@ -293,7 +293,7 @@ impl Allocator {
             }
         };
         let rows = Self::rows_for(&state.inventory, &cand, device_ids)?;
-        room::check_room(&self.inventory, &state.held, &rows, &cand.view().pod.to_string())?;
+        room::check_room(&self.inventory, &state.held, &state.claims, &rows, &cand.view().pod.to_string())?;
         let written = state.ledger.allocate(&rows)?;
         state.held.extend(written.iter().map(|r| Arc::new(Held::from(r))));
         state.admissions.apply(Step::Allocated { key, uid: cand.view().pod.uid.clone() });

@@ -13,7 +13,7 @@ pub use gpushare_core::dra::ClaimRef;
 use gpushare_core::{Health, Mib, SharingMode, dra};
 use thiserror::Error;
 
-use super::Allocator;
+use super::{Allocator, room};
 use crate::allocation::ledger::{ClaimRow, LedgerError, NewClaimRow};
 
 /// One device of the claim's allocation that is this driver's on this node.
@@ -88,7 +88,7 @@ pub enum ClaimError {
     #[error(
         "claim {claim}: GPU {index} has {free} MiB free of {total} MiB in this node's ledger, and the claim consumes \
          {mib} MiB; refusing to overcommit (the API's allocations and the node's ledger disagree: see \
-         `gpusharectl allocations`)"
+         `gpusharectl allocations` and `gpusharectl claims`)"
     )]
     NoRoom {
         /// The claim.
@@ -107,6 +107,12 @@ pub enum ClaimError {
     Ledger(#[from] LedgerError),
 }
 
+/// The live rows of the claim with UID `uid`, if it has any (it is prepared).
+fn rows_of(claims: &[ClaimRow], uid: &str) -> Option<Vec<ClaimRow>> {
+    let rows: Vec<ClaimRow> = claims.iter().filter(|r| r.share.claim_uid == uid).cloned().collect();
+    (!rows.is_empty()).then_some(rows)
+}
+
 impl Allocator {
     /// Prepares `claim` with `shares` (its allocation's devices of this driver on this node).
     ///
@@ -115,9 +121,8 @@ impl Allocator {
     pub fn prepare_claim(&self, claim: &ClaimRef, shares: &[ClaimShare]) -> Result<PreparedShare, ClaimError> {
         let name = claim.to_string();
         let mut state = self.lock();
-        let existing: Vec<ClaimRow> = state.claims.iter().filter(|r| r.share.claim_uid == claim.uid).cloned().collect();
-        if !existing.is_empty() {
-            return Ok(self.prepared(&name, existing));
+        if let Some(rows) = rows_of(&state.claims, &claim.uid) {
+            return Ok(self.prepared(&name, rows));
         }
         if shares.is_empty() {
             return Err(ClaimError::NoDevices { claim: name });
@@ -133,24 +138,6 @@ impl Allocator {
             if let Health::Unhealthy { reason } = &gpu.health {
                 return Err(ClaimError::Unhealthy { claim: name, index: gpu.index, reason: reason.clone() });
             }
-            let used: u64 = state
-                .claims
-                .iter()
-                .filter(|r| r.share.gpu_uuid == gpu.uuid)
-                .map(|r| r.share.mib.get())
-                .chain(state.held.iter().filter(|h| h.gpu == gpu.uuid).map(|h| h.mib.get()))
-                .chain(rows.iter().filter(|r| r.gpu_uuid == gpu.uuid).map(|r| r.mib.get()))
-                .sum();
-            let free = gpu.total.get().saturating_sub(used);
-            if s.mib.get() > free {
-                return Err(ClaimError::NoRoom {
-                    claim: name,
-                    index: gpu.index,
-                    free,
-                    total: gpu.total.get(),
-                    mib: s.mib.get(),
-                });
-            }
             rows.push(NewClaimRow {
                 claim_uid: claim.uid.clone(),
                 namespace: claim.namespace.clone(),
@@ -160,6 +147,16 @@ impl Allocator {
                 gpu_uuid: gpu.uuid.clone(),
                 gpu_index: gpu.index,
                 mib: s.mib,
+            });
+        }
+        // The room rule device-plugin rows follow too: every pod and claim on the GPU counts.
+        if let Some(full) = room::claim_room(&state.inventory, &state.held, &state.claims, &rows) {
+            return Err(ClaimError::NoRoom {
+                claim: name,
+                index: full.gpu.index,
+                free: full.free.get(),
+                total: full.limit.get(),
+                mib: full.needs.get(),
             });
         }
         let written = state.ledger.prepare_claim(&rows)?;
@@ -174,9 +171,8 @@ impl Allocator {
     /// answered from here, without asking the API server.
     #[must_use]
     pub fn prepared_claim(&self, claim: &ClaimRef) -> Option<PreparedShare> {
-        let rows: Vec<ClaimRow> =
-            self.lock().claims.iter().filter(|r| r.share.claim_uid == claim.uid).cloned().collect();
-        (!rows.is_empty()).then(|| self.prepared(&claim.to_string(), rows))
+        let rows = rows_of(&self.lock().claims, &claim.uid)?;
+        Some(self.prepared(&claim.to_string(), rows))
     }
 
     /// Unprepares the claim with this UID: its live rows are released. Returns how many.
@@ -263,7 +259,11 @@ mod tests {
         assert!(err.contains("GPU 1 has 0 MiB free of 1000 MiB") && err.contains("refusing to overcommit"), "{err}");
         // Two shares of one claim on one GPU count together.
         let err = alloc.prepare_claim(&claim("d"), &[share("gpu-2", 600), share("gpu-2", 600)]).unwrap_err();
-        assert!(err.to_string().contains("GPU 2 has 400 MiB free"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("GPU 2 has 1000 MiB free of 1000 MiB in this node's ledger, and the claim consumes 1200 MiB"),
+            "{err}"
+        );
         assert_eq!(alloc.live_claims().len(), 2, "a refused claim writes nothing");
         // The node state publishes what the ledger holds on each GPU, claims included.
         assert_eq!(alloc.node_state(1, "t").used, [Mib::ZERO, Mib::new(1000), Mib::ZERO]);

@@ -132,7 +132,7 @@ impl Allocator {
                 })
             })
             .collect();
-        check_room(&self.inventory, &state.held, &rows, &pod.to_string())?;
+        check_room(&self.inventory, &state.held, &state.claims, &rows, &pod.to_string())?;
         let written = state.ledger.allocate(&rows)?;
         state.held.extend(written.iter().map(|r| Arc::new(Held::from(r))));
         Ok(rows.iter().map(|r| format!("GPU{} {} MiB", r.gpu_index, r.mib.get())).collect::<Vec<_>>().join(", "))
