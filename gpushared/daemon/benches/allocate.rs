@@ -23,27 +23,13 @@ use gpushared::allocation::pods::{PodStore, PodView};
 use gpushared::config::Compatibility;
 use gpushared::kubelet::plugin::{self, Plugin};
 
+mod common;
+use common::report;
+
 const GPUS: u32 = 8;
 const GPU_MIB: u64 = 16_384;
 const PODS: usize = 500;
 const POD_MIB: u64 = 200;
-
-/// The `per_mille`-th sample of a sorted list (nearest rank).
-fn percentile(sorted: &[Duration], per_mille: usize) -> Duration {
-    sorted[(sorted.len() - 1) * per_mille / 1000]
-}
-
-fn report(name: &str, mut samples: Vec<Duration>) {
-    samples.sort();
-    println!(
-        "{name:<24} n={:<4} p50={:>8.3?} p90={:>8.3?} p99={:>8.3?} max={:>8.3?}",
-        samples.len(),
-        percentile(&samples, 500),
-        percentile(&samples, 900),
-        percentile(&samples, 990),
-        samples[samples.len() - 1]
-    );
-}
 
 fn uuid(i: u32) -> GpuUuid {
     GpuUuid::new(format!("GPU-bench-{i}")).unwrap()

@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory, ResourceNames, SharingMode};
 use gpushare_proto::dra::dra_plugin_client::DraPluginClient;
@@ -25,6 +25,9 @@ use gpushared::config::Compatibility;
 use gpushared::dra::grpc::{RegistrationService, serve};
 use gpushared::dra::service::{ClaimSource, Driver};
 use k8s_openapi::api::resource::v1::ResourceClaim;
+
+mod common;
+use common::report;
 
 const GPUS: u32 = 8;
 const GPU_MIB: u64 = 81_920;
@@ -53,23 +56,6 @@ fn claim(i: usize) -> ResourceClaim {
         }]}}},
     }))
     .unwrap()
-}
-
-/// The `per_mille`-th sample of a sorted list (nearest rank).
-fn percentile(sorted: &[Duration], per_mille: usize) -> Duration {
-    sorted[(sorted.len() - 1) * per_mille / 1000]
-}
-
-fn report(name: &str, mut samples: Vec<Duration>) {
-    samples.sort();
-    println!(
-        "{name:<28} n={:<4} p50={:>8.3?} p90={:>8.3?} p99={:>8.3?} max={:>8.3?}",
-        samples.len(),
-        percentile(&samples, 500),
-        percentile(&samples, 900),
-        percentile(&samples, 990),
-        samples[samples.len() - 1]
-    );
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
