@@ -84,6 +84,17 @@ pub enum ClaimError {
         /// Why.
         reason: String,
     },
+    /// The GPU was cordoned after kube-scheduler allocated the claim.
+    #[error(
+        "claim {claim}: GPU {index} is cordoned on this node (gpusharectl uncordon {index}), and the claim is new to it; \
+         delete the pod and the claim so that kube-scheduler allocates again"
+    )]
+    Cordoned {
+        /// The claim.
+        claim: String,
+        /// The GPU.
+        index: u32,
+    },
     /// The ledger says the GPU has no room: the API and the node disagree.
     #[error(
         "claim {claim}: GPU {index} has {free} MiB free of {total} MiB in this node's ledger, and the claim consumes \
@@ -137,6 +148,11 @@ impl Allocator {
             }
             if let Health::Unhealthy { reason } = &gpu.health {
                 return Err(ClaimError::Unhealthy { claim: name, index: gpu.index, reason: reason.clone() });
+            }
+            // A cordoned GPU keeps what it holds (a claim prepared before, answered above) and
+            // takes nothing new, as device-plugin `Allocate` refuses it too.
+            if gpu.cordoned {
+                return Err(ClaimError::Cordoned { claim: name, index: gpu.index });
             }
             rows.push(NewClaimRow {
                 claim_uid: claim.uid.clone(),
@@ -317,5 +333,20 @@ mod tests {
         alloc.set_health(1, gpushare_core::Health::Unhealthy { reason: "Xid 79".to_owned() }).unwrap();
         let e = alloc.prepare_claim(&claim("a"), &[share("gpu-1", 10)]).unwrap_err().to_string();
         assert!(e.contains("GPU 1 is unhealthy (Xid 79)"), "{e}");
+    }
+
+    #[test]
+    fn a_cordoned_gpu_keeps_its_claims_and_takes_no_new_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let alloc = allocator(dir.path());
+        let held = alloc.prepare_claim(&claim("a"), &[share("gpu-1", 100)]).unwrap();
+        alloc.set_cordon("1", true).unwrap();
+        // Asked again (the kubelet restarted): answered from the ledger.
+        assert_eq!(alloc.prepare_claim(&claim("a"), &[share("gpu-1", 100)]).unwrap(), held);
+        let e = alloc.prepare_claim(&claim("b"), &[share("gpu-1", 100)]).unwrap_err().to_string();
+        assert!(e.contains("GPU 1 is cordoned on this node (gpusharectl uncordon 1)"), "{e}");
+        assert_eq!(alloc.live_claims().len(), 1, "nothing written");
+        alloc.set_cordon("1", false).unwrap();
+        alloc.prepare_claim(&claim("b"), &[share("gpu-1", 100)]).unwrap();
     }
 }
