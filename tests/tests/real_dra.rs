@@ -389,3 +389,37 @@ async fn a_claim_on_a_dra_mps_gpu_is_an_mps_client_with_its_pipe_directory() {
     assert!(env.contains("GPU-fake-node-d-1") && !env.contains("GPU-fake-node-d-0"), "{env}");
     b.shutdown();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moving_the_gpus_back_to_the_device_plugin_withdraws_the_slice() {
+    let Some(mut b) = dra_box().await else { return };
+    // The operator names no GPU in [sharing] dra any more; gpushared crashes and starts again
+    // (the worst case: its registration socket is left behind).
+    let path = node(&b).host.join("gpushared").join("gpushared.toml");
+    let mut config: toml::Table = std::fs::read_to_string(&path).unwrap().parse().unwrap();
+    config["sharing"].as_table_mut().unwrap().remove("dra");
+    std::fs::write(&path, toml::to_string(&config).unwrap()).unwrap();
+    b.nodes[0].daemon.kill_and_restart().unwrap();
+    // The slice goes, at once, by gpushared (the kubelet's own wipe waits longer).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let slices = get(&b.plane, &["get", "resourceslices"]);
+        let mine = slices["items"].as_array().into_iter().flatten().filter(|s| s["spec"]["nodeName"] == NODE).count();
+        if mine == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the slice is still there after 20 s:\n{}", node(&b).daemon.log_tail(30));
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert!(node(&b).daemon.log().contains("ResourceSlice withdrawn"), "{}", node(&b).daemon.log_tail(30));
+    // The GPUs are device-plugin shares again.
+    let shared = |b: &RealBox| {
+        b.node_state(NODE)
+            .is_ok_and(|s| s.inventory.gpus().iter().all(|g| g.mode == gpushare_core::SharingMode::Shared))
+    };
+    while !shared(&b) {
+        assert!(Instant::now() < deadline + Duration::from_secs(10), "{:?}", b.node_state(NODE));
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    b.shutdown();
+}

@@ -335,6 +335,14 @@ async fn run(config: Config) -> anyhow::Result<()> {
             whole_stop.subscribe(),
         )))
     } else {
+        // None (any more): a slice left from when some were is withdrawn, and a registration
+        // socket a crash left behind is removed, so the kubelet stops dialing it.
+        let _ = std::fs::remove_file(config.dra.registration_socket());
+        tokio::spawn(gpushared::dra::slices::withdraw(
+            client.clone(),
+            config.dra.driver.clone(),
+            alloc.node().to_owned(),
+        ));
         None
     };
     // Without a watchdog nothing reads the heartbeat, and the timer arm is off.

@@ -2,7 +2,9 @@
 //! mode, healthy, not cordoned), each allowing many allocations and carrying a `memory`
 //! capacity that claims consume in whole MiB, and attributes an operator selects on. It is
 //! published under the node's own credentials (the Node authorizer lets a node write slices
-//! with its own `spec.nodeName`), and again whenever a GPU leaves or rejoins the pool.
+//! with its own `spec.nodeName`), and again whenever a GPU leaves or rejoins the pool. A node
+//! that serves no GPU through DRA any more withdraws its slice ([`withdraw`]), so kube-scheduler
+//! allocates nothing there that no driver would prepare.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -16,7 +18,7 @@ use k8s_openapi::api::resource::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
-use kube::api::{ListParams, PostParams};
+use kube::api::{DeleteParams, ListParams, PostParams};
 
 use crate::allocation::allocator::Allocator;
 
@@ -109,6 +111,57 @@ pub async fn run(client: kube::Client, driver: String, alloc: Arc<Allocator>) {
             _ = resync.tick() => published = None,
         }
     }
+}
+
+/// Deletes the slices of `driver` on `node`, if there are any (gpushared starting with no GPU
+/// in `[sharing] dra`: the GPUs moved back to the device plugin). The kubelet also wipes the
+/// slices of a driver that unregistered, but only after a delay, and not after a crash that
+/// left the registration socket behind. A cluster without `resource.k8s.io/v1` (404) or whose
+/// authorizer lets the node see no slices (403) has none of ours; any other failure is retried,
+/// 5 s doubling to 5 minutes, with one warning.
+pub async fn withdraw(client: kube::Client, driver: String, node: String) {
+    let api: Api<ResourceSlice> = Api::all(client);
+    let mut wait = Duration::from_secs(5);
+    let mut warned = false;
+    loop {
+        match withdraw_once(&api, &driver, &node).await {
+            Ok(names) => {
+                for name in names {
+                    tracing::info!(slice = %name, "no GPU is served through DRA: ResourceSlice withdrawn");
+                }
+                if warned {
+                    tracing::info!(%node, "the node's ResourceSlices are checked: none of this driver is left");
+                }
+                return;
+            }
+            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 403 => {
+                tracing::debug!(%node, error = %e, "no ResourceSlices to withdraw here");
+                return;
+            }
+            Err(e) => {
+                if !warned {
+                    tracing::warn!(%node, %driver, error = %e, "cannot check for a ResourceSlice to withdraw; retrying");
+                    warned = true;
+                }
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(300));
+            }
+        }
+    }
+}
+
+async fn withdraw_once(api: &Api<ResourceSlice>, driver: &str, node: &str) -> Result<Vec<String>, kube::Error> {
+    let mine = api.list(&ListParams::default().fields(&format!("spec.nodeName={node}"))).await?;
+    let mut deleted = Vec::new();
+    for name in mine.items.into_iter().filter(|s| s.spec.driver == driver).filter_map(|s| s.metadata.name) {
+        match api.delete(&name, &DeleteParams::default()).await {
+            Ok(_) => deleted.push(name),
+            // Gone meanwhile (the kubelet wiped it): what was wanted.
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(deleted)
 }
 
 /// How often the slice in the API server is compared with the node's GPUs.
