@@ -57,6 +57,9 @@ pub fn apply(
             }
             for m in edits["mounts"].as_array().into_iter().flatten() {
                 let path = |key: &str| m[key].as_str().unwrap_or_default().to_owned();
+                // As CDI does: a mount replaces one at the same container path (so a device
+                // named twice mounts once).
+                mounts.retain(|(_, c)| *c != path("containerPath"));
                 mounts.push((path("hostPath"), path("containerPath")));
             }
         }
@@ -85,7 +88,8 @@ mod tests {
         std::fs::write(dir.path().join(".a.tmp"), "not json").unwrap();
         let mut envs = BTreeMap::from([("X".to_owned(), "old".to_owned())]);
         let mut mounts = Vec::new();
-        apply(dir.path(), &["gpushare.io/gpu=claim-a".to_owned()], &mut envs, &mut mounts).unwrap();
+        let twice = ["gpushare.io/gpu=claim-a".to_owned(), "gpushare.io/gpu=claim-a".to_owned()];
+        apply(dir.path(), &twice, &mut envs, &mut mounts).unwrap();
         assert_eq!(mounts, [("/run/mps".to_owned(), "/run/mps".to_owned())]);
         assert_eq!(envs["NVIDIA_VISIBLE_DEVICES"], "GPU-1");
         assert_eq!(envs["X"], "a=b");

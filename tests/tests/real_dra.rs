@@ -423,3 +423,61 @@ async fn moving_the_gpus_back_to_the_device_plugin_withdraws_the_slice() {
     }
     b.shutdown();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_of_two_requests_reaches_each_container_whichever_request_it_names() {
+    let Some(mut b) = dra_box().await else { return };
+    // Request `a` asks for 1000 MiB; request `b` for the first that fits of 50000 MiB (no
+    // 40 GB GPU has it) and 2000 MiB: kube-scheduler allocates its subrequest `b/small`.
+    let exactly = |mib: u64| json!({"deviceClassName": "gpushare-memory", "capacity": {"requests": {"memory": format!("{mib}Mi")}}});
+    let mut small = exactly(2000);
+    small["name"] = json!("small");
+    let mut big = exactly(50_000);
+    big["name"] = json!("big");
+    b.plane
+        .create(&json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": "c-two", "namespace": "default"},
+            "spec": {"devices": {"requests": [
+                {"name": "a", "exactly": exactly(1000)},
+                {"name": "b", "firstAvailable": [big, small]},
+            ]}},
+        }))
+        .unwrap();
+    let container = |name: &str, request: Option<&str>| {
+        let claim = match request {
+            Some(r) => json!({"name": "gpu", "request": r}),
+            None => json!({"name": "gpu"}),
+        };
+        json!({"name": name, "image": "busybox", "command": ["sleep", "infinity"], "resources": {"claims": [claim]}})
+    };
+    b.plane
+        .create(&json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "p-two", "namespace": "default"},
+            "spec": {"automountServiceAccountToken": false,
+                     "resourceClaims": [{"name": "gpu", "resourceClaimName": "c-two"}],
+                     "containers": [container("only-a", Some("a")), container("only-b", Some("b")), container("all", None)]},
+        }))
+        .unwrap();
+    let running = wait_running(&b, "p-two", 3);
+    let c = get(&b.plane, &["get", "resourceclaim", "c-two", "-n", "default"]);
+    let results = c["status"]["allocation"]["devices"]["results"].as_array().unwrap();
+    let got: Vec<(&str, &str)> = results
+        .iter()
+        .map(|r| (r["request"].as_str().unwrap(), r["consumedCapacity"]["memory"].as_str().unwrap()))
+        .collect();
+    assert_eq!(got, [("a", "1000Mi"), ("b/small", "2000Mi")], "{c}");
+    // Every container gets the claim's one CDI device, so the claim's GPUs and all its memory
+    // (named twice for the container that uses the whole claim: once per request).
+    let id = format!("gpushare.io/gpu=claim-{}", claim_uid(&b, "c-two"));
+    let gpus: std::collections::BTreeSet<&str> = results.iter().map(|r| r["device"].as_str().unwrap()).collect();
+    for (name, c) in &running {
+        let want = if name == "all" { vec![id.clone(), id.clone()] } else { vec![id.clone()] };
+        assert_eq!(c.cdi_devices, want, "{name}");
+        assert_eq!(c.envs.get("GPUSHARE_MEMORY_TOTAL_MIB").map(String::as_str), Some("3000"), "{name}: {:?}", c.envs);
+        let visible = c.envs.get("NVIDIA_VISIBLE_DEVICES").map_or(0, |v| v.split(',').count());
+        assert_eq!(visible, gpus.len(), "{name}: one entry per GPU, {:?}", c.envs);
+    }
+    b.shutdown();
+}

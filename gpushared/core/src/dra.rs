@@ -78,6 +78,35 @@ pub fn cdi_device_id(claim_uid: &str) -> String {
     format!("{CDI_KIND}={}", cdi_device(claim_uid))
 }
 
+/// The request a container names for an allocation result's request: `gpu` for `gpu` and for
+/// `gpu/small`, a subrequest of a `firstAvailable` list (containers name only top-level
+/// requests, and the kubelet matches them against the request names the driver returns).
+#[must_use]
+pub fn base_request(request: &str) -> &str {
+    request.split_once('/').map_or(request, |(base, _)| base)
+}
+
+/// Which of a claim's prepared devices, given their results' requests in order, carry the
+/// claim's CDI device: the first of each top-level request. So a container that names any one
+/// request gets the claim's environment once, and one that names the whole claim gets it once
+/// per request (the runtime applies a repeated CDI device's edits as once: the same variables
+/// and mounts again).
+#[must_use]
+pub fn cdi_carriers<'a>(requests: impl IntoIterator<Item = &'a str>) -> Vec<bool> {
+    let mut seen: Vec<&str> = Vec::new();
+    requests
+        .into_iter()
+        .map(|r| {
+            let base = base_request(r);
+            let first = !seen.contains(&base);
+            if first {
+                seen.push(base);
+            }
+            first
+        })
+        .collect()
+}
+
 /// Why an allocation's consumed memory cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum ConsumedError {
@@ -145,6 +174,14 @@ pub fn memory_quantity(total: Mib) -> String {
 mod tests {
     use super::*;
     use crate::inventory::{GpuUuid, Health, SharingMode};
+
+    #[test]
+    fn each_top_level_request_carries_the_claim_once() {
+        assert_eq!(base_request("gpu"), "gpu");
+        assert_eq!(base_request("gpu/small"), "gpu");
+        assert_eq!(cdi_carriers(["a", "a", "b", "c/x", "c/y", "b"]), [true, false, true, true, false, false]);
+        assert!(cdi_carriers([]).is_empty());
+    }
 
     #[test]
     fn device_names_round_trip_and_refuse_others() {

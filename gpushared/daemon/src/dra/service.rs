@@ -22,13 +22,14 @@ pub trait ClaimSource: Send + Sync + 'static {
 /// One device of a prepared claim, as the kubelet is answered.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PreparedDevice {
-    /// The claim's request it answers.
+    /// The claim's top-level request it answers (a subrequest's parent).
     pub request: String,
     /// The pool (this node's name).
     pub pool: String,
     /// The device (`gpu-<index>`).
     pub device: String,
-    /// The CDI devices the runtime applies (the claim's one device, on the first of its devices).
+    /// The CDI devices the runtime applies (the claim's one device, on the first device of each
+    /// request: [`dra::cdi_carriers`]).
     pub cdi_ids: Vec<String>,
     /// kube-scheduler's share ID, where it gave one.
     pub share_id: Option<String>,
@@ -80,15 +81,16 @@ impl<S: ClaimSource> Driver<S> {
     }
 
     fn devices(&self, claim: &ClaimRef, prepared: &PreparedShare) -> Vec<PreparedDevice> {
+        let carriers = dra::cdi_carriers(prepared.rows.iter().map(|r| r.share.request.as_str()));
         prepared
             .rows
             .iter()
-            .enumerate()
-            .map(|(i, r)| PreparedDevice {
-                request: r.share.request.clone(),
+            .zip(carriers)
+            .map(|(r, carries)| PreparedDevice {
+                request: dra::base_request(&r.share.request).to_owned(),
                 pool: self.node.clone(),
                 device: dra::device_name(r.share.gpu_index),
-                cdi_ids: if i == 0 { vec![dra::cdi_device_id(&claim.uid)] } else { Vec::new() },
+                cdi_ids: if carries { vec![dra::cdi_device_id(&claim.uid)] } else { Vec::new() },
                 share_id: (!r.share.share_id.is_empty()).then(|| r.share.share_id.clone()),
             })
             .collect()

@@ -306,6 +306,15 @@ mod tests {
         let first = alloc.prepare_claim(&claim("a"), &[share("gpu-1", 300), share("gpu-2", 300)]).unwrap();
         assert_eq!(first.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-1,GPU-2");
         assert_eq!(first.envs["GPUSHARE_MEMORY_TOTAL_MIB"], "600");
+        // Two requests' shares on one GPU: one GPU to the container, with both budgets.
+        let (a, b) = (ClaimShare { request: "a".into(), ..share("gpu-1", 100) }, share("gpu-1", 200));
+        let two = alloc.prepare_claim(&claim("t"), &[a, b]).unwrap();
+        assert_eq!(two.rows.len(), 2, "a row per share");
+        assert_eq!(two.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-1");
+        assert_eq!(two.envs["GPUSHARE_MEMORY_MIB"], "300");
+        assert_eq!(two.envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "300m");
+        assert!(!two.envs.contains_key("CUDA_DEVICE_MEMORY_LIMIT_1"), "{:?}", two.envs);
+        alloc.unprepare_claim("t").unwrap();
         let again = alloc.prepare_claim(&claim("a"), &[share("gpu-1", 300), share("gpu-2", 300)]).unwrap();
         assert_eq!(again, first);
         drop(alloc);

@@ -106,9 +106,17 @@ impl Environment<'_> {
     /// The environment and mounts of a prepared DRA claim holding `shares` (its CDI device's,
     /// documented in docs/dra.md): the GPUs and budget variables a container placed by the
     /// device plugin gets, with `GPUSHARE_CLAIM` (namespace/name) for the pod and container; on
-    /// `dra-mps` GPUs, the MPS client's variables and the pipe directory.
+    /// `dra-mps` GPUs, the MPS client's variables and the pipe directory. Shares of several
+    /// requests on one GPU are one GPU to the container, with their memory together.
     pub(super) fn claim_answer(&self, claim: &str, shares: &[GpuShare]) -> (BTreeMap<String, String>, Vec<Mount>) {
-        let mut gpus: Vec<&GpuShare> = shares.iter().collect();
+        let mut merged: Vec<GpuShare> = Vec::with_capacity(shares.len());
+        for s in shares {
+            match merged.iter_mut().find(|m| m.index == s.index) {
+                Some(m) => m.mib = m.mib.saturating_add(s.mib),
+                None => merged.push(s.clone()),
+            }
+        }
+        let mut gpus: Vec<&GpuShare> = merged.iter().collect();
         gpus.sort_by_key(|g| g.index);
         let mut env = self.budget_envs(&gpus);
         env.insert("GPUSHARE_CLAIM".to_owned(), claim.to_owned());
