@@ -263,6 +263,8 @@ impl ClusterReport {
                     used_mib: g.used_mib,
                     total_mib: g.total_mib,
                     schedulable: g.healthy && !g.cordoned && g.mode != "whole" && !n.stale,
+                    claims: u64::try_from(g.claims.len()).unwrap_or(u64::MAX),
+                    claimed_mib: g.claims.iter().map(|c| c.mib).fold(0, u64::saturating_add),
                     over_budget: g
                         .over_budget
                         .iter()

@@ -88,6 +88,10 @@ pub struct GpuSample {
     pub total_mib: u64,
     /// Healthy, not cordoned, and not handed out whole.
     pub schedulable: bool,
+    /// DRA claim shares prepared on it, as its daemon reported.
+    pub claims: u64,
+    /// The memory those claims hold (part of `used_mib`).
+    pub claimed_mib: u64,
     /// Containers over their budget on it, as its daemon reported.
     pub over_budget: Vec<OverBudgetSample>,
 }
@@ -224,6 +228,20 @@ impl Metrics {
         );
         per_gpu(
             &mut out,
+            "gpushare_gpu_dra_claims",
+            "DRA ResourceClaim shares prepared on the GPU, as its daemon reported.",
+            gpus,
+            |g| g.claims,
+        );
+        per_gpu(
+            &mut out,
+            "gpushare_gpu_memory_claimed_mib",
+            "GPU memory DRA claims hold (part of gpushare_gpu_memory_used_mib).",
+            gpus,
+            |g| g.claimed_mib,
+        );
+        per_gpu(
+            &mut out,
             "gpushare_gpu_containers_over_budget",
             "Containers whose processes use more of the GPU than their budget, as its daemon last sampled.",
             gpus,
@@ -299,6 +317,8 @@ mod tests {
             used_mib: 100,
             total_mib: 200,
             schedulable: true,
+            claims: 2,
+            claimed_mib: 60,
             over_budget: vec![OverBudgetSample {
                 pod: "ml/train".into(),
                 container: "main".into(),
@@ -331,6 +351,11 @@ mod tests {
         assert!(text.contains("gpushare_extender_request_duration_seconds_count{verb=\"filter\"} 2\n"));
         assert!(text.contains("gpushare_extender_binds_total{outcome=\"bound\"} 1\n"));
         assert!(text.contains("gpushare_gpu_memory_used_mib{node=\"n\\\"1\",gpu=\"0\",uuid=\"GPU-a\"} 100\n"));
+        assert!(text.contains("gpushare_gpu_dra_claims{node=\"n\\\"1\",gpu=\"0\",uuid=\"GPU-a\"} 2\n"), "{text}");
+        assert!(
+            text.contains("gpushare_gpu_memory_claimed_mib{node=\"n\\\"1\",gpu=\"0\",uuid=\"GPU-a\"} 60\n"),
+            "{text}"
+        );
         assert!(text.contains("gpushare_extender_view_disagreements_total 2\n"));
     }
 }

@@ -301,10 +301,15 @@ async fn whole_and_dra_gpus_take_no_share_and_their_holders_are_reported() {
         "{metrics}"
     );
     assert!(metrics.contains("gpushare_gpu_schedulable{node=\"gpu-w\",gpu=\"1\",uuid=\"GPU-w-1\"} 0\n"), "{metrics}");
-    assert!(
-        metrics.contains("gpushare_gpu_memory_used_mib{node=\"gpu-w\",gpu=\"2\",uuid=\"GPU-w-2\"} 3500\n"),
-        "{metrics}"
-    );
+    for (name, value) in [
+        ("gpushare_gpu_memory_used_mib", 3500),
+        ("gpushare_gpu_memory_claimed_mib", 3500),
+        ("gpushare_gpu_dra_claims", 1),
+    ] {
+        let line = format!("{name}{{node=\"gpu-w\",gpu=\"2\",uuid=\"GPU-w-2\"}} {value}\n");
+        assert!(metrics.contains(&line), "{line}{metrics}");
+    }
+    assert!(metrics.contains("gpushare_gpu_dra_claims{node=\"gpu-w\",gpu=\"0\",uuid=\"GPU-w-0\"} 0\n"), "{metrics}");
 }
 
 /// A T4 holding one pod whose init container (10 000 MiB) ran before its app container
