@@ -755,7 +755,8 @@ mod overuse {
         let events = host.path("nvml-events");
         std::fs::write(&events, "").unwrap();
         let nvml_config = host.path("fake-nvml.conf");
-        let gpus: Vec<FakeGpu> = (0..2)
+        // GPU2 is served through DRA: its claims' memory has no container budget to check.
+        let gpus: Vec<FakeGpu> = (0..3)
             .map(|i| FakeGpu { uuid: common::uuid(i).to_string(), ..FakeGpu::new("h", i, 1000, "Tesla T4") })
             .collect();
         write_config(&nvml_config, &gpus, &events_directive(&events)).unwrap();
@@ -766,9 +767,13 @@ mod overuse {
         api.write_kubeconfig(&kubeconfig).unwrap();
         let extra = format!(
             "[nvml]\nlibrary = \"{}\"\n[overuse]\ninterval_seconds = 1\ntolerance_mib = 50\naction = \"evict\"\n\
-             evict_after_seconds = 3\nproc_directory = \"{}\"\n",
+             evict_after_seconds = 3\nproc_directory = \"{}\"\n[sharing]\ndra = [2]\n\
+             [dra]\nregistry_dir = \"{}\"\nplugin_dir = \"{}\"\ncdi_dir = \"{}\"\n",
             lib.display(),
-            proc.display()
+            proc.display(),
+            host.path("plugins_registry").display(),
+            host.path("dra-plugin").display(),
+            host.path("cdi").display()
         );
         let config = host.config(&kubeconfig, "", &extra);
         let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
@@ -814,9 +819,11 @@ mod overuse {
         let over = |api: &ApiServer| node_state(api).map(|s| s.over_budget).unwrap_or_default();
         assert!(over(&api).is_empty(), "{:?}\n{}", over(&api), daemon.log());
 
-        // 200 + 250 = 450 MiB of a 300 MiB budget; and the rogue pod on GPU1.
+        // 200 + 250 = 450 MiB of a 300 MiB budget; and the rogue pod on GPU1. A DRA claim's
+        // container on GPU2 (here the rogue pod's cgroup) is not reported.
         inject(&events, "proc 0 4243 250").unwrap();
         inject(&events, "proc 1 5151 100").unwrap();
+        inject(&events, "proc 2 5151 700").unwrap();
         let seen = eventually("both in the node annotation", || {
             let o = over(&api);
             (o.len() == 2).then_some(o)

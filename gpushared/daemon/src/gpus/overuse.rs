@@ -15,6 +15,9 @@
 //!   with `action = "evict"`, the pods to evict to the API-server side.
 //! - Eviction applies only to containers with a gpushare budget on the GPU, once they have
 //!   stayed over for `evict_after_seconds`, once per pod.
+//! - GPUs served through DRA are not sampled ([`sampled`]): a claim's memory is shared by the
+//!   containers of every pod that uses it, so there is no container budget to compare with, and
+//!   each of them would read as over a budget of 0.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -22,8 +25,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use gpushare_core::Mib;
 use gpushare_core::codec::node::{NodeAllocation, OverBudget, PodRef};
+use gpushare_core::{Mib, NodeInventory};
 use nvml_wrapper::Nvml;
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
@@ -312,6 +315,13 @@ pub struct Sampling {
     pub proc_dir: PathBuf,
 }
 
+/// The GPUs whose processes are sampled, with whether their MPS clients are listed too: every
+/// GPU but those served through DRA (`dra`, `dra-mps`).
+#[must_use]
+pub fn sampled(inventory: &NodeInventory) -> Vec<(u32, bool)> {
+    inventory.gpus().iter().filter(|g| !g.mode.is_dra()).map(|g| (g.index, g.mode.runs_mps())).collect()
+}
+
 /// Samples every `sampling.every` until `stop` is set: the processes of every GPU, judged by
 /// `detector`, recorded through `alloc`; pods to evict go to `evict`. Blocking: run it on a
 /// thread of its own.
@@ -324,7 +334,11 @@ pub fn run(
     evict: &tokio::sync::mpsc::UnboundedSender<Eviction>,
     stop: &AtomicBool,
 ) {
-    let gpus: Vec<(u32, bool)> = alloc.inventory().gpus().iter().map(|g| (g.index, g.mode.runs_mps())).collect();
+    let gpus = sampled(alloc.inventory());
+    let dra: Vec<u32> = alloc.inventory().gpus().iter().filter(|g| g.mode.is_dra()).map(|g| g.index).collect();
+    if !dra.is_empty() {
+        tracing::info!(gpus = ?dra, "over-use is not checked on GPUs served through DRA: a claim's memory has no per-container budget");
+    }
     let mut failing: BTreeSet<u32> = BTreeSet::new();
     while !stop.load(Ordering::Relaxed) {
         let mut processes = Vec::new();

@@ -184,3 +184,18 @@ fn evict_waits_its_time_and_asks_once_per_pod() {
     assert!(d.assess(&over, cgroup, &budgets, known, 70_000).evict.is_empty());
     assert_eq!(d.assess(&over, cgroup, &budgets, known, 130_000).evict.len(), 1);
 }
+
+#[test]
+fn gpus_served_through_dra_are_not_sampled() {
+    use gpushare_core::{Gpu, GpuUuid, MemoryUnit, SharingMode};
+    let modes = [SharingMode::Shared, SharingMode::Mps, SharingMode::Whole, SharingMode::Dra, SharingMode::DraMps];
+    let gpus = (0..5u32)
+        .map(|i| {
+            let mut g = Gpu::new(i, GpuUuid::new(format!("GPU-{i}")).unwrap(), "T4", Mib::new(1000));
+            g.mode = modes[i as usize];
+            g
+        })
+        .collect();
+    let inventory = NodeInventory::new(MemoryUnit::Mib, gpus).unwrap();
+    assert_eq!(sampled(&inventory), [(0, false), (1, true), (2, false)]);
+}
