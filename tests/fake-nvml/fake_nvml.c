@@ -9,7 +9,10 @@
  * It exports the functions nvml-wrapper calls for discovery and for events, with NVML's C
  * signatures and struct layouts (nvml-wrapper-sys 0.10 bindings), and the further ones NVIDIA's
  * k8s-device-plugin (v0.19, through go-nvml) calls, so that the peer runs unmodified on the same
- * simulated GPUs (docs/comparison.md): the CUDA compute capability (7.5 for every GPU). The host it pretends to be
+ * simulated GPUs (docs/comparison.md): the CUDA compute capability (7.5 for every GPU); and
+ * those Alibaba's gpushare-device-plugin calls through NVIDIA's older gpu-monitoring-tools
+ * bindings: the power limit, maximum clocks, PCIe link, BAR1 memory and topology, fixed values
+ * of an A100-class board. The host it pretends to be
  * is read at nvmlInit (the first one, or the first after the last nvmlShutdown) from the file
  * named by $FAKE_NVML_CONFIG; with no variable, from `<this library's path>.conf` (e.g.
  * libnvidia-ml.so.1.conf beside the library) if there is one, for in-process tests that cannot
@@ -634,6 +637,56 @@ nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t d, int *major, int 
     *major = 7;
     *minor = 5;
     return NVML_SUCCESS;
+}
+
+/* Device facts Alibaba's gpushare-device-plugin reads through NVIDIA's gpu-monitoring-tools
+ * bindings (nvml.NewDevice) before it serves: fixed values of an A100-class board. */
+nvmlReturn_t nvmlDeviceGetPowerManagementLimit(nvmlDevice_t d, unsigned int *milliwatts) {
+    nvmlReturn_t r = check(d, milliwatts, "nvmlDeviceGetPowerManagementLimit");
+    if (r == NVML_SUCCESS) *milliwatts = 400000;
+    return r;
+}
+
+nvmlReturn_t nvmlDeviceGetMaxClockInfo(nvmlDevice_t d, int type, unsigned int *mhz) {
+    nvmlReturn_t r = check(d, mhz, "nvmlDeviceGetMaxClockInfo");
+    if (r == NVML_SUCCESS) *mhz = type == 2 ? 1215 : 1410; /* NVML_CLOCK_MEM is 2 */
+    return r;
+}
+
+nvmlReturn_t nvmlDeviceGetMaxPcieLinkGeneration(nvmlDevice_t d, unsigned int *generation) {
+    nvmlReturn_t r = check(d, generation, "nvmlDeviceGetMaxPcieLinkGeneration");
+    if (r == NVML_SUCCESS) *generation = 4;
+    return r;
+}
+
+nvmlReturn_t nvmlDeviceGetMaxPcieLinkWidth(nvmlDevice_t d, unsigned int *width) {
+    nvmlReturn_t r = check(d, width, "nvmlDeviceGetMaxPcieLinkWidth");
+    if (r == NVML_SUCCESS) *width = 16;
+    return r;
+}
+
+typedef struct {
+    unsigned long long bar1Total;
+    unsigned long long bar1Free;
+    unsigned long long bar1Used;
+} nvmlBAR1Memory_t;
+
+nvmlReturn_t nvmlDeviceGetBAR1MemoryInfo(nvmlDevice_t d, nvmlBAR1Memory_t *bar1) {
+    nvmlReturn_t r = check(d, bar1, "nvmlDeviceGetBAR1MemoryInfo");
+    if (r != NVML_SUCCESS) return r;
+    bar1->bar1Total = 64ULL << 30;
+    bar1->bar1Free = bar1->bar1Total;
+    bar1->bar1Used = 0;
+    return NVML_SUCCESS;
+}
+
+/* Every pair of GPUs shares the host bridge (NVML_TOPOLOGY_HOSTBRIDGE, 30). */
+nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t a, nvmlDevice_t b, int *level) {
+    nvmlReturn_t r = check(a, level, "nvmlDeviceGetTopologyCommonAncestor");
+    if (r != NVML_SUCCESS) return r;
+    r = check(b, level, "nvmlDeviceGetTopologyCommonAncestor");
+    if (r == NVML_SUCCESS) *level = a == b ? 0 : 30;
+    return r;
 }
 
 nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t d, unsigned int *node) {
