@@ -1,11 +1,14 @@
 //! The peer systems run beside gpushare on the real-cluster box (docs/comparison.md), unmodified,
 //! on the same fake NVML library and under the same real kubelet: NVIDIA's k8s-device-plugin,
 //! built by `tests/peers/build` from the Go modules pinned in `tests/peers/go.mod` into a cache
-//! outside `target/` (`GPUSHARE_PEERS_BIN` names a directory that has the binaries instead).
+//! outside `target/` (`GPUSHARE_PEERS_BIN` names a directory that has the binaries instead); and,
+//! where `GPUSHARE_PEERS_SRC` names their checkouts, Alibaba's gpushare-scheduler-extender,
+//! gpushare-device-plugin and kubectl-inspect-gpushare, built by the same script from source.
 //!
-//! NVIDIA's plugin serves its socket in `/var/lib/kubelet/device-plugins/` whatever its flags say
-//! (the kubelet's `DevicePluginPath`), so it runs in a mount namespace of its own with the node's
-//! device-plugin directory bind-mounted there, as the node's kubelet does ([`crate::realkubelet`]).
+//! Both device plugins serve their sockets in `/var/lib/kubelet/device-plugins/` (the kubelet's
+//! `DevicePluginPath`; NVIDIA's whatever its flags say, Alibaba's has no flag for it), so each
+//! runs in a mount namespace of its own with the node's device-plugin directory bind-mounted
+//! there, as the node's kubelet does ([`crate::realkubelet`]).
 
 use std::path::{Path, PathBuf};
 
@@ -116,6 +119,141 @@ impl RealCluster {
             &kubelet.dirs.device_plugins(),
             gpus,
             (&nvml::events_directive(&events), sharing),
+        )?;
+        self.nodes.push(RealNode { name: name.to_owned(), host, runtime, kubelet, daemon, events });
+        self.nodes.last_mut().context("the node just added")
+    }
+}
+
+/// Alibaba's resource name for GPU memory (in the unit of its device plugin's `--memory-unit`).
+pub const ALIYUN_GPU_MEM: &str = "aliyun.com/gpu-mem";
+
+/// Alibaba's gpushare, built from source by `tests/peers/build` when `GPUSHARE_PEERS_SRC` names
+/// its checkouts: the binaries' directory and the commits built (`peers.txt`), or one line saying
+/// why it cannot run here.
+///
+/// # Errors
+/// The line saying why: the peers' build failed, or no source was given for it.
+pub fn alibaba() -> Result<(PathBuf, String), String> {
+    let bin = binaries().map_err(|e| format!("the peers' build failed: {e:#}"))?;
+    let wanted = ["gpushare-scheduler-extender", "gpushare-device-plugin", "kubectl-inspect-gpushare"];
+    if let Some(missing) = wanted.iter().find(|b| !bin.join(b).is_file()) {
+        return Err(format!(
+            "Alibaba's gpushare did not run: {missing} is not in {} (set GPUSHARE_PEERS_SRC to a folder with its \
+             checkouts, docs/comparison.md)",
+            bin.display()
+        ));
+    }
+    let commits = std::fs::read_to_string(bin.join("peers.txt")).unwrap_or_default();
+    Ok((bin, commits))
+}
+
+/// Alibaba's kube-scheduler configuration in `kubescheduler.config.k8s.io/v1` form (its own
+/// files are Policy JSON and v1beta2, which Kubernetes 1.28+ no longer loads), with the same
+/// extender settings: filter and bind at `url`, `aliyun.com/gpu-mem` managed, not ignorable.
+#[must_use]
+pub fn alibaba_scheduler_config(url: &str) -> String {
+    format!(
+        "apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\nclientConnection:\n  \
+         {kubeconfig}\nextenders:\n- urlPrefix: \"{url}\"\n  filterVerb: filter\n  bindVerb: bind\n  \
+         enableHTTPS: false\n  nodeCacheCapable: true\n  managedResources:\n  - name: {ALIYUN_GPU_MEM}\n    \
+         ignoredByScheduler: false\n  ignorable: false\n",
+        kubeconfig = crate::realkube::SCHEDULER_KUBECONFIG,
+    )
+}
+
+/// Starts Alibaba's gpushare-scheduler-extender (as its deployment does: `PORT`, a kubeconfig;
+/// here the administrator's, where its manifest binds it a `ClusterRole`) and points kube-scheduler
+/// at it with [`alibaba_scheduler_config`]. Returns the extender once it answers.
+///
+/// # Errors
+/// If it is not built, does not answer within 30 s, or kube-scheduler does not start.
+pub fn start_alibaba_extender(plane: &mut crate::realkube::ControlPlane) -> anyhow::Result<Proc> {
+    let (bin, _) = alibaba().map_err(anyhow::Error::msg)?;
+    let port = crate::cluster::free_port()?;
+    let mut extender = plane.spawn(
+        "alibaba-extender",
+        &bin.join("gpushare-scheduler-extender"),
+        vec![],
+        vec![
+            ("PORT".into(), port.to_string()),
+            ("KUBECONFIG".into(), plane.admin.display().to_string()),
+            ("LOG_LEVEL".into(), "info".into()),
+        ],
+    )?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if let Some(status) = extender.exited() {
+            anyhow::bail!("Alibaba's extender exited ({status}):\n{}", extender.log_tail(30));
+        }
+        if std::time::Instant::now() > deadline {
+            anyhow::bail!("Alibaba's extender does not listen after 30 s:\n{}", extender.log_tail(30));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    plane.start_scheduler_config(&alibaba_scheduler_config(&format!("http://127.0.0.1:{port}/gpushare-scheduler")))?;
+    Ok(extender)
+}
+
+/// Starts Alibaba's gpushare-device-plugin for node `node` (as its `DaemonSet` does: `NODE_NAME`, a
+/// kubeconfig, `--memory-unit`, health checks on) for the kubelet whose device plugins live in
+/// `plugin_dir`, on `gpus` of the fake NVML library (`nvml_extra`: further directives), its files
+/// under `host`.
+///
+/// # Errors
+/// If it is not built, the library cannot be built, a file cannot be written, or it cannot be
+/// started.
+pub fn start_alibaba_device_plugin(
+    plane: &crate::realkube::ControlPlane,
+    node: &str,
+    (host, plugin_dir): (&Path, &Path),
+    gpus: &[FakeGpu],
+    (nvml_extra, unit): (&str, &str),
+) -> anyhow::Result<Proc> {
+    let (bin, _) = alibaba().map_err(anyhow::Error::msg)?;
+    std::fs::create_dir_all(host).with_context(|| format!("creating {}", host.display()))?;
+    let library = nvml::build(host)?;
+    let nvml_config = host.join("fake-nvml.conf");
+    nvml::write_config(&nvml_config, gpus, nvml_extra)?;
+    let library_dir = library.parent().context("the library's directory")?;
+    let (program, args) = with_device_plugin_dir(
+        plugin_dir,
+        &bin.join("gpushare-device-plugin"),
+        // --token: its kubelet client is built at start whether or not it queries the kubelet
+        // (--query-kubelet, off), and it stops when neither a token nor a service account is there.
+        vec![format!("--memory-unit={unit}"), "--health-check".into(), "--token=unused".into(), "-logtostderr".into()],
+    );
+    plane.spawn(
+        &format!("alibaba-device-plugin-{node}"),
+        &program,
+        args,
+        vec![
+            ("LD_LIBRARY_PATH".into(), library_dir.display().to_string()),
+            ("FAKE_NVML_CONFIG".into(), nvml_config.display().to_string()),
+            ("KUBECONFIG".into(), plane.admin.display().to_string()),
+            ("NODE_NAME".into(), node.to_owned()),
+        ],
+    )
+}
+
+impl RealCluster {
+    /// Adds node `name` served by Alibaba's gpushare-device-plugin in `unit` (`MiB` or `GiB`)
+    /// instead of gpushared: the recording runtime, the real kubelet (registered and Ready) and
+    /// the plugin on `gpus`. The node's `daemon` is the plugin. Does not wait for its devices.
+    ///
+    /// # Errors
+    /// A component that does not start, with its log.
+    pub fn add_alibaba_node(&mut self, name: &str, gpus: &[FakeGpu], unit: &str) -> anyhow::Result<&mut RealNode> {
+        let host = self.plane.dir.join(name);
+        let runtime = crate::cri::RecordingRuntime::serve(&host.join("cri/cri.sock"))?;
+        let kubelet = RealKubelet::start_with_gates(&self.plane, name, &host, &runtime.endpoint(), DEFAULT_GATES)?;
+        let events = host.join("nvml-events");
+        let daemon = start_alibaba_device_plugin(
+            &self.plane,
+            name,
+            (&host.join("alibaba"), &kubelet.dirs.device_plugins()),
+            gpus,
+            (&nvml::events_directive(&events), unit),
         )?;
         self.nodes.push(RealNode { name: name.to_owned(), host, runtime, kubelet, daemon, events });
         self.nodes.last_mut().context("the node just added")

@@ -10,7 +10,7 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 use gpushare_testkit::nvml::FakeGpu;
-use gpushare_testkit::peers::{NVIDIA_GPU, NvidiaSharing};
+use gpushare_testkit::peers::{self, ALIYUN_GPU_MEM, NVIDIA_GPU, NvidiaSharing};
 use gpushare_testkit::realbox::is_root;
 use serde_json::{Value, json};
 
@@ -27,14 +27,36 @@ pub(crate) enum System {
     /// NVIDIA's k8s-device-plugin with time-slicing, 4 replicas per GPU (the value of NVIDIA's
     /// own example), under the default kube-scheduler.
     Nvidia,
+    /// Alibaba's gpushare-device-plugin in MiB mode (`--memory-unit=MiB`, as its users run it)
+    /// and gpushare-scheduler-extender, built from source (`GPUSHARE_PEERS_SRC`).
+    Alibaba,
 }
 
 /// Time-slicing replicas per GPU for [`System::Nvidia`].
 pub(crate) const NVIDIA_REPLICAS: u32 = 4;
 
 impl System {
-    /// Both, in the order of the table's columns.
-    pub(crate) const ALL: [System; 2] = [System::Gpushare, System::Nvidia];
+    /// Every system, in the order of the table's columns.
+    pub(crate) const ALL: [System; 3] = [System::Gpushare, System::Nvidia, System::Alibaba];
+
+    /// The systems that can run here: each peer built from source only when its source was
+    /// given; for one that was not, one line on stderr saying so (its column keeps the last
+    /// recorded run).
+    #[must_use]
+    pub(crate) fn runnable() -> Vec<System> {
+        System::ALL
+            .into_iter()
+            .filter(|s| match s {
+                System::Alibaba => gpushare_testkit::peers::alibaba()
+                    .map(|(_, commits)| {
+                        eprintln!("Alibaba's gpushare built from: {}", commits.trim().replace('\n', "; "));
+                    })
+                    .map_err(|why| eprintln!("{why}"))
+                    .is_ok(),
+                System::Gpushare | System::Nvidia => true,
+            })
+            .collect()
+    }
 
     /// The column's heading in docs/comparison.md.
     #[must_use]
@@ -42,6 +64,7 @@ impl System {
         match self {
             System::Gpushare => "gpushare",
             System::Nvidia => "NVIDIA device plugin",
+            System::Alibaba => "Alibaba gpushare",
         }
     }
 
@@ -55,6 +78,10 @@ impl System {
             System::Nvidia => {
                 let replicas = (gpus.len() * NVIDIA_REPLICAS as usize).to_string();
                 b.wait_allocatable(NODE, NVIDIA_GPU, &replicas, Duration::from_secs(60))
+            }
+            System::Alibaba => {
+                let mib: u64 = gpus.iter().map(|g| g.memory_mib).sum();
+                b.wait_allocatable(NODE, ALIYUN_GPU_MEM, &mib.to_string(), Duration::from_secs(90))
             }
         }
         .unwrap_or_else(|e| panic!("{e:#}"));
@@ -71,6 +98,10 @@ impl System {
         match self {
             System::Gpushare => b.add_node(NODE, gpus, ("", ours_extra)).map(|_| ()),
             System::Nvidia => b.add_nvidia_node(NODE, gpus, NvidiaSharing { replicas: NVIDIA_REPLICAS }).map(|_| ()),
+            // Alibaba's extender takes the place of ours: kube-scheduler calls it alone.
+            System::Alibaba => peers::start_alibaba_extender(&mut b.plane)
+                .map(|extender| b.extender = extender)
+                .and_then(|()| b.add_alibaba_node(NODE, gpus, "MiB").map(|_| ())),
         }
         .unwrap_or_else(|e| panic!("{e:#}"));
         Some(b)
@@ -78,7 +109,8 @@ impl System {
 
     /// A pod of `containers` as this system's users ask for it: gpushare in MiB
     /// (`gpushare.io/gpu-mem`, and `gpushare.io/gpu-count` above one GPU); NVIDIA in GPUs
-    /// (`nvidia.com/gpu`: time-slicing replicas), its memory not expressible.
+    /// (`nvidia.com/gpu`: time-slicing replicas), its memory not expressible; Alibaba in MiB
+    /// (`aliyun.com/gpu-mem`, the container's whole memory: it has no GPU count per container).
     #[must_use]
     pub(crate) fn pod(self, name: &str, containers: &[Ctr]) -> Value {
         let spec = |c: &Ctr| {
@@ -89,6 +121,7 @@ impl System {
                 }
                 System::Gpushare => json!({"gpushare.io/gpu-mem": c.mib.to_string()}),
                 System::Nvidia => json!({NVIDIA_GPU: c.gpus.to_string()}),
+                System::Alibaba => json!({ALIYUN_GPU_MEM: (c.mib * u64::from(c.gpus)).to_string()}),
             };
             json!({"name": c.name, "image": "registry.example/app:1", "resources": {"limits": limits}})
         };
@@ -125,9 +158,11 @@ impl Ctr {
 pub(crate) struct SeenContainer {
     /// Its name.
     pub(crate) name: String,
-    /// The GPUs `NVIDIA_VISIBLE_DEVICES` names.
+    /// The GPUs `NVIDIA_VISIBLE_DEVICES` names, by UUID (an index there, as Alibaba's plugin
+    /// writes on some nodes, is read as the UUID of the node's GPU of that index).
     pub(crate) gpus: Vec<String>,
-    /// The budget it was told (`GPUSHARE_MEMORY_MIB`), if any.
+    /// The budget it was told (`GPUSHARE_MEMORY_MIB`, or Alibaba's
+    /// `ALIYUN_COM_GPU_MEM_CONTAINER`, MiB in its MiB mode), if any.
     pub(crate) budget_mib: Option<u64>,
     /// Whether it runs now.
     pub(crate) running: bool,
@@ -202,9 +237,13 @@ pub(crate) fn observe(b: &RealBox, pods: &[(String, Vec<Ctr>)]) -> Vec<Seen> {
                     gpus: c
                         .envs
                         .get("NVIDIA_VISIBLE_DEVICES")
-                        .map(|v| v.split(',').map(str::to_owned).collect())
+                        .map(|v| v.split(',').map(gpu_uuid).collect())
                         .unwrap_or_default(),
-                    budget_mib: c.envs.get("GPUSHARE_MEMORY_MIB").and_then(|v| v.parse().ok()),
+                    budget_mib: c
+                        .envs
+                        .get("GPUSHARE_MEMORY_MIB")
+                        .or_else(|| c.envs.get("ALIYUN_COM_GPU_MEM_CONTAINER"))
+                        .and_then(|v| v.parse().ok()),
                     running: c.running,
                 })
                 .collect();
@@ -220,6 +259,15 @@ pub(crate) fn observe(b: &RealBox, pods: &[(String, Vec<Ctr>)]) -> Vec<Seen> {
             }
         })
         .collect()
+}
+
+/// A GPU as `NVIDIA_VISIBLE_DEVICES` names it, as its UUID: an index is the node's GPU of that
+/// index (the scenarios' GPUs are [`FakeGpu::new`]'s), anything else is taken as it is.
+fn gpu_uuid(name: &str) -> String {
+    match name.parse::<u32>() {
+        Ok(i) => FakeGpu::new(NODE, i, 0, "").uuid,
+        Err(_) => name.to_owned(),
+    }
 }
 
 /// The MiB the running containers need on each GPU they see, by the GPU's UUID.
