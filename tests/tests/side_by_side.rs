@@ -110,6 +110,16 @@ fn alibaba_mismatch(b: &RealBox, s: &Seen, ctrs: &[Ctr]) -> Option<String> {
     })
 }
 
+/// What Alibaba's `kubectl-inspect-gpushare` and ours (`--alibaba`) print of the cluster.
+fn inspect_both(b: &RealBox) -> Value {
+    let (bin, _) = gpushare_testkit::peers::alibaba().unwrap();
+    let theirs = gpushare_testkit::cluster::inspect(&bin.join("kubectl-inspect-gpushare"), &b.plane.admin, &[]);
+    let ours_bin = gpushare_testkit::cluster::Binaries::beside_current_exe().unwrap().inspect;
+    let ours = gpushare_testkit::cluster::inspect(&ours_bin, &b.plane.admin, &["--alibaba"]);
+    let text = |r: anyhow::Result<String>| r.unwrap_or_else(|e| format!("{e:#}"));
+    json!({"alibaba": text(theirs), "ours": text(ours)})
+}
+
 /// The GPUs (UUIDs) each container of pod `name` is assigned, from the extender's annotation.
 fn assignment(b: &RealBox, name: &str) -> BTreeMap<String, Vec<String>> {
     let p = get(&b.plane, &["get", "pod", name, "-n", "default"]);
@@ -172,7 +182,11 @@ async fn same_size_pods_racing() {
             if running == 6 { Verdict::Pass } else { Verdict::Fail(format!("{running} of 8 run")) }
         });
         let per_gpu = load(&seen, &want);
-        Some((verdict.clone(), evidence(system, &verdict, &seen, &json!({"mib_needed_per_gpu": per_gpu}))))
+        let mut more = json!({"mib_needed_per_gpu": per_gpu});
+        if system == System::Alibaba {
+            more["inspect"] = inspect_both(&b);
+        }
+        Some((verdict.clone(), evidence(system, &verdict, &seen, &more)))
     })
     .await;
 }
