@@ -375,7 +375,12 @@ impl Cluster {
         };
         let logs = dir.join("logs");
         std::fs::create_dir_all(&logs)?;
-        let library = nvml::build(&dir)?;
+        // `GPUSHARE_BOX_NVML`: a real NVML library (on a GPU host) instead of the simulated one;
+        // the daemons then serve the host's own GPUs, whatever the cluster file says of them.
+        let library = match std::env::var_os("GPUSHARE_BOX_NVML") {
+            Some(real) => PathBuf::from(real),
+            None => nvml::build(&dir)?,
+        };
         let env = vec![("RUST_LOG".to_owned(), options.log_filter.clone())];
 
         // The API server.

@@ -245,7 +245,9 @@ async fn demo(
         "Starting the cluster in a box: an API server, {} nodes (kubelet stand-in + gpushared on simulated GPUs), the extender, a kube-scheduler stand-in...",
         spec.nodes.len()
     );
-    let options = Options { dir, ..Options::default() };
+    // `GPUSHARE_BOX_DAEMON_EXTRA`: TOML added to every node's gpushared.toml (docs/box.md).
+    let daemon_extra = std::env::var("GPUSHARE_BOX_DAEMON_EXTRA").unwrap_or_default();
+    let options = Options { dir, daemon_extra, ..Options::default() };
     let mut cluster = Cluster::up(&spec, &options).await?;
     println!("Ready in {:.1} s ({}).", started.elapsed().as_secs_f64(), cluster.dir.display());
     let applied = Instant::now();
