@@ -70,7 +70,8 @@ pub struct GpuReport {
     pub health_reason: Option<String>,
     /// Cordoned by an operator.
     pub cordoned: bool,
-    /// How it is shared: `shared`, `mps` or `whole`.
+    /// How it is shared: `shared`, `mps`, `whole`, `dra` or `dra-mps`; `alibaba` on a node
+    /// Alibaba's device plugin still serves (listed with compatibility `alibaba`, never placed on).
     #[serde(default)]
     pub mode: String,
     /// Its utilisation at the daemon's last published sample, percent.
@@ -146,7 +147,10 @@ impl ClusterReport {
             let Some(entry) = view.node(&name) else { continue };
             let address = entry.address.clone();
             let (over_budget, claims) = match &entry.gpus {
-                NodeGpus::NotSharing => continue,
+                NodeGpus::NotSharing => {
+                    report.nodes.extend(alibaba_node(view, &name, unit));
+                    continue;
+                }
                 NodeGpus::Invalid(why) => {
                     report.unreadable.push((name, why.clone()));
                     continue;
@@ -262,7 +266,7 @@ impl ClusterReport {
                     uuid: g.uuid.clone(),
                     used_mib: g.used_mib,
                     total_mib: g.total_mib,
-                    schedulable: g.healthy && !g.cordoned && g.mode != "whole" && !n.stale,
+                    schedulable: g.healthy && !g.cordoned && g.mode != "whole" && g.mode != "alibaba" && !n.stale,
                     claims: u64::try_from(g.claims.len()).unwrap_or(u64::MAX),
                     claimed_mib: g.claims.iter().map(|c| c.mib).fold(0, u64::saturating_add),
                     over_budget: g
@@ -279,4 +283,45 @@ impl ClusterReport {
             })
             .collect()
     }
+}
+
+/// A node Alibaba's device plugin still serves, as Alibaba's inspect shows it ([`ClusterView::alibaba_gpus`]):
+/// its GPUs by index, `mode` `alibaba`, no UUID or model (no gpushared reports them); `None` for
+/// any other node.
+fn alibaba_node(view: &ClusterView, name: &str, unit: MemoryUnit) -> Option<NodeReport> {
+    let gpus = view.alibaba_gpus(name)?;
+    let mib = |units: u64| unit.to_mib(units).map_or(u64::MAX, Mib::get);
+    let gpus = gpus
+        .into_iter()
+        .map(|g| GpuReport {
+            index: g.index,
+            uuid: String::new(),
+            model: String::new(),
+            total_mib: mib(g.total),
+            used_mib: g.pods.iter().map(|(_, _, units)| mib(*units)).fold(0, u64::saturating_add),
+            healthy: true,
+            health_reason: None,
+            cordoned: false,
+            mode: "alibaba".to_owned(),
+            util_percent: None,
+            in_use_mib: None,
+            over_budget: Vec::new(),
+            claims: Vec::new(),
+            pods: g
+                .pods
+                .into_iter()
+                .map(|(pod, uid, units)| PodShare { pod, uid, mib: mib(units), in_flight: false })
+                .collect(),
+        })
+        .collect();
+    let address = view.node(name).map(|e| e.address.clone()).unwrap_or_default();
+    Some(NodeReport {
+        name: name.to_owned(),
+        address,
+        unit,
+        gpus,
+        pending: Vec::new(),
+        heartbeat_age_seconds: None,
+        stale: false,
+    })
 }

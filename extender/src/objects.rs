@@ -157,6 +157,9 @@ pub struct NodeObjectStatus {
     /// `status.addresses`.
     #[serde(default, deserialize_with = "null_as_default")]
     pub addresses: Vec<NodeAddress>,
+    /// `status.capacity`: read for the nodes Alibaba's device plugin still serves.
+    #[serde(default, deserialize_with = "null_as_default", skip_serializing_if = "BTreeMap::is_empty")]
+    pub capacity: BTreeMap<String, String>,
 }
 
 /// One entry of `status.addresses`.
@@ -188,6 +191,13 @@ impl NodeObject {
     #[must_use]
     pub fn annotation(&self, key: &str) -> Option<&str> {
         self.metadata.annotations.as_ref().and_then(|a| a.get(key)).map(String::as_str)
+    }
+
+    /// The capacity of `resource` as a whole number (device counts are), or `None` if the node
+    /// has none or another form.
+    #[must_use]
+    pub fn capacity(&self, resource: &str) -> Option<u64> {
+        self.status.capacity.get(resource).and_then(|q| q.parse().ok())
     }
 }
 

@@ -15,7 +15,8 @@
 //! This module holds the entries and their accessors; the behaviour is one module per job:
 //! [`nodes`] and [`pods`] (what the watches deliver), [`usage`] (what each GPU has in use),
 //! [`placing`] (fit, score and placement for one node), [`lookalike`] (the look-alike rule),
-//! [`summary`] (the glance path) and [`hash`].
+//! [`summary`] (the glance path), [`alibaba`] (nodes Alibaba's device plugin still serves, for
+//! inspect) and [`hash`].
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;
@@ -29,9 +30,11 @@ use gpushare_core::placement::{GpuPolicy, NodeView, Placer, Rejection};
 use gpushare_core::schedule::Policies;
 use gpushare_core::{MemoryUnit, Mib, NodeInventory, PodRequest, ResourceNames};
 
+pub use self::alibaba::{AlibabaGpu, AlibabaNode};
 use crate::clock::{Clock, SystemClock};
 use crate::objects::{NodeObject, PodObject};
 
+mod alibaba;
 mod hash;
 mod lookalike;
 mod nodes;
@@ -318,6 +321,9 @@ pub struct NodeEntry {
     heartbeat: Option<Renewal>,
     /// [`value_hash`] of the node-state annotation the entry was made from.
     state_hash: Option<u64>,
+    /// With Alibaba compatibility, a node no gpushared publishes for whose capacity Alibaba's
+    /// device plugin sets: its GPUs, for inspect alone.
+    pub alibaba: Option<AlibabaNode>,
 }
 
 /// Takes `node`'s heartbeat into `entry`: a new value is a renewal, seen now (or, by the wall

@@ -10,11 +10,13 @@ impl ClusterView {
         let name = node.name().to_owned();
         let state_value = node.annotation(NODE_STATE_KEY);
         let state_hash = state_value.map(value_hash);
+        let alibaba =
+            if self.config.alibaba && state_value.is_none() { AlibabaNode::of(node, &self.config.names) } else { None };
         if let Some(entry) = self.nodes.get_mut(&name) {
             renew(entry, node, &name, self.config.heartbeat_by_wall_clock, &*self.clock);
             // A heartbeat alone (every node every 20 s): the published state is unchanged, so
             // nothing is decoded again and no usage recomputed; only the record's deadline moves.
-            if entry.state_hash == state_hash && entry.address == node.address() {
+            if entry.state_hash == state_hash && entry.address == node.address() && entry.alibaba == alibaba {
                 let stale_at = entry.heartbeat.as_ref().map(Renewal::stale_at);
                 if let Some(mut s) = self.table.get(&name).copied()
                     && s.stale_at != stale_at
@@ -41,6 +43,7 @@ impl ClusterView {
                 cache: None,
                 heartbeat: None,
                 state_hash: None,
+                alibaba: None,
             };
             renew(&mut entry, node, &name, by_wall_clock, &*self.clock);
             entry
@@ -52,6 +55,7 @@ impl ClusterView {
         entry.address = node.address().to_owned();
         entry.gpus = gpus;
         entry.state_hash = state_hash;
+        entry.alibaba = alibaba;
         entry.cache = None;
         self.dirty.push(name.clone());
         self.table.set(&name, None);

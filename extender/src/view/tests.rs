@@ -230,6 +230,51 @@ fn pods_placed_by_alibabas_extender_count_with_compatibility_on() {
 }
 
 #[test]
+fn a_node_alibabas_plugin_serves_is_listed_by_inspect_and_never_placed_on() {
+    let alibaba_pod = |name: &str, idx: u32, units: u64, phase: &str| -> PodObject {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}"),
+                         "annotations": {"ALIYUN_COM_GPU_MEM_IDX": idx.to_string(),
+                                         "ALIYUN_COM_GPU_MEM_POD": units.to_string(),
+                                         "ALIYUN_COM_GPU_MEM_ASSIGNED": "true"}},
+            "spec": {"nodeName": "old", "containers": [{"name": "main",
+                     "resources": {"limits": {"aliyun.com/gpu-mem": units.to_string()}}}]},
+            "status": {"phase": phase}
+        }))
+        .unwrap()
+    };
+    // As Alibaba's plugin leaves it: 2 GPUs, 81920 MiB in all, no gpushare.io/node-state.
+    let old: NodeObject = serde_json::from_value(json!({"metadata": {"name": "old"},
+        "status": {"addresses": [{"type": "InternalIP", "address": "10.0.0.9"}],
+                   "capacity": {"aliyun.com/gpu-count": "2", "aliyun.com/gpu-mem": "81920", "cpu": "8"}}}))
+    .unwrap();
+    let mut on = ClusterView::new(config(true));
+    on.apply_node(&old);
+    for (name, idx, units, phase) in [("a", 0, 12000, "Running"), ("b", 0, 3000, "Running"), ("c", 1, 9000, "Running")]
+    {
+        on.apply_pod(&alibaba_pod(name, idx, units, phase));
+    }
+    on.apply_pod(&alibaba_pod("done", 1, 5000, "Succeeded"));
+    let report = crate::inspect::ClusterReport::from_view(&mut on);
+    let listed = report.nodes.iter().find(|n| n.name == "old").expect("the node Alibaba's plugin serves is listed");
+    assert_eq!(listed.address, "10.0.0.9");
+    let cells: Vec<(u32, u64, u64, &str)> =
+        listed.gpus.iter().map(|g| (g.index, g.used_mib, g.total_mib, g.mode.as_str())).collect();
+    assert_eq!(cells, [(0, 15000, 40960, "alibaba"), (1, 9000, 40960, "alibaba")]);
+    assert_eq!(listed.gpus[1].pods.iter().map(|p| p.pod.as_str()).collect::<Vec<_>>(), ["default/c"]);
+    assert!(report.gpu_samples().iter().all(|g| !g.schedulable), "never offered for placement");
+    assert_eq!(on.inventory("old").unwrap_err(), NodeRefusal::NotSharing);
+    // Without compatibility the node is not gpushare's business at all.
+    let mut off = ClusterView::new(config(false));
+    off.apply_node(&old);
+    assert!(crate::inspect::ClusterReport::from_view(&mut off).nodes.is_empty());
+    // Once gpushared publishes there, the node is read from its node state instead.
+    on.apply_node(&node("old", 2, 40960, 1, vec![]));
+    assert_eq!(on.alibaba_gpus("old"), None);
+    assert_eq!(used(&mut on, "old"), [15000, 9000]);
+}
+
+#[test]
 fn pods_seen_before_their_node_count_once_it_arrives() {
     let mut v = ClusterView::new(config(false));
     v.apply_pod(&pod("a", 300, Some(("n1", assignment("n1", &[("main", &[(0, 300)])]))), "Running"));
