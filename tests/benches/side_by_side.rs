@@ -1,7 +1,7 @@
-//! gpushare beside NVIDIA's device plugin, measured the same way on the real-cluster box (the
-//! real kube-scheduler and kubelet): one node of 8 GPUs, `GPUSHARE_BENCH_PODS` (default 500) pods
-//! created at once, each system in a box of its own, `GPUSHARE_BENCH_ROUNDS` (default 2) rounds
-//! alternating the systems.
+//! gpushare beside NVIDIA's device plugin and Alibaba's gpushare, measured the same way on the
+//! real-cluster box (the real kube-scheduler and kubelet): one node of 8 GPUs,
+//! `GPUSHARE_BENCH_PODS` (default 500) pods created at once, each system in a box of its own,
+//! `GPUSHARE_BENCH_ROUNDS` (default 2) rounds alternating the systems.
 //!
 //! ```text
 //! cargo build --release --bins && cargo bench -p gpushare-testkit --bench side_by_side
@@ -19,9 +19,15 @@
 //! `kubelet_device_plugin_alloc_duration_seconds` histogram, p50 and p99 interpolated within
 //! its buckets: 5, 10, 25, 50, 100, 250 ms, ...); and the device plugin's resident memory
 //! (`VmRSS`) once every pod runs. Then each figure of NVIDIA's as a ratio to gpushare's.
+//! Alibaba (where `GPUSHARE_PEERS_SRC` gives its source, `tests/peers/build`): its device plugin
+//! in MiB mode on the same node as gpushare's MiB mode, pods of the same size placed through its
+//! extender; its figures are given as ratios to gpushare's MiB mode. `GPUSHARE_BENCH_MIB_GPU`
+//! (MiB per GPU, default 16384) and `GPUSHARE_BENCH_MIB_POD` (MiB per pod, default 200) set that
+//! node and pod for both: Alibaba's plugin lists 8 × 16 GiB in one message over the kubelet's
+//! 4 MiB limit (its capacity then reads 0), so it is measured on 8 × 8 GiB with pods of 100 MiB.
 //! Needs root and Go, as the real-cluster tests do. `GPUSHARE_BOX_DIR` keeps each box's logs
 //! and state, in `<dir>/<system>-<round>`. `GPUSHARE_BENCH_SYSTEMS` (e.g. `gib,dra`) runs only
-//! the systems named (`mib`, `gib`, `dra`, `nvidia`). The kubelet's DRA histogram starts at
+//! the systems named (`mib`, `gib`, `dra`, `nvidia`, `alibaba`). The kubelet's DRA histogram starts at
 //! 100 ms, too coarse for a prepare: the DRA row's `Allocate` figures are left out (the prepare's
 //! latency is `cargo bench -p gpushared --bench dra_prepare`'s).
 #![allow(
@@ -39,7 +45,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use gpushare_testkit::nvml::FakeGpu;
-use gpushare_testkit::peers::{NVIDIA_GPU, NvidiaSharing};
+use gpushare_testkit::peers::{self, ALIYUN_GPU_MEM, NVIDIA_GPU, NvidiaSharing};
 use gpushare_testkit::realbox::{RealCluster, RealOptions, is_root};
 use serde_json::{Value, json};
 
@@ -56,9 +62,11 @@ enum System {
     GpushareGib,
     GpushareDra,
     Nvidia,
+    Alibaba,
 }
 
-const SYSTEMS: [System; 4] = [System::GpushareMib, System::GpushareGib, System::GpushareDra, System::Nvidia];
+const SYSTEMS: [System; 5] =
+    [System::GpushareMib, System::GpushareGib, System::GpushareDra, System::Nvidia, System::Alibaba];
 
 impl System {
     /// The name `GPUSHARE_BENCH_SYSTEMS` uses.
@@ -68,6 +76,7 @@ impl System {
             System::GpushareGib => "gib",
             System::GpushareDra => "dra",
             System::Nvidia => "nvidia",
+            System::Alibaba => "alibaba",
         }
     }
 }
@@ -89,8 +98,14 @@ fn main() {
     let pods = env("GPUSHARE_BENCH_PODS", 500) as usize;
     let rounds = env("GPUSHARE_BENCH_ROUNDS", 2);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let chosen = std::env::var("GPUSHARE_BENCH_SYSTEMS").unwrap_or_else(|_| "mib,gib,dra,nvidia".into());
-    let chosen: Vec<&str> = chosen.split(',').map(str::trim).collect();
+    let chosen = std::env::var("GPUSHARE_BENCH_SYSTEMS").unwrap_or_else(|_| "mib,gib,dra,nvidia,alibaba".into());
+    let mut chosen: Vec<&str> = chosen.split(',').map(str::trim).collect();
+    if chosen.contains(&"alibaba")
+        && let Err(why) = gpushare_testkit::peers::alibaba()
+    {
+        eprintln!("{why}");
+        chosen.retain(|s| *s != "alibaba");
+    }
     let mut figures: Vec<Vec<Figures>> = vec![Vec::new(); SYSTEMS.len()];
     for round in 1..=rounds {
         for (i, system) in SYSTEMS.into_iter().enumerate().filter(|(_, s)| chosen.contains(&s.short())) {
@@ -109,31 +124,38 @@ fn main() {
         }
     }
     let mean = |v: &[Figures], f: fn(&Figures) -> f64| v.iter().map(f).sum::<f64>() / v.len() as f64;
-    let (mib, gib, dra, nvidia) = (&figures[0], &figures[1], &figures[2], &figures[3]);
-    println!("\nmeans of {rounds} rounds (NaN: not run); ratios to gpushare GiB mode (DRA's, NVIDIA's):");
+    let (mib, gib, dra, nvidia, alibaba) = (&figures[0], &figures[1], &figures[2], &figures[3], &figures[4]);
+    println!(
+        "\nmeans of {rounds} rounds (NaN: not run); ratios to gpushare GiB mode (DRA's, NVIDIA's), and \
+         Alibaba's to gpushare MiB mode:"
+    );
     for (name, f) in [
         ("pods/s end to end", (|x: &Figures| x.pods_per_s) as fn(&Figures) -> f64),
         ("kubelet Allocate p50", |x| x.alloc_p50_ms),
         ("kubelet Allocate p99", |x| x.alloc_p99_ms),
         ("plugin RSS", |x| x.rss_mib),
     ] {
-        let (a, g, d, n) = (mean(mib, f), mean(gib, f), mean(dra, f), mean(nvidia, f));
+        let (a, g, d, n, l) = (mean(mib, f), mean(gib, f), mean(dra, f), mean(nvidia, f), mean(alibaba, f));
         println!(
-            "  {name}: gpushare MiB {a:.2}, GiB {g:.2}, DRA {d:.2}; NVIDIA {n:.2}; ratio {:.2}, {:.2}",
+            "  {name}: gpushare MiB {a:.2}, GiB {g:.2}, DRA {d:.2}; NVIDIA {n:.2}; Alibaba MiB {l:.2}; \
+             ratio {:.2}, {:.2}; Alibaba {:.2}",
             d / g,
-            n / g
+            n / g,
+            l / a
         );
     }
 }
 
 async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
     let mut b = RealCluster::up(&options).await.unwrap_or_else(|e| panic!("{e:#}"));
+    // The MiB-mode node and pod, for gpushare's MiB mode and Alibaba's alike.
+    let (mib_gpu, mib_pod) = (env("GPUSHARE_BENCH_MIB_GPU", 16384), env("GPUSHARE_BENCH_MIB_POD", 200).to_string());
     let gpus =
         |mib: u64, model: &str| -> Vec<FakeGpu> { (0..GPUS).map(|i| FakeGpu::new(NODE, i, mib, model)).collect() };
     let (resource, devices, ask) = match system {
         System::GpushareMib => {
-            b.add_node(NODE, &gpus(16384, "Tesla V100-SXM2-16GB"), ("", "")).unwrap();
-            ("gpushare.io/gpu-mem", (16384 * GPUS).to_string(), "200")
+            b.add_node(NODE, &gpus(mib_gpu, "Tesla V100-SXM2-16GB"), ("", "")).unwrap();
+            ("gpushare.io/gpu-mem", (mib_gpu * u64::from(GPUS)).to_string(), mib_pod.as_str())
         }
         System::GpushareGib => {
             b.add_node(NODE, &gpus(81920, "NVIDIA H100 80GB HBM3"), ("", "[resources]\nunit = \"GiB\"\n")).unwrap();
@@ -149,6 +171,12 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
             let replicas = (pods as u32).div_ceil(GPUS);
             b.add_nvidia_node(NODE, &gpus(16384, "Tesla V100-SXM2-16GB"), NvidiaSharing { replicas }).unwrap();
             (NVIDIA_GPU, (replicas * GPUS).to_string(), "1")
+        }
+        System::Alibaba => {
+            // Its extender takes the place of ours: kube-scheduler calls it alone.
+            b.extender = peers::start_alibaba_extender(&mut b.plane).unwrap();
+            b.add_alibaba_node(NODE, &gpus(mib_gpu, "Tesla V100-SXM2-16GB"), "MiB").unwrap();
+            (ALIYUN_GPU_MEM, (mib_gpu * u64::from(GPUS)).to_string(), mib_pod.as_str())
         }
     };
     let dra = system == System::GpushareDra;

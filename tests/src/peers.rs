@@ -162,13 +162,29 @@ pub fn alibaba_scheduler_config(url: &str) -> String {
     )
 }
 
-/// Starts Alibaba's gpushare-scheduler-extender (as its deployment does: `PORT`, a kubeconfig;
-/// here the administrator's, where its manifest binds it a `ClusterRole`) and points kube-scheduler
-/// at it with [`alibaba_scheduler_config`]. Returns the extender once it answers.
+/// Starts Alibaba's gpushare-scheduler-extender ([`spawn_alibaba_extender`]) and points
+/// kube-scheduler at it with [`alibaba_scheduler_config`]. Returns the extender.
 ///
 /// # Errors
 /// If it is not built, does not answer within 30 s, or kube-scheduler does not start.
 pub fn start_alibaba_extender(plane: &mut crate::realkube::ControlPlane) -> anyhow::Result<Proc> {
+    let (extender, url) = spawn_alibaba_extender(plane, "info")?;
+    plane.start_scheduler_config(&alibaba_scheduler_config(&url))?;
+    Ok(extender)
+}
+
+/// Starts Alibaba's gpushare-scheduler-extender as its deployment does (`PORT`, a kubeconfig;
+/// here the administrator's, where its manifest binds it a `ClusterRole`), logging at
+/// `log_level` (its `LOG_LEVEL`: `debug`, `info`, `warn` or `error`; its manifest ships `debug`,
+/// which logs a line per node and pod of every filter). Returns it once it answers, with the
+/// `urlPrefix` kube-scheduler reaches it at.
+///
+/// # Errors
+/// If it is not built or does not answer within 30 s.
+pub fn spawn_alibaba_extender(
+    plane: &crate::realkube::ControlPlane,
+    log_level: &str,
+) -> anyhow::Result<(Proc, String)> {
     let (bin, _) = alibaba().map_err(anyhow::Error::msg)?;
     let port = crate::cluster::free_port()?;
     let mut extender = plane.spawn(
@@ -178,7 +194,7 @@ pub fn start_alibaba_extender(plane: &mut crate::realkube::ControlPlane) -> anyh
         vec![
             ("PORT".into(), port.to_string()),
             ("KUBECONFIG".into(), plane.admin.display().to_string()),
-            ("LOG_LEVEL".into(), "info".into()),
+            ("LOG_LEVEL".into(), log_level.to_owned()),
         ],
     )?;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
@@ -191,8 +207,7 @@ pub fn start_alibaba_extender(plane: &mut crate::realkube::ControlPlane) -> anyh
         }
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
-    plane.start_scheduler_config(&alibaba_scheduler_config(&format!("http://127.0.0.1:{port}/gpushare-scheduler")))?;
-    Ok(extender)
+    Ok((extender, format!("http://127.0.0.1:{port}/gpushare-scheduler")))
 }
 
 /// Starts Alibaba's gpushare-device-plugin for node `node` (as its `DaemonSet` does: `NODE_NAME`, a
