@@ -15,6 +15,11 @@
 //! kube-scheduler's defaults (50/100) would cap the plain run's binds at 50/s, and the extender
 //! binds with its own client. (a) loads the shipped configuration; (b) a configuration with no
 //! extender. The extender's filter p50/p99 come from its own histogram (upper bucket bounds).
+//! (c) Where `GPUSHARE_PEERS_SRC` gives Alibaba's source (`tests/peers/build`): Alibaba's
+//! gpushare-scheduler-extender with its own settings (filter and bind, `aliyun.com/gpu-mem`),
+//! the nodes' capacity as its device plugin would set it, the same pods asking
+//! `aliyun.com/gpu-mem`; its pods/s as a ratio to (a), and each extender's resident memory once
+//! every pod is bound (it has no latency histogram).
 //! Needs the real components (`tests/kube/build`, or `GPUSHARE_KUBE_BIN`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::print_stderr, clippy::cast_precision_loss)]
 
@@ -24,6 +29,7 @@ use futures::StreamExt as _;
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory};
 use gpushare_testkit::cluster::http_get;
+use gpushare_testkit::peers::{self, ALIYUN_GPU_MEM};
 use gpushare_testkit::realbox;
 use gpushare_testkit::realkube::{self, ControlPlane, EXTENDER_URL};
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -61,7 +67,8 @@ fn node_object(name: &str) -> Value {
 
 fn node_status() -> Value {
     let total = (GPU_MIB * u64::from(GPUS)).to_string();
-    let resources = json!({"cpu": "128", "memory": "1Ti", "pods": "110", "gpushare.io/gpu-mem": total, PLAIN: total});
+    let resources = json!({"cpu": "128", "memory": "1Ti", "pods": "110", "gpushare.io/gpu-mem": total, PLAIN: total,
+                           ALIYUN_GPU_MEM: total, "aliyun.com/gpu-count": GPUS.to_string()});
     json!({"status": {"capacity": resources, "allocatable": resources,
         "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet ready",
                         "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}})
@@ -188,6 +195,7 @@ async fn run() {
     let with_extender = place(&client, "ext", "gpushare.io/gpu-mem", pods).await;
     let (_, metrics) = http_get(addr, "/metrics").await.unwrap();
     let (p50, p99) = (quantile_ms(&metrics, "filter", 0.5), quantile_ms(&metrics, "filter", 0.99));
+    let ours_rss = extender.pid().map(rss_mib);
     drop(extender);
 
     // (b) The same scheduler, no extender, a plain extended resource.
@@ -198,12 +206,51 @@ async fn run() {
     plane.start_scheduler_config(&plain_config).unwrap();
     let plain = place(&client, "plain", PLAIN, pods).await;
 
+    // (c) Alibaba's extender with its own settings (kube-scheduler's rate raised the same way).
+    let alibaba = match peers::alibaba() {
+        Ok(_) => {
+            // Logging as ours does here (`warn`): at `info` it writes a line per node per filter.
+            let (extender, url) = peers::spawn_alibaba_extender(&plane, "warn").unwrap();
+            let config = peers::alibaba_scheduler_config(&url).replacen(
+                "clientConnection:\n",
+                &format!("clientConnection:\n{RATE}"),
+                1,
+            );
+            plane.start_scheduler_config(&config).unwrap();
+            let rate = place(&client, "alibaba", ALIYUN_GPU_MEM, pods).await;
+            Some((rate, extender.pid().map(rss_mib)))
+        }
+        Err(why) => {
+            eprintln!("{why}");
+            None
+        }
+    };
+
     println!("real kube-scheduler, {nodes} API-only nodes x {GPUS} GPUs, {pods} pods each run");
     println!("| run | pods/s |");
     println!("|---|---|");
     println!("| (a) extender, gpushare.io/gpu-mem | {with_extender:.0} |");
     println!("| (b) no extender, {PLAIN} | {plain:.0} |");
+    if let Some((rate, _)) = alibaba {
+        println!("| (c) Alibaba's extender, {ALIYUN_GPU_MEM} | {rate:.0} |");
+    }
     println!("ratio (a)/(b): {:.2}", with_extender / plain);
     let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v}"));
     println!("extender filter under load: p50 <= {} ms, p99 <= {} ms (histogram bucket bounds)", ms(p50), ms(p99));
+    let mib = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.0} MiB"));
+    println!("gpushare-extender resident memory, every pod bound: {}", mib(ours_rss));
+    if let Some((rate, rss)) = alibaba {
+        println!("ratio (c)/(a): {:.2}; Alibaba's extender resident memory: {}", rate / with_extender, mib(rss));
+    }
+}
+
+/// A process's resident memory (`VmRSS`), MiB.
+fn rss_mib(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(f64::NAN);
+    kib / 1024.0
 }
