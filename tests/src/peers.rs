@@ -72,27 +72,32 @@ pub fn start_nvidia_device_plugin(
     (nvml_extra, sharing): (&str, NvidiaSharing),
 ) -> anyhow::Result<Proc> {
     let bin = binaries()?;
-    std::fs::create_dir_all(host).with_context(|| format!("creating {}", host.display()))?;
-    let library = nvml::build(host)?;
-    let nvml_config = host.join("fake-nvml.conf");
-    nvml::write_config(&nvml_config, gpus, nvml_extra)?;
+    let env = on_fake_nvml(host, gpus, nvml_extra)?;
     let config = host.join("nvidia-device-plugin.yaml");
     std::fs::write(&config, nvidia_config(sharing)).with_context(|| format!("writing {}", config.display()))?;
-    let library_dir = library.parent().context("the library's directory")?;
     let (program, args) = with_device_plugin_dir(
         plugin_dir,
         &bin.join("nvidia-device-plugin"),
         vec![format!("--config-file={}", config.display())],
     );
-    plane.spawn(
-        &format!("nvidia-device-plugin-{node}"),
-        &program,
-        args,
-        vec![
-            ("LD_LIBRARY_PATH".into(), library_dir.display().to_string()),
-            ("FAKE_NVML_CONFIG".into(), nvml_config.display().to_string()),
-        ],
-    )
+    plane.spawn(&format!("nvidia-device-plugin-{node}"), &program, args, env)
+}
+
+/// Builds the fake NVML library into `host` (created if need be) and writes its configuration
+/// of `gpus` (`nvml_extra`: further directives); the environment that makes a peer load both.
+///
+/// # Errors
+/// If the directory, the library or the configuration cannot be made.
+fn on_fake_nvml(host: &Path, gpus: &[FakeGpu], nvml_extra: &str) -> anyhow::Result<Vec<(String, String)>> {
+    std::fs::create_dir_all(host).with_context(|| format!("creating {}", host.display()))?;
+    let library = nvml::build(host)?;
+    let nvml_config = host.join("fake-nvml.conf");
+    nvml::write_config(&nvml_config, gpus, nvml_extra)?;
+    let library_dir = library.parent().context("the library's directory")?;
+    Ok(vec![
+        ("LD_LIBRARY_PATH".into(), library_dir.display().to_string()),
+        ("FAKE_NVML_CONFIG".into(), nvml_config.display().to_string()),
+    ])
 }
 
 impl RealCluster {
@@ -108,18 +113,25 @@ impl RealCluster {
         gpus: &[FakeGpu],
         sharing: NvidiaSharing,
     ) -> anyhow::Result<&mut RealNode> {
+        self.add_plugin_node(name, |plane, host, plugin_dir, nvml_extra| {
+            start_nvidia_device_plugin(plane, name, &host.join("nvidia"), plugin_dir, gpus, (nvml_extra, sharing))
+        })
+    }
+
+    /// Adds node `name` whose device plugin `start` starts (given the control plane, the node's
+    /// directory, its kubelet's device-plugin directory and the fake NVML event directive): the
+    /// recording runtime, the real kubelet (registered and Ready), then the plugin as the node's
+    /// `daemon`.
+    fn add_plugin_node(
+        &mut self,
+        name: &str,
+        start: impl FnOnce(&crate::realkube::ControlPlane, &Path, &Path, &str) -> anyhow::Result<Proc>,
+    ) -> anyhow::Result<&mut RealNode> {
         let host = self.plane.dir.join(name);
         let runtime = crate::cri::RecordingRuntime::serve(&host.join("cri/cri.sock"))?;
         let kubelet = RealKubelet::start_with_gates(&self.plane, name, &host, &runtime.endpoint(), DEFAULT_GATES)?;
         let events = host.join("nvml-events");
-        let daemon = start_nvidia_device_plugin(
-            &self.plane,
-            name,
-            &host.join("nvidia"),
-            &kubelet.dirs.device_plugins(),
-            gpus,
-            (&nvml::events_directive(&events), sharing),
-        )?;
+        let daemon = start(&self.plane, &host, &kubelet.dirs.device_plugins(), &nvml::events_directive(&events))?;
         self.nodes.push(RealNode { name: name.to_owned(), host, runtime, kubelet, daemon, events });
         self.nodes.last_mut().context("the node just added")
     }
@@ -226,11 +238,7 @@ pub fn start_alibaba_device_plugin(
     (nvml_extra, unit): (&str, &str),
 ) -> anyhow::Result<Proc> {
     let (bin, _) = alibaba().map_err(anyhow::Error::msg)?;
-    std::fs::create_dir_all(host).with_context(|| format!("creating {}", host.display()))?;
-    let library = nvml::build(host)?;
-    let nvml_config = host.join("fake-nvml.conf");
-    nvml::write_config(&nvml_config, gpus, nvml_extra)?;
-    let library_dir = library.parent().context("the library's directory")?;
+    let mut env = on_fake_nvml(host, gpus, nvml_extra)?;
     let (program, args) = with_device_plugin_dir(
         plugin_dir,
         &bin.join("gpushare-device-plugin"),
@@ -238,17 +246,9 @@ pub fn start_alibaba_device_plugin(
         // (--query-kubelet, off), and it stops when neither a token nor a service account is there.
         vec![format!("--memory-unit={unit}"), "--health-check".into(), "--token=unused".into(), "-logtostderr".into()],
     );
-    plane.spawn(
-        &format!("alibaba-device-plugin-{node}"),
-        &program,
-        args,
-        vec![
-            ("LD_LIBRARY_PATH".into(), library_dir.display().to_string()),
-            ("FAKE_NVML_CONFIG".into(), nvml_config.display().to_string()),
-            ("KUBECONFIG".into(), plane.admin.display().to_string()),
-            ("NODE_NAME".into(), node.to_owned()),
-        ],
-    )
+    env.push(("KUBECONFIG".into(), plane.admin.display().to_string()));
+    env.push(("NODE_NAME".into(), node.to_owned()));
+    plane.spawn(&format!("alibaba-device-plugin-{node}"), &program, args, env)
 }
 
 impl RealCluster {
@@ -259,18 +259,8 @@ impl RealCluster {
     /// # Errors
     /// A component that does not start, with its log.
     pub fn add_alibaba_node(&mut self, name: &str, gpus: &[FakeGpu], unit: &str) -> anyhow::Result<&mut RealNode> {
-        let host = self.plane.dir.join(name);
-        let runtime = crate::cri::RecordingRuntime::serve(&host.join("cri/cri.sock"))?;
-        let kubelet = RealKubelet::start_with_gates(&self.plane, name, &host, &runtime.endpoint(), DEFAULT_GATES)?;
-        let events = host.join("nvml-events");
-        let daemon = start_alibaba_device_plugin(
-            &self.plane,
-            name,
-            (&host.join("alibaba"), &kubelet.dirs.device_plugins()),
-            gpus,
-            (&nvml::events_directive(&events), unit),
-        )?;
-        self.nodes.push(RealNode { name: name.to_owned(), host, runtime, kubelet, daemon, events });
-        self.nodes.last_mut().context("the node just added")
+        self.add_plugin_node(name, |plane, host, plugin_dir, nvml_extra| {
+            start_alibaba_device_plugin(plane, name, (&host.join("alibaba"), plugin_dir), gpus, (nvml_extra, unit))
+        })
     }
 }
