@@ -264,3 +264,57 @@ impl RealCluster {
         })
     }
 }
+
+impl RealCluster {
+    /// Hands node `name`'s GPUs from its device plugin to gpushared, as an operator does in
+    /// docs/install.md §7 once the old plugin is told to stop: stops the node's plugin (SIGTERM,
+    /// as the `DaemonSet` controller does when the node loses its label), writes gpushared's
+    /// configuration (`config_extra` added to the generated file) on the same kubelet and fake
+    /// NVML host, runs `gpushared --check-config` on it and starts gpushared as the node's
+    /// `daemon`. Returns the check's report. Does not wait for its devices.
+    ///
+    /// # Errors
+    /// An unknown node, a configuration the check refuses, or gpushared not starting.
+    pub fn replace_with_gpushared(
+        &mut self,
+        name: &str,
+        gpus: &[FakeGpu],
+        config_extra: &str,
+    ) -> anyhow::Result<String> {
+        let i = self.nodes.iter().position(|n| n.name == name).with_context(|| format!("no node {name}"))?;
+        let node = &mut self.nodes[i];
+        node.daemon.stop(std::time::Duration::from_secs(5));
+        let files = crate::realbox::GpusharedFiles::write(
+            &self.plane,
+            name,
+            &node.host.join("gpushared"),
+            (&node.kubelet.dirs.device_plugins(), &node.kubelet.dirs.pod_resources()),
+            gpus,
+            (&nvml::events_directive(&node.events), config_extra),
+        )?;
+        let report = files.check()?;
+        node.daemon = files.spawn(&self.plane, name)?;
+        Ok(report)
+    }
+
+    /// Hands node `name`'s GPUs back to Alibaba's gpushare-device-plugin in `unit`: stops the
+    /// node's `daemon` (SIGTERM, as `systemctl disable --now gpushared` does) and starts
+    /// Alibaba's plugin in its place, as its `DaemonSet` does once the node is labelled again.
+    /// Does not wait for its devices.
+    ///
+    /// # Errors
+    /// An unknown node, or the plugin not starting.
+    pub fn replace_with_alibaba(&mut self, name: &str, gpus: &[FakeGpu], unit: &str) -> anyhow::Result<()> {
+        let i = self.nodes.iter().position(|n| n.name == name).with_context(|| format!("no node {name}"))?;
+        let node = &mut self.nodes[i];
+        node.daemon.stop(std::time::Duration::from_secs(5));
+        node.daemon = start_alibaba_device_plugin(
+            &self.plane,
+            name,
+            (&node.host.join("alibaba"), &node.kubelet.dirs.device_plugins()),
+            gpus,
+            (&nvml::events_directive(&node.events), unit),
+        )?;
+        Ok(())
+    }
+}

@@ -397,34 +397,93 @@ pub fn start_gpushared(
     plane: &ControlPlane,
     node: &str,
     host: &Path,
-    (plugin_dir, pod_resources): (&Path, &Path),
+    dirs: (&Path, &Path),
     gpus: &[FakeGpu],
-    (nvml_extra, config_extra): (&str, &str),
+    extra: (&str, &str),
 ) -> anyhow::Result<Proc> {
-    std::fs::create_dir_all(host).with_context(|| format!("creating {}", host.display()))?;
-    let library = nvml::build(host)?;
-    let nvml_config = host.join("fake-nvml.conf");
-    nvml::write_config(&nvml_config, gpus, nvml_extra)?;
-    let node_kubeconfig = plane.pki.kubeconfig(&plane.server, &format!("system:node:{node}"), &["system:nodes"])?;
-    let base = format!(
-        "node_name = \"{node}\"\n[kubelet]\ndevice_plugin_dir = \"{}\"\npod_resources_socket = \"{}\"\n\
-         [ledger]\npath = \"{}\"\n[kubernetes]\nkubeconfig = \"{}\"\n[nvml]\nlibrary = \"{}\"\n[dbus]\nenabled = false\n",
-        plugin_dir.display(),
-        pod_resources.display(),
-        host.join("ledger.db").display(),
-        node_kubeconfig.display(),
-        library.display()
-    );
-    let config = host.join("gpushared.toml");
-    std::fs::write(&config, merge_toml(&base, config_extra)?)
-        .with_context(|| format!("writing {}", config.display()))?;
-    let ours = Binaries::beside_current_exe()?;
-    plane.spawn(
-        &format!("gpushared-{node}"),
-        &ours.gpushared,
-        vec!["--config".into(), config.display().to_string()],
-        vec![("RUST_LOG".into(), "info".into()), ("FAKE_NVML_CONFIG".into(), nvml_config.display().to_string())],
-    )
+    let files = GpusharedFiles::write(plane, node, host, dirs, gpus, extra)?;
+    files.spawn(plane, node)
+}
+
+/// What gpushared runs from on a box node: its configuration and the fake NVML library's.
+#[derive(Clone, Debug)]
+pub struct GpusharedFiles {
+    /// gpushared.toml.
+    pub config: PathBuf,
+    /// The fake NVML library's configuration.
+    pub nvml_config: PathBuf,
+}
+
+impl GpusharedFiles {
+    /// Builds the fake NVML library into `host` and writes both configurations, as
+    /// [`start_gpushared`] starts gpushared with.
+    ///
+    /// # Errors
+    /// If the fake library cannot be built or a file cannot be written.
+    pub fn write(
+        plane: &ControlPlane,
+        node: &str,
+        host: &Path,
+        (plugin_dir, pod_resources): (&Path, &Path),
+        gpus: &[FakeGpu],
+        (nvml_extra, config_extra): (&str, &str),
+    ) -> anyhow::Result<GpusharedFiles> {
+        std::fs::create_dir_all(host).with_context(|| format!("creating {}", host.display()))?;
+        let library = nvml::build(host)?;
+        let nvml_config = host.join("fake-nvml.conf");
+        nvml::write_config(&nvml_config, gpus, nvml_extra)?;
+        let node_kubeconfig = plane.pki.kubeconfig(&plane.server, &format!("system:node:{node}"), &["system:nodes"])?;
+        let base = format!(
+            "node_name = \"{node}\"\n[kubelet]\ndevice_plugin_dir = \"{}\"\npod_resources_socket = \"{}\"\n\
+             [ledger]\npath = \"{}\"\n[kubernetes]\nkubeconfig = \"{}\"\n[nvml]\nlibrary = \"{}\"\n[dbus]\nenabled = false\n",
+            plugin_dir.display(),
+            pod_resources.display(),
+            host.join("ledger.db").display(),
+            node_kubeconfig.display(),
+            library.display()
+        );
+        let config = host.join("gpushared.toml");
+        std::fs::write(&config, merge_toml(&base, config_extra)?)
+            .with_context(|| format!("writing {}", config.display()))?;
+        Ok(GpusharedFiles { config, nvml_config })
+    }
+
+    /// Runs `gpushared --check-config` on the configuration, as an operator does before enabling
+    /// the unit: its report.
+    ///
+    /// # Errors
+    /// If it cannot run, or finds the configuration or the host unusable (with its report).
+    pub fn check(&self) -> anyhow::Result<String> {
+        let ours = Binaries::beside_current_exe()?;
+        let out = std::process::Command::new(&ours.gpushared)
+            .arg("--check-config")
+            .arg(&self.config)
+            .env("FAKE_NVML_CONFIG", &self.nvml_config)
+            .output()
+            .with_context(|| format!("running {} --check-config", ours.gpushared.display()))?;
+        let report = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        if !out.status.success() {
+            bail!("gpushared --check-config {} failed ({}):\n{report}", self.config.display(), out.status);
+        }
+        Ok(report)
+    }
+
+    /// Starts gpushared as `node` on these files.
+    ///
+    /// # Errors
+    /// If it cannot be started.
+    pub fn spawn(&self, plane: &ControlPlane, node: &str) -> anyhow::Result<Proc> {
+        let ours = Binaries::beside_current_exe()?;
+        plane.spawn(
+            &format!("gpushared-{node}"),
+            &ours.gpushared,
+            vec!["--config".into(), self.config.display().to_string()],
+            vec![
+                ("RUST_LOG".into(), "info".into()),
+                ("FAKE_NVML_CONFIG".into(), self.nvml_config.display().to_string()),
+            ],
+        )
+    }
 }
 
 /// `extra` laid over `base` (both TOML): its tables merged into those of `base` key by key, so
