@@ -318,3 +318,216 @@ impl RealCluster {
         Ok(())
     }
 }
+
+/// HAMi's resource names and scheduler name, its chart's defaults: GPUs (`nvidia.com/gpu`, the
+/// same name as NVIDIA's plugin), MiB of each (`nvidia.com/gpumem`), and the kube-scheduler
+/// profile its webhook sends the pods that ask for them to.
+pub const HAMI_GPU: &str = "nvidia.com/gpu";
+/// HAMi's memory per GPU, MiB.
+pub const HAMI_GPUMEM: &str = "nvidia.com/gpumem";
+/// The scheduler name HAMi's webhook writes into the pods it manages.
+pub const HAMI_SCHEDULER: &str = "hami-scheduler";
+/// How many pods may share one GPU (its chart's `devicePlugin.deviceSplitCount`).
+pub const HAMI_SPLIT: u32 = 10;
+
+/// HAMi, built from source by `tests/peers/build` when `GPUSHARE_PEERS_SRC` names its checkout:
+/// the binaries' directory and the commits built (`peers.txt`), or one line saying why it cannot
+/// run here.
+///
+/// # Errors
+/// The line saying why.
+pub fn hami() -> Result<(PathBuf, String), String> {
+    let bin = binaries().map_err(|e| format!("the peers' build failed: {e:#}"))?;
+    if let Some(missing) = ["hami-scheduler", "hami-device-plugin"].iter().find(|b| !bin.join(b).is_file()) {
+        return Err(format!(
+            "HAMi did not run: {missing} is not in {} (set GPUSHARE_PEERS_SRC to a folder with its checkout, \
+             docs/comparison.md)",
+            bin.display()
+        ));
+    }
+    let commits = std::fs::read_to_string(bin.join("peers.txt")).unwrap_or_default();
+    Ok((bin, commits))
+}
+
+/// HAMi's device configuration (its chart's `device-config.yaml`, NVIDIA's section, with the
+/// chart's default values), which its scheduler and device plugin both read.
+#[must_use]
+pub fn hami_device_config() -> String {
+    format!(
+        "nvidia:\n  resourceCountName: {HAMI_GPU}\n  resourceMemoryName: {HAMI_GPUMEM}\n  \
+         resourceMemoryPercentageName: nvidia.com/gpumem-percentage\n  resourceCoreName: nvidia.com/gpucores\n  \
+         resourcePriorityName: nvidia.com/priority\n  overwriteEnv: false\n  defaultMemory: 0\n  defaultCores: 0\n  \
+         defaultGPUNum: 1\n  preConfiguredDeviceMemory: 0\n  memoryFactor: 1\n  deviceSplitCount: {HAMI_SPLIT}\n  \
+         deviceMemoryScaling: 1\n  deviceCoreScaling: 1\n  enableNumaTopology: false\n  gpuCorePolicy: default\n  \
+         libCudaLogLevel: 1\n  runtimeClassName: \"\"\n"
+    )
+}
+
+/// kube-scheduler's configuration for HAMi, as its chart writes it for Kubernetes 1.26+: the
+/// default profile and HAMi's, and its extender at `url` over HTTPS (its chart: `insecure`),
+/// filter and bind, HAMi's resources managed and ignored by kube-scheduler.
+#[must_use]
+pub fn hami_scheduler_config(url: &str) -> String {
+    let managed: String =
+        [HAMI_GPU, HAMI_GPUMEM, "nvidia.com/gpucores", "nvidia.com/gpumem-percentage", "nvidia.com/priority"]
+            .iter()
+            .map(|r| format!("  - name: {r}\n    ignoredByScheduler: true\n"))
+            .collect();
+    format!(
+        "apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\nclientConnection:\n  \
+         {kubeconfig}\nprofiles:\n- schedulerName: default-scheduler\n- schedulerName: {HAMI_SCHEDULER}\nextenders:\n\
+         - urlPrefix: \"{url}\"\n  enableHTTPS: true\n  tlsConfig:\n    insecure: true\n  filterVerb: filter\n  \
+         bindVerb: bind\n  nodeCacheCapable: true\n  weight: 1\n  httpTimeout: 30s\n  managedResources:\n{managed}",
+        kubeconfig = crate::realkube::SCHEDULER_KUBECONFIG,
+    )
+}
+
+/// Starts HAMi's scheduler (its extender and mutating webhook, one HTTPS server as its chart
+/// runs it, with a serving certificate of the box's CA for 127.0.0.1), registers the webhook
+/// with the API server through a URL client configuration and that CA, and points kube-scheduler
+/// at the extender ([`hami_scheduler_config`]). Returns HAMi's scheduler and the address of
+/// its metrics, where `hami_gpu_memory_limit_bytes{node="…"}` shows each node it has
+/// registered: it reads the nodes' device annotations every 15 s or so, and until then its
+/// filter answers "node unregistered".
+///
+/// # Errors
+/// If it is not built, a file cannot be written, it does not listen within 30 s, or the webhook
+/// or kube-scheduler cannot be set up.
+pub fn start_hami_scheduler(plane: &mut crate::realkube::ControlPlane) -> anyhow::Result<(Proc, std::net::SocketAddr)> {
+    let (bin, _) = hami().map_err(anyhow::Error::msg)?;
+    let port = crate::cluster::free_port()?;
+    let metrics = crate::cluster::free_port()?;
+    let (crt, key) = plane.pki.issue(
+        "hami-scheduler",
+        "/CN=hami-scheduler",
+        "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\nkeyUsage=critical,digitalSignature\n",
+    )?;
+    let config = plane.dir.join("hami-device-config.yaml");
+    std::fs::write(&config, hami_device_config()).with_context(|| format!("writing {}", config.display()))?;
+    let mut scheduler = plane.spawn(
+        "hami-scheduler",
+        &bin.join("hami-scheduler"),
+        vec![
+            format!("--http_bind=127.0.0.1:{port}"),
+            format!("--cert_file={}", crt.display()),
+            format!("--key_file={}", key.display()),
+            format!("--scheduler-name={HAMI_SCHEDULER}"),
+            format!("--metrics-bind-address=127.0.0.1:{metrics}"),
+            "--node-scheduler-policy=binpack".into(),
+            "--gpu-scheduler-policy=spread".into(),
+            format!("--device-config-file={}", config.display()),
+            "--leader-elect=false".into(),
+        ],
+        vec![
+            ("KUBECONFIG".into(), plane.admin.display().to_string()),
+            ("POD_NAME".into(), "hami-scheduler".into()),
+            ("POD_NAMESPACE".into(), "kube-system".into()),
+        ],
+    )?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if let Some(status) = scheduler.exited() {
+            anyhow::bail!("HAMi's scheduler exited ({status}):\n{}", scheduler.log_tail(30));
+        }
+        if std::time::Instant::now() > deadline {
+            anyhow::bail!("HAMi's scheduler does not listen after 30 s:\n{}", scheduler.log_tail(30));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let ca = std::fs::read(plane.pki.ca()).context("reading the box's CA")?;
+    plane.create(&serde_json::json!({
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": "hami-webhook"},
+        "webhooks": [{"name": "vgpu.hami.io", "admissionReviewVersions": ["v1beta1"],
+            "clientConfig": {"url": format!("https://127.0.0.1:{port}/webhook"), "caBundle": base64(&ca)},
+            "failurePolicy": "Ignore", "matchPolicy": "Equivalent", "reinvocationPolicy": "Never",
+            "sideEffects": "None", "timeoutSeconds": 10,
+            "objectSelector": {"matchExpressions": [{"key": "hami.io/webhook", "operator": "NotIn", "values": ["ignore"]}]},
+            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"], "scope": "*"}]}]
+    }))?;
+    plane.start_scheduler_config(&hami_scheduler_config(&format!("https://127.0.0.1:{port}")))?;
+    Ok((scheduler, std::net::SocketAddr::from(([127, 0, 0, 1], metrics))))
+}
+
+/// Standard base64 of `bytes`, as a Kubernetes `caBundle` carries a certificate.
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [chunk[0], chunk.get(1).copied().unwrap_or(0), chunk.get(2).copied().unwrap_or(0)];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for (i, shift) in [18u32, 12, 6, 0].into_iter().enumerate() {
+            if i <= chunk.len() {
+                out.push(char::from(ALPHABET[((n >> shift) & 63) as usize]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// Starts HAMi's NVIDIA device plugin for node `node` as its `DaemonSet` does (`NODE_NAME`, a
+/// kubeconfig, its device configuration, environment variables as the device list, no MIG) for
+/// the kubelet whose device plugins live in `plugin_dir`, on `gpus` of the fake NVML library, its
+/// files under `host`. Its `HOOK_PATH` (where HAMi-core's library would be) is an empty
+/// directory: in-container enforcement needs a GPU and is not run here.
+///
+/// # Errors
+/// If it is not built, the library cannot be built, a file cannot be written, or it cannot be
+/// started.
+pub fn start_hami_device_plugin(
+    plane: &crate::realkube::ControlPlane,
+    node: &str,
+    (host, plugin_dir): (&Path, &Path),
+    gpus: &[FakeGpu],
+    nvml_extra: &str,
+) -> anyhow::Result<Proc> {
+    let (bin, _) = hami().map_err(anyhow::Error::msg)?;
+    let mut env = on_fake_nvml(host, gpus, nvml_extra)?;
+    let config = host.join("device-config.yaml");
+    std::fs::write(&config, hami_device_config()).with_context(|| format!("writing {}", config.display()))?;
+    let hook = host.join("hook");
+    std::fs::create_dir_all(hook.join("vgpu")).with_context(|| format!("creating {}", hook.display()))?;
+    let (program, args) = with_device_plugin_dir(
+        plugin_dir,
+        &bin.join("hami-device-plugin"),
+        vec![format!("--config-file={}", config.display()), "--mig-strategy=none".into()],
+    );
+    env.extend([
+        ("KUBECONFIG".into(), plane.admin.display().to_string()),
+        ("NODE_NAME".into(), node.to_owned()),
+        ("HOOK_PATH".into(), hook.display().to_string()),
+        ("DEVICE_LIST_STRATEGY".into(), "envvar".into()),
+        ("PASS_DEVICE_SPECS".into(), "false".into()),
+        ("NVIDIA_MIG_MONITOR_DEVICES".into(), "all".into()),
+    ]);
+    plane.spawn(&format!("hami-device-plugin-{node}"), &program, args, env)
+}
+
+impl RealCluster {
+    /// Adds node `name` served by HAMi's device plugin instead of gpushared: the recording
+    /// runtime, the real kubelet (registered and Ready) and the plugin on `gpus`. The node's
+    /// `daemon` is the plugin. Does not wait for its devices.
+    ///
+    /// # Errors
+    /// A component that does not start, with its log.
+    pub fn add_hami_node(&mut self, name: &str, gpus: &[FakeGpu]) -> anyhow::Result<&mut RealNode> {
+        self.add_plugin_node(name, |plane, host, plugin_dir, nvml_extra| {
+            start_hami_device_plugin(plane, name, (&host.join("hami"), plugin_dir), gpus, nvml_extra)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn base64_matches_the_standard_alphabet_and_padding() {
+        assert_eq!(super::base64(b""), "");
+        assert_eq!(super::base64(b"f"), "Zg==");
+        assert_eq!(super::base64(b"fo"), "Zm8=");
+        assert_eq!(super::base64(b"foo"), "Zm9v");
+        assert_eq!(super::base64(b"foob"), "Zm9vYg==");
+        assert_eq!(super::base64(b"\xff\xfe\xfd"), "//79");
+    }
+}
