@@ -1,6 +1,7 @@
 //! gpushare side by side with NVIDIA's device plugin (v0.19, time-slicing, built from Go
-//! modules by `tests/peers/build` and run unmodified on the fake NVML library), each as a node of
-//! the real-cluster box under the real kube-scheduler and kubelet: the same scenarios, the pods
+//! modules by `tests/peers/build` and run unmodified on the fake NVML library) and, where
+//! `GPUSHARE_PEERS_SRC` gives their source, Alibaba's gpushare and HAMi (built by the same
+//! script, also unmodified), each as a node of the real-cluster box under the real kube-scheduler and kubelet: the same scenarios, the pods
 //! written the way each system's users write them, judged by one set of rules on what the
 //! runtime was asked to run. Each scenario keeps its evidence in
 //! `target/tmp/side-by-side/<scenario>.json` and checks that docs/comparison.md's row says what
@@ -67,6 +68,12 @@ fn judge(b: &RealBox, system: System, gpus: &[FakeGpu], pods: &[(String, Vec<Ctr
         {
             return Verdict::Fail(wrong);
         }
+        if system == System::Hami
+            && s.runs(apps)
+            && let Some(wrong) = hami_mismatch(b, s, ctrs)
+        {
+            return Verdict::Fail(wrong);
+        }
         if system == System::Gpushare && s.runs(apps) {
             let assigned = assignment(b, &s.pod);
             for c in s.containers.iter().filter(|c| c.running) {
@@ -105,6 +112,35 @@ fn alibaba_mismatch(b: &RealBox, s: &Seen, ctrs: &[Ctr]) -> Option<String> {
                 c.gpus,
                 c.budget_mib,
                 want.mib * u64::from(want.gpus)
+            )
+        })
+    })
+}
+
+/// Where a running container of HAMi's pod `s` is not on the GPUs its scheduler allocated it
+/// (`hami.io/vgpu-devices-allocated`: per container, `;`-separated, each GPU as
+/// `UUID,type,MiB,cores:`), or not told its memory on each (HAMi-core's
+/// `CUDA_DEVICE_MEMORY_LIMIT_0`): what it saw instead.
+fn hami_mismatch(b: &RealBox, s: &Seen, ctrs: &[Ctr]) -> Option<String> {
+    let p = get(&b.plane, &["get", "pod", &s.pod, "-n", "default"]);
+    let text = p["metadata"]["annotations"]["hami.io/vgpu-devices-allocated"].as_str().unwrap_or("");
+    let per_container: Vec<Vec<String>> = text
+        .split(';')
+        .map(|c| {
+            c.split(':').filter_map(|d| d.split(',').next()).filter(|u| !u.is_empty()).map(str::to_owned).collect()
+        })
+        .collect();
+    let apps: Vec<&Ctr> = ctrs.iter().filter(|c| !c.init).collect();
+    s.containers.iter().filter(|c| c.running).find_map(|c| {
+        let i = apps.iter().position(|w| w.name == c.name)?;
+        let mut allocated = per_container.get(i).cloned().unwrap_or_default();
+        let mut seen = c.gpus.clone();
+        allocated.sort();
+        seen.sort();
+        (allocated != seen || c.budget_mib != Some(apps[i].mib)).then(|| {
+            format!(
+                "{}/{} sees {:?} with budget {:?}; its scheduler allocated it {allocated:?}, {} MiB each ({text:?})",
+                s.pod, c.name, c.gpus, c.budget_mib, apps[i].mib
             )
         })
     })
@@ -303,15 +339,24 @@ async fn eight_80gb_gpus_in_mib() {
         if system == System::Alibaba {
             return Some(alibaba_in_mib(&b, &gpus));
         }
-        b.wait_allocatable(NODE, NVIDIA_GPU, "32", Duration::from_secs(60)).unwrap();
+        // NVIDIA's time-slicing: 4 replicas of each GPU; HAMi: 10 shares of each, memory apart.
+        let slots = if system == System::Hami { 80 } else { 32 };
+        b.wait_allocatable(NODE, NVIDIA_GPU, &slots.to_string(), Duration::from_secs(60)).unwrap();
         let want = pods("big", 1, &[Ctr::main(70000)]);
         let seen = run(&b, system, &want, 1);
         let verdict = and_then(judge(&b, system, &gpus, &want, &seen), || {
+            if system == System::Hami {
+                return if seen[0].runs(1) {
+                    Verdict::Pass
+                } else {
+                    Verdict::Fail(format!("{} is {} ({})", seen[0].pod, seen[0].phase, seen[0].waiting))
+                };
+            }
             Verdict::NotExpressible(
                 "no memory unit: the node offers 32 replicas of 8 GPUs, and a pod cannot ask for 70000 MiB".into(),
             )
         });
-        Some((verdict.clone(), evidence(system, &verdict, &seen, &json!({"allocatable": 32}))))
+        Some((verdict.clone(), evidence(system, &verdict, &seen, &json!({"allocatable": slots}))))
     })
     .await;
 }
@@ -381,6 +426,7 @@ async fn a_gpu_with_an_xid() {
             System::Gpushare => ("gpushare.io/gpu-mem", "81920", "40960"),
             System::Nvidia => (NVIDIA_GPU, "8", "4"),
             System::Alibaba => (ALIYUN_GPU_MEM, "81920", "40960"),
+            System::Hami => (gpushare_testkit::peers::HAMI_GPU, "20", "10"),
         };
         let want = pods("xid", 1, &[Ctr::main(8000)]);
         let seen = run(&b, system, &want, 1);

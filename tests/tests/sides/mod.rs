@@ -10,7 +10,7 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 use gpushare_testkit::nvml::FakeGpu;
-use gpushare_testkit::peers::{self, ALIYUN_GPU_MEM, NVIDIA_GPU, NvidiaSharing};
+use gpushare_testkit::peers::{self, ALIYUN_GPU_MEM, HAMI_GPU, HAMI_GPUMEM, HAMI_SPLIT, NVIDIA_GPU, NvidiaSharing};
 use gpushare_testkit::realbox::is_root;
 use serde_json::{Value, json};
 
@@ -30,6 +30,10 @@ pub(crate) enum System {
     /// Alibaba's gpushare-device-plugin in MiB mode (`--memory-unit=MiB`, as its users run it)
     /// and gpushare-scheduler-extender, built from source (`GPUSHARE_PEERS_SRC`).
     Alibaba,
+    /// HAMi's scheduler (extender and mutating webhook) and NVIDIA device plugin, built from
+    /// source (`GPUSHARE_PEERS_SRC`), with its chart's defaults: each GPU shared by up to 10
+    /// pods, memory asked per GPU in MiB (`nvidia.com/gpumem`).
+    Hami,
 }
 
 /// Time-slicing replicas per GPU for [`System::Nvidia`].
@@ -37,15 +41,19 @@ pub(crate) const NVIDIA_REPLICAS: u32 = 4;
 
 impl System {
     /// Every system, in the order of the table's columns.
-    pub(crate) const ALL: [System; 3] = [System::Gpushare, System::Nvidia, System::Alibaba];
+    pub(crate) const ALL: [System; 4] = [System::Gpushare, System::Nvidia, System::Alibaba, System::Hami];
 
     /// The systems that can run here: each peer built from source only when its source was
     /// given; for one that was not, one line on stderr saying so (its column keeps the last
     /// recorded run).
     #[must_use]
+    /// `GPUSHARE_SIDES` (a comma-separated list of `gpushare`, `nvidia`, `alibaba`, `hami`)
+    /// keeps only those, to study one system (with `GPUSHARE_BOX_DIR`, which holds one box).
     pub(crate) fn runnable() -> Vec<System> {
+        let chosen = std::env::var("GPUSHARE_SIDES").ok();
         System::ALL
             .into_iter()
+            .filter(|s| chosen.as_deref().is_none_or(|c| c.split(',').any(|k| k.trim() == s.key())))
             .filter(|s| match s {
                 System::Alibaba => gpushare_testkit::peers::alibaba()
                     .map(|(_, commits)| {
@@ -53,9 +61,24 @@ impl System {
                     })
                     .map_err(|why| eprintln!("{why}"))
                     .is_ok(),
+                System::Hami => gpushare_testkit::peers::hami()
+                    .map(|(_, commits)| eprintln!("HAMi built from: {}", commits.trim().replace('\n', "; ")))
+                    .map_err(|why| eprintln!("{why}"))
+                    .is_ok(),
                 System::Gpushare | System::Nvidia => true,
             })
             .collect()
+    }
+
+    /// The system's name in `GPUSHARE_SIDES`.
+    #[must_use]
+    pub(crate) fn key(self) -> &'static str {
+        match self {
+            System::Gpushare => "gpushare",
+            System::Nvidia => "nvidia",
+            System::Alibaba => "alibaba",
+            System::Hami => "hami",
+        }
     }
 
     /// The column's heading in docs/comparison.md.
@@ -65,6 +88,7 @@ impl System {
             System::Gpushare => "gpushare",
             System::Nvidia => "NVIDIA device plugin",
             System::Alibaba => "Alibaba gpushare",
+            System::Hami => "HAMi",
         }
     }
 
@@ -82,6 +106,22 @@ impl System {
             System::Alibaba => {
                 let mib: u64 = gpus.iter().map(|g| g.memory_mib).sum();
                 b.wait_allocatable(NODE, ALIYUN_GPU_MEM, &mib.to_string(), Duration::from_secs(90))
+            }
+            System::Hami => {
+                let slots = (gpus.len() * HAMI_SPLIT as usize).to_string();
+                let waited = b.wait_allocatable(NODE, HAMI_GPU, &slots, Duration::from_secs(90));
+                // Its scheduler places nothing on a node until it has read the node's devices;
+                // in a cluster that happens long before pods arrive.
+                let registered = format!("node=\"{NODE}\"");
+                let deadline = Instant::now() + Duration::from_secs(60);
+                while gpushare_testkit::cluster::http_get(b.addr, "/metrics")
+                    .await
+                    .is_none_or(|(_, body)| !body.contains(&registered))
+                {
+                    assert!(Instant::now() < deadline, "HAMi's scheduler has not registered {NODE} after 60 s");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                waited
             }
         }
         .unwrap_or_else(|e| panic!("{e:#}"));
@@ -102,6 +142,11 @@ impl System {
             System::Alibaba => peers::start_alibaba_extender(&mut b.plane)
                 .map(|extender| b.extender = extender)
                 .and_then(|()| b.add_alibaba_node(NODE, gpus, "MiB").map(|_| ())),
+            // HAMi's scheduler takes the place of our extender; its webhook sends the pods to it.
+            // b.addr: its metrics, which say when it has registered the node.
+            System::Hami => peers::start_hami_scheduler(&mut b.plane)
+                .map(|(scheduler, metrics)| (b.extender, b.addr) = (scheduler, metrics))
+                .and_then(|()| b.add_hami_node(NODE, gpus).map(|_| ())),
         }
         .unwrap_or_else(|e| panic!("{e:#}"));
         Some(b)
@@ -122,6 +167,7 @@ impl System {
                 System::Gpushare => json!({"gpushare.io/gpu-mem": c.mib.to_string()}),
                 System::Nvidia => json!({NVIDIA_GPU: c.gpus.to_string()}),
                 System::Alibaba => json!({ALIYUN_GPU_MEM: (c.mib * u64::from(c.gpus)).to_string()}),
+                System::Hami => json!({HAMI_GPU: c.gpus.to_string(), HAMI_GPUMEM: c.mib.to_string()}),
             };
             json!({"name": c.name, "image": "registry.example/app:1", "resources": {"limits": limits}})
         };
@@ -243,6 +289,9 @@ pub(crate) fn observe(b: &RealBox, pods: &[(String, Vec<Ctr>)]) -> Vec<Seen> {
                         .envs
                         .get("GPUSHARE_MEMORY_MIB")
                         .or_else(|| c.envs.get("ALIYUN_COM_GPU_MEM_CONTAINER"))
+                        .map(String::as_str)
+                        // HAMi-core's limit on the container's first GPU, `<MiB>m`.
+                        .or_else(|| c.envs.get("CUDA_DEVICE_MEMORY_LIMIT_0").map(|v| v.trim_end_matches('m')))
                         .and_then(|v| v.parse().ok()),
                     running: c.running,
                 })
