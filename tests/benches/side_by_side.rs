@@ -1,4 +1,4 @@
-//! gpushare beside NVIDIA's device plugin and Alibaba's gpushare, measured the same way on the
+//! gpushare beside NVIDIA's device plugin, Alibaba's gpushare and HAMi, measured the same way on the
 //! real-cluster box (the real kube-scheduler and kubelet): one node of 8 GPUs,
 //! `GPUSHARE_BENCH_PODS` (default 500) pods created at once, each system in a box of its own,
 //! `GPUSHARE_BENCH_ROUNDS` (default 2) rounds alternating the systems.
@@ -25,9 +25,13 @@
 //! (MiB per GPU, default 16384) and `GPUSHARE_BENCH_MIB_POD` (MiB per pod, default 200) set that
 //! node and pod for both: Alibaba's plugin lists 8 × 16 GiB in one message over the kubelet's
 //! 4 MiB limit (its capacity then reads 0), so it is measured on 8 × 8 GiB with pods of 100 MiB.
+//! HAMi (its source given the same way): its scheduler and device plugin on the same node and
+//! pods as gpushare's MiB mode (`nvidia.com/gpu: 1`, `nvidia.com/gpumem` of the pod's MiB), each
+//! GPU shared by enough pods for every pod (its `deviceSplitCount`; the chart's 10 would hold
+//! 80); its figures too are given as ratios to gpushare's MiB mode.
 //! Needs root and Go, as the real-cluster tests do. `GPUSHARE_BOX_DIR` keeps each box's logs
 //! and state, in `<dir>/<system>-<round>`. `GPUSHARE_BENCH_SYSTEMS` (e.g. `gib,dra`) runs only
-//! the systems named (`mib`, `gib`, `dra`, `nvidia`, `alibaba`). The kubelet's DRA histogram starts at
+//! the systems named (`mib`, `gib`, `dra`, `nvidia`, `alibaba`, `hami`). The kubelet's DRA histogram starts at
 //! 100 ms, too coarse for a prepare: the DRA row's `Allocate` figures are left out (the prepare's
 //! latency is `cargo bench -p gpushared --bench dra_prepare`'s).
 #![allow(
@@ -45,7 +49,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use gpushare_testkit::nvml::FakeGpu;
-use gpushare_testkit::peers::{self, ALIYUN_GPU_MEM, NVIDIA_GPU, NvidiaSharing};
+use gpushare_testkit::peers::{self, ALIYUN_GPU_MEM, HAMI_GPU, HAMI_GPUMEM, NVIDIA_GPU, NvidiaSharing};
 use gpushare_testkit::realbox::{RealCluster, RealOptions, is_root};
 use serde_json::{Value, json};
 
@@ -63,10 +67,11 @@ enum System {
     GpushareDra,
     Nvidia,
     Alibaba,
+    Hami,
 }
 
-const SYSTEMS: [System; 5] =
-    [System::GpushareMib, System::GpushareGib, System::GpushareDra, System::Nvidia, System::Alibaba];
+const SYSTEMS: [System; 6] =
+    [System::GpushareMib, System::GpushareGib, System::GpushareDra, System::Nvidia, System::Alibaba, System::Hami];
 
 impl System {
     /// The name `GPUSHARE_BENCH_SYSTEMS` uses.
@@ -77,6 +82,7 @@ impl System {
             System::GpushareDra => "dra",
             System::Nvidia => "nvidia",
             System::Alibaba => "alibaba",
+            System::Hami => "hami",
         }
     }
 }
@@ -98,13 +104,19 @@ fn main() {
     let pods = env("GPUSHARE_BENCH_PODS", 500) as usize;
     let rounds = env("GPUSHARE_BENCH_ROUNDS", 2);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let chosen = std::env::var("GPUSHARE_BENCH_SYSTEMS").unwrap_or_else(|_| "mib,gib,dra,nvidia,alibaba".into());
+    let chosen = std::env::var("GPUSHARE_BENCH_SYSTEMS").unwrap_or_else(|_| "mib,gib,dra,nvidia,alibaba,hami".into());
     let mut chosen: Vec<&str> = chosen.split(',').map(str::trim).collect();
     if chosen.contains(&"alibaba")
         && let Err(why) = gpushare_testkit::peers::alibaba()
     {
         eprintln!("{why}");
         chosen.retain(|s| *s != "alibaba");
+    }
+    if chosen.contains(&"hami")
+        && let Err(why) = gpushare_testkit::peers::hami()
+    {
+        eprintln!("{why}");
+        chosen.retain(|s| *s != "hami");
     }
     let mut figures: Vec<Vec<Figures>> = vec![Vec::new(); SYSTEMS.len()];
     for round in 1..=rounds {
@@ -124,10 +136,11 @@ fn main() {
         }
     }
     let mean = |v: &[Figures], f: fn(&Figures) -> f64| v.iter().map(f).sum::<f64>() / v.len() as f64;
-    let (mib, gib, dra, nvidia, alibaba) = (&figures[0], &figures[1], &figures[2], &figures[3], &figures[4]);
+    let (mib, gib, dra, nvidia, alibaba, hami) =
+        (&figures[0], &figures[1], &figures[2], &figures[3], &figures[4], &figures[5]);
     println!(
         "\nmeans of {rounds} rounds (NaN: not run); ratios to gpushare GiB mode (DRA's, NVIDIA's), and \
-         Alibaba's to gpushare MiB mode:"
+         Alibaba's and HAMi's to gpushare MiB mode:"
     );
     for (name, f) in [
         ("pods/s end to end", (|x: &Figures| x.pods_per_s) as fn(&Figures) -> f64),
@@ -136,12 +149,14 @@ fn main() {
         ("plugin RSS", |x| x.rss_mib),
     ] {
         let (a, g, d, n, l) = (mean(mib, f), mean(gib, f), mean(dra, f), mean(nvidia, f), mean(alibaba, f));
+        let h = mean(hami, f);
         println!(
-            "  {name}: gpushare MiB {a:.2}, GiB {g:.2}, DRA {d:.2}; NVIDIA {n:.2}; Alibaba MiB {l:.2}; \
-             ratio {:.2}, {:.2}; Alibaba {:.2}",
+            "  {name}: gpushare MiB {a:.2}, GiB {g:.2}, DRA {d:.2}; NVIDIA {n:.2}; Alibaba MiB {l:.2}; HAMi {h:.2}; \
+             ratio {:.2}, {:.2}; Alibaba {:.2}; HAMi {:.2}",
             d / g,
             n / g,
-            l / a
+            l / a,
+            h / a
         );
     }
 }
@@ -178,6 +193,15 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
             b.add_alibaba_node(NODE, &gpus(mib_gpu, "Tesla V100-SXM2-16GB"), "MiB").unwrap();
             (ALIYUN_GPU_MEM, (mib_gpu * u64::from(GPUS)).to_string(), mib_pod.as_str())
         }
+        System::Hami => {
+            // Its scheduler takes the place of our extender; its webhook sends the pods to it.
+            let split = (pods as u32).div_ceil(GPUS);
+            let (scheduler, metrics) = peers::start_hami_scheduler(&mut b.plane, split).unwrap();
+            (b.extender, b.addr) = (scheduler, metrics);
+            b.add_hami_node(NODE, &gpus(mib_gpu, "Tesla V100-SXM2-16GB"), split).unwrap();
+            wait_hami_registered(&b).await;
+            (HAMI_GPU, (split * GPUS).to_string(), mib_pod.as_str())
+        }
     };
     let dra = system == System::GpushareDra;
     if dra {
@@ -194,6 +218,8 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
                 "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
                     "deviceClassName": "gpushare-memory", "capacity": {"requests": {"memory": ask}}}}]}}}));
             (json!({"claims": [{"name": "gpu"}]}), json!([{"name": "gpu", "resourceClaimName": name}]))
+        } else if system == System::Hami {
+            (json!({"limits": {HAMI_GPU: "1", HAMI_GPUMEM: ask}}), json!([]))
         } else {
             (json!({"limits": {resource: ask}}), json!([]))
         };
@@ -217,6 +243,17 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
         if dra { (f64::NAN, f64::NAN) } else { alloc_quantiles(&kubelet_metrics(&b), resource) };
     b.shutdown();
     Figures { pods_per_s: pods as f64 / elapsed, alloc_p50_ms, alloc_p99_ms, rss_mib }
+}
+
+/// Waits until HAMi's scheduler has read the node's devices (its metrics name the node): until
+/// then it places nothing there.
+async fn wait_hami_registered(b: &RealCluster) {
+    let registered = format!("node=\"{NODE}\"");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while gpushare_testkit::cluster::http_get(b.addr, "/metrics").await.is_none_or(|(_, m)| !m.contains(&registered)) {
+        assert!(Instant::now() < deadline, "HAMi's scheduler has not registered {NODE} after 60 s");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 /// Waits until the node's ResourceSlice lists `devices` devices.

@@ -327,7 +327,7 @@ pub const HAMI_GPU: &str = "nvidia.com/gpu";
 pub const HAMI_GPUMEM: &str = "nvidia.com/gpumem";
 /// The scheduler name HAMi's webhook writes into the pods it manages.
 pub const HAMI_SCHEDULER: &str = "hami-scheduler";
-/// How many pods may share one GPU (its chart's `devicePlugin.deviceSplitCount`).
+/// How many pods may share one GPU by default (its chart's `devicePlugin.deviceSplitCount`).
 pub const HAMI_SPLIT: u32 = 10;
 
 /// HAMi, built from source by `tests/peers/build` when `GPUSHARE_PEERS_SRC` names its checkout:
@@ -350,14 +350,15 @@ pub fn hami() -> Result<(PathBuf, String), String> {
 }
 
 /// HAMi's device configuration (its chart's `device-config.yaml`, NVIDIA's section, with the
-/// chart's default values), which its scheduler and device plugin both read.
+/// chart's default values but `split` pods per GPU), which its scheduler and device plugin both
+/// read.
 #[must_use]
-pub fn hami_device_config() -> String {
+pub fn hami_device_config(split: u32) -> String {
     format!(
         "nvidia:\n  resourceCountName: {HAMI_GPU}\n  resourceMemoryName: {HAMI_GPUMEM}\n  \
          resourceMemoryPercentageName: nvidia.com/gpumem-percentage\n  resourceCoreName: nvidia.com/gpucores\n  \
          resourcePriorityName: nvidia.com/priority\n  overwriteEnv: false\n  defaultMemory: 0\n  defaultCores: 0\n  \
-         defaultGPUNum: 1\n  preConfiguredDeviceMemory: 0\n  memoryFactor: 1\n  deviceSplitCount: {HAMI_SPLIT}\n  \
+         defaultGPUNum: 1\n  preConfiguredDeviceMemory: 0\n  memoryFactor: 1\n  deviceSplitCount: {split}\n  \
          deviceMemoryScaling: 1\n  deviceCoreScaling: 1\n  enableNumaTopology: false\n  gpuCorePolicy: default\n  \
          libCudaLogLevel: 1\n  runtimeClassName: \"\"\n"
     )
@@ -393,7 +394,10 @@ pub fn hami_scheduler_config(url: &str) -> String {
 /// # Errors
 /// If it is not built, a file cannot be written, it does not listen within 30 s, or the webhook
 /// or kube-scheduler cannot be set up.
-pub fn start_hami_scheduler(plane: &mut crate::realkube::ControlPlane) -> anyhow::Result<(Proc, std::net::SocketAddr)> {
+pub fn start_hami_scheduler(
+    plane: &mut crate::realkube::ControlPlane,
+    split: u32,
+) -> anyhow::Result<(Proc, std::net::SocketAddr)> {
     let (bin, _) = hami().map_err(anyhow::Error::msg)?;
     let port = crate::cluster::free_port()?;
     let metrics = crate::cluster::free_port()?;
@@ -403,7 +407,7 @@ pub fn start_hami_scheduler(plane: &mut crate::realkube::ControlPlane) -> anyhow
         "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\nkeyUsage=critical,digitalSignature\n",
     )?;
     let config = plane.dir.join("hami-device-config.yaml");
-    std::fs::write(&config, hami_device_config()).with_context(|| format!("writing {}", config.display()))?;
+    std::fs::write(&config, hami_device_config(split)).with_context(|| format!("writing {}", config.display()))?;
     let mut scheduler = plane.spawn(
         "hami-scheduler",
         &bin.join("hami-scheduler"),
@@ -481,12 +485,12 @@ pub fn start_hami_device_plugin(
     node: &str,
     (host, plugin_dir): (&Path, &Path),
     gpus: &[FakeGpu],
-    nvml_extra: &str,
+    (nvml_extra, split): (&str, u32),
 ) -> anyhow::Result<Proc> {
     let (bin, _) = hami().map_err(anyhow::Error::msg)?;
     let mut env = on_fake_nvml(host, gpus, nvml_extra)?;
     let config = host.join("device-config.yaml");
-    std::fs::write(&config, hami_device_config()).with_context(|| format!("writing {}", config.display()))?;
+    std::fs::write(&config, hami_device_config(split)).with_context(|| format!("writing {}", config.display()))?;
     let hook = host.join("hook");
     std::fs::create_dir_all(hook.join("vgpu")).with_context(|| format!("creating {}", hook.display()))?;
     let (program, args) = with_device_plugin_dir(
@@ -507,14 +511,14 @@ pub fn start_hami_device_plugin(
 
 impl RealCluster {
     /// Adds node `name` served by HAMi's device plugin instead of gpushared: the recording
-    /// runtime, the real kubelet (registered and Ready) and the plugin on `gpus`. The node's
-    /// `daemon` is the plugin. Does not wait for its devices.
+    /// runtime, the real kubelet (registered and Ready) and the plugin on `gpus`, each shared by
+    /// up to `split` pods. The node's `daemon` is the plugin. Does not wait for its devices.
     ///
     /// # Errors
     /// A component that does not start, with its log.
-    pub fn add_hami_node(&mut self, name: &str, gpus: &[FakeGpu]) -> anyhow::Result<&mut RealNode> {
+    pub fn add_hami_node(&mut self, name: &str, gpus: &[FakeGpu], split: u32) -> anyhow::Result<&mut RealNode> {
         self.add_plugin_node(name, |plane, host, plugin_dir, nvml_extra| {
-            start_hami_device_plugin(plane, name, (&host.join("hami"), plugin_dir), gpus, nvml_extra)
+            start_hami_device_plugin(plane, name, (&host.join("hami"), plugin_dir), gpus, (nvml_extra, split))
         })
     }
 }

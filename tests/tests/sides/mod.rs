@@ -144,9 +144,9 @@ impl System {
                 .and_then(|()| b.add_alibaba_node(NODE, gpus, "MiB").map(|_| ())),
             // HAMi's scheduler takes the place of our extender; its webhook sends the pods to it.
             // b.addr: its metrics, which say when it has registered the node.
-            System::Hami => peers::start_hami_scheduler(&mut b.plane)
+            System::Hami => peers::start_hami_scheduler(&mut b.plane, HAMI_SPLIT)
                 .map(|(scheduler, metrics)| (b.extender, b.addr) = (scheduler, metrics))
-                .and_then(|()| b.add_hami_node(NODE, gpus).map(|_| ())),
+                .and_then(|()| b.add_hami_node(NODE, gpus, HAMI_SPLIT).map(|_| ())),
         }
         .unwrap_or_else(|e| panic!("{e:#}"));
         Some(b)
