@@ -12,7 +12,8 @@
  * simulated GPUs (docs/comparison.md): the CUDA compute capability (7.5 for every GPU); and
  * those Alibaba's gpushare-device-plugin calls through NVIDIA's older gpu-monitoring-tools
  * bindings: the power limit, maximum clocks, PCIe link, BAR1 memory and topology, fixed values
- * of an A100-class board. The host it pretends to be
+ * of an A100-class board; and those NVIDIA's DRA driver calls as it enumerates the GPUs
+ * (architecture Ampere, brand NVIDIA, no MIG, CUDA driver 12.8). The host it pretends to be
  * is read at nvmlInit (the first one, or the first after the last nvmlShutdown) from the file
  * named by $FAKE_NVML_CONFIG; with no variable, from `<this library's path>.conf` (e.g.
  * libnvidia-ml.so.1.conf beside the library) if there is one, for in-process tests that cannot
@@ -789,4 +790,52 @@ nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsi
 /* The version before MIG; same signature and layout. */
 nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms) {
     return nvmlEventSetWait_v2(set, data, timeoutms);
+}
+
+/* Device facts NVIDIA's DRA driver reads while it enumerates the GPUs: an Ampere board of
+ * brand NVIDIA, no MIG. */
+nvmlReturn_t nvmlDeviceGetArchitecture(nvmlDevice_t d, unsigned int *arch) {
+    nvmlReturn_t r = check(d, arch, "nvmlDeviceGetArchitecture");
+    if (r == NVML_SUCCESS) *arch = 7; /* NVML_DEVICE_ARCH_AMPERE */
+    return r;
+}
+
+nvmlReturn_t nvmlDeviceGetBrand(nvmlDevice_t d, int *brand) {
+    nvmlReturn_t r = check(d, brand, "nvmlDeviceGetBrand");
+    if (r == NVML_SUCCESS) *brand = 14; /* NVML_BRAND_NVIDIA */
+    return r;
+}
+
+nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t d, unsigned int *current, unsigned int *pending) {
+    nvmlReturn_t r = check(d, current, "nvmlDeviceGetMigMode");
+    if (r != NVML_SUCCESS) return r;
+    (void)pending;
+    return NVML_ERROR_NOT_SUPPORTED;
+}
+
+nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t d, unsigned int *is_mig) {
+    nvmlReturn_t r = check(d, is_mig, "nvmlDeviceIsMigDeviceHandle");
+    if (r == NVML_SUCCESS) *is_mig = 0;
+    return r;
+}
+
+nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *version) {
+    if (version == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    *version = 12080;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *version) {
+    return nvmlSystemGetCudaDriverVersion(version);
+}
+
+/* No MIG: every GPU instance profile is unsupported. */
+nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfo(nvmlDevice_t d, unsigned int profile, void *info) {
+    nvmlReturn_t r = check(d, info, "nvmlDeviceGetGpuInstanceProfileInfo");
+    (void)profile;
+    return r == NVML_SUCCESS ? NVML_ERROR_NOT_SUPPORTED : r;
+}
+
+nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t d, unsigned int profile, void *info) {
+    return nvmlDeviceGetGpuInstanceProfileInfo(d, profile, info);
 }

@@ -240,3 +240,17 @@ fn inject_refuses_two_lines_at_once() {
     inject(&host.events, "lost 0\n").unwrap();
     assert_eq!(std::fs::read_to_string(&host.events).unwrap(), "lost 0\n");
 }
+
+/// What NVIDIA's DRA driver asks while it enumerates the GPUs (docs/comparison.md).
+#[test]
+fn the_dra_drivers_enumeration_calls_answer_an_ampere_board_without_mig() {
+    let host = Host::new("");
+    let nvml = host.nvml();
+    let gpu = nvml.device_by_index(0).unwrap();
+    assert_eq!(gpu.architecture().unwrap(), nvml_wrapper::enums::device::DeviceArchitecture::Ampere);
+    assert_eq!(gpu.brand().unwrap(), nvml_wrapper::enum_wrappers::device::Brand::Nvidia);
+    assert!(matches!(gpu.mig_mode(), Err(NvmlError::NotSupported)));
+    assert_eq!(nvml.sys_cuda_driver_version().unwrap(), 12080);
+    host.inject("lost 0");
+    assert!(matches!(gpu.architecture(), Err(NvmlError::GpuLost)));
+}
