@@ -229,10 +229,10 @@ async fn run() {
     println!("real kube-scheduler, {nodes} API-only nodes x {GPUS} GPUs, {pods} pods each run");
     println!("| run | pods/s |");
     println!("|---|---|");
-    println!("| (a) extender, gpushare.io/gpu-mem | {with_extender:.0} |");
-    println!("| (b) no extender, {PLAIN} | {plain:.0} |");
+    println!("| (a) extender, gpushare.io/gpu-mem | {with_extender:.1} |");
+    println!("| (b) no extender, {PLAIN} | {plain:.1} |");
     if let Some((rate, _)) = alibaba {
-        println!("| (c) Alibaba's extender, {ALIYUN_GPU_MEM} | {rate:.0} |");
+        println!("| (c) Alibaba's extender, {ALIYUN_GPU_MEM} | {rate:.1} |");
     }
     println!("ratio (a)/(b): {:.2}", with_extender / plain);
     let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v}"));
@@ -240,7 +240,7 @@ async fn run() {
     let mib = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.0} MiB"));
     println!("gpushare-extender resident memory, every pod bound: {}", mib(ours_rss));
     if let Some((rate, rss)) = alibaba {
-        println!("ratio (c)/(a): {:.2}; Alibaba's extender resident memory: {}", rate / with_extender, mib(rss));
+        println!("ratio (c)/(a): {:.3}; Alibaba's extender resident memory: {}", rate / with_extender, mib(rss));
     }
 }
 
