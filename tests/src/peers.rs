@@ -209,17 +209,27 @@ pub fn spawn_alibaba_extender(
             ("LOG_LEVEL".into(), log_level.to_owned()),
         ],
     )?;
+    wait_listening(&mut extender, port, "Alibaba's extender")?;
+    Ok((extender, format!("http://127.0.0.1:{port}/gpushare-scheduler")))
+}
+
+/// Waits (at most 30 s) until `peer`, called `what` in the error, listens on `port` of
+/// 127.0.0.1.
+///
+/// # Errors
+/// If it exits first, or does not listen in time: with the end of its log.
+fn wait_listening(peer: &mut Proc, port: u16, what: &str) -> anyhow::Result<()> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        if let Some(status) = extender.exited() {
-            anyhow::bail!("Alibaba's extender exited ({status}):\n{}", extender.log_tail(30));
+        if let Some(status) = peer.exited() {
+            anyhow::bail!("{what} exited ({status}):\n{}", peer.log_tail(30));
         }
         if std::time::Instant::now() > deadline {
-            anyhow::bail!("Alibaba's extender does not listen after 30 s:\n{}", extender.log_tail(30));
+            anyhow::bail!("{what} does not listen after 30 s:\n{}", peer.log_tail(30));
         }
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
-    Ok((extender, format!("http://127.0.0.1:{port}/gpushare-scheduler")))
+    Ok(())
 }
 
 /// Starts Alibaba's gpushare-device-plugin for node `node` (as its `DaemonSet` does: `NODE_NAME`, a
@@ -428,16 +438,7 @@ pub fn start_hami_scheduler(
             ("POD_NAMESPACE".into(), "kube-system".into()),
         ],
     )?;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        if let Some(status) = scheduler.exited() {
-            anyhow::bail!("HAMi's scheduler exited ({status}):\n{}", scheduler.log_tail(30));
-        }
-        if std::time::Instant::now() > deadline {
-            anyhow::bail!("HAMi's scheduler does not listen after 30 s:\n{}", scheduler.log_tail(30));
-        }
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
+    wait_listening(&mut scheduler, port, "HAMi's scheduler")?;
     let ca = std::fs::read(plane.pki.ca()).context("reading the box's CA")?;
     plane.create(&serde_json::json!({
         "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
 use gpushare_testkit::cluster::{Binaries, Proc, http_get, inspect};
+use gpushare_testkit::cri::Created;
 use gpushare_testkit::nvml::FakeGpu;
 use gpushare_testkit::peers::{self, ALIYUN_GPU_MEM};
 use gpushare_testkit::realbox::is_root;
@@ -68,6 +69,21 @@ struct Placed {
     id: String,
     node: String,
     gpu: Option<String>,
+}
+
+/// One look at the cluster: the pods, each container the nodes' runtimes were asked for (with
+/// its node), and the pods that may wait in this step.
+struct Seen {
+    pods: Value,
+    created: Vec<(String, Created)>,
+    may_wait: Vec<String>,
+}
+
+impl Seen {
+    /// Whether pod `name` waits with the scheduler's reason, and may.
+    fn waits(&self, name: &str) -> bool {
+        self.may_wait.iter().any(|n| n == name) && !waiting(find(&self.pods, name)).is_empty()
+    }
 }
 
 /// The move under way: the box, Alibaba's extender, and what was seen so far.
@@ -213,9 +229,38 @@ impl Move {
     }
 
     /// Waits (at most 90 s) until every pod runs or, where `may_wait` or the pod is only for a
-    /// cordoned node, waits with the scheduler's reason; then checks everything the module header lists and keeps the
-    /// evidence of `step`.
+    /// cordoned node, waits with the scheduler's reason; then checks everything the module header
+    /// lists and keeps the evidence of `step`.
     fn check(&mut self, step: &str, may_wait: bool) {
+        let seen = self.settle(may_wait);
+        let mut problems = Vec::new();
+        let used = self.check_pods(&seen, &mut problems);
+        let (theirs, ours) = self.inspect_both();
+        check_inspects(&used, (&theirs, &ours), &mut problems);
+        let kubelet = self.kubelet_view(&seen.pods);
+        for (node, (allocatable, asked)) in &kubelet {
+            if *allocatable != GPU_MIB * 2 || asked > allocatable {
+                problems.push(format!("{node}'s kubelet: {allocatable} allocatable, its pods ask {asked}"));
+            }
+        }
+        let placed: BTreeMap<&String, String> = self.first.iter().map(|(k, v)| (k, format!("{v:?}"))).collect();
+        self.evidence.push(json!({"step": step, "problems": problems, "inspect": {"alibaba": theirs, "ours": ours},
+                                  "kubelet": kubelet, "placed": placed}));
+        self.used = used;
+        let file = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("move-off-alibaba.json");
+        std::fs::write(&file, serde_json::to_string_pretty(&self.evidence).unwrap()).unwrap();
+        eprintln!("{step}: {} pods, {} problems\n{ours}", self.pods.len(), problems.len());
+        assert!(
+            problems.is_empty(),
+            "after \"{step}\":\n{}\nAlibaba's inspect:\n{theirs}\nours:\n{ours}\nevidence: {}",
+            problems.join("\n"),
+            file.display()
+        );
+    }
+
+    /// Waits (at most 90 s) until every pod runs, has failed, or waits with the scheduler's
+    /// reason where it may (`may_wait`, or the pod is only for a cordoned node); what was seen.
+    fn settle(&self, may_wait: bool) -> Seen {
         let nodes = get(&self.b.plane, &["get", "nodes"]);
         let cordoned: Vec<&str> = nodes["items"]
             .as_array()
@@ -224,44 +269,53 @@ impl Move {
             .filter(|n| n["spec"]["unschedulable"] == true)
             .filter_map(|n| n["metadata"]["name"].as_str())
             .collect();
-        let may_wait = |name: &str| may_wait || self.pinned.get(name).is_some_and(|n| cordoned.contains(&n.as_str()));
+        let may_wait: Vec<String> = self
+            .pods
+            .iter()
+            .map(|(name, _)| name)
+            .filter(|name| may_wait || self.pinned.get(*name).is_some_and(|n| cordoned.contains(&n.as_str())))
+            .cloned()
+            .collect();
         let deadline = Instant::now() + Duration::from_secs(90);
-        let (items, created) = loop {
-            let items = get(&self.b.plane, &["get", "pods", "-n", "default"]);
-            let created: Vec<(String, gpushare_testkit::cri::Created)> = self
-                .b
-                .nodes
-                .iter()
-                .flat_map(|n| n.runtime.created().into_iter().map(|c| (n.name.clone(), c)))
-                .collect();
+        loop {
+            let seen = Seen {
+                pods: get(&self.b.plane, &["get", "pods", "-n", "default"]),
+                created: self
+                    .b
+                    .nodes
+                    .iter()
+                    .flat_map(|n| n.runtime.created().into_iter().map(|c| (n.name.clone(), c)))
+                    .collect(),
+                may_wait: may_wait.clone(),
+            };
             let settled = self.pods.iter().all(|(name, _)| {
-                let p = find(&items, name);
+                let p = find(&seen.pods, name);
                 let runs =
-                    p["status"]["phase"] == "Running" && created.iter().any(|(_, c)| &c.pod == name && c.running);
-                runs || (may_wait(name) && !waiting(p).is_empty()) || p["status"]["phase"] == "Failed"
+                    p["status"]["phase"] == "Running" && seen.created.iter().any(|(_, c)| &c.pod == name && c.running);
+                runs || seen.waits(name) || p["status"]["phase"] == "Failed"
             });
             if settled || Instant::now() > deadline {
-                break (items, created);
+                return seen;
             }
             std::thread::sleep(Duration::from_millis(250));
-        };
+        }
+    }
+
+    /// Checks each pod against what was seen: running (or waiting where it may), its one
+    /// container never created again nor moved, each GPU pod on the GPU its placement names and
+    /// told its budget. Returns the MiB the running containers need on each GPU (node, index).
+    fn check_pods(&mut self, seen: &Seen, problems: &mut Vec<String>) -> BTreeMap<(String, u32), u64> {
         let mut used: BTreeMap<(String, u32), u64> = BTreeMap::new();
-        let mut problems = Vec::new();
         for (name, mib) in &self.pods {
-            let p = find(&items, name);
-            let mine: Vec<&(String, gpushare_testkit::cri::Created)> =
-                created.iter().filter(|(_, c)| &c.pod == name).collect();
+            let p = find(&seen.pods, name);
             if p["status"]["phase"] != "Running" {
-                if !(may_wait(name) && p["status"]["phase"] == "Pending" && !waiting(p).is_empty()) {
-                    problems.push(format!(
-                        "{name} is {} ({}{}) and not running",
-                        p["status"]["phase"],
-                        p["status"]["message"].as_str().unwrap_or(""),
-                        waiting(p)
-                    ));
+                if !(p["status"]["phase"] == "Pending" && seen.waits(name)) {
+                    let why = format!("{}{}", p["status"]["message"].as_str().unwrap_or(""), waiting(p));
+                    problems.push(format!("{name} is {} ({why}) and not running", p["status"]["phase"]));
                 }
                 continue;
             }
+            let mine: Vec<&(String, Created)> = seen.created.iter().filter(|(_, c)| &c.pod == name).collect();
             let [(node, c)] = mine.as_slice() else {
                 problems.push(format!("{name}'s container was created {} times", mine.len()));
                 continue;
@@ -297,39 +351,7 @@ impl Move {
                 problems.push(format!("{node} GPU{index} runs containers that need {mib} of its {GPU_MIB} MiB"));
             }
         }
-        let (theirs, ours) = self.inspect_both();
-        if sorted_rows(&ours) != sorted_rows(&theirs) {
-            problems.push("kubectl-inspect-gpushare --alibaba and Alibaba's disagree".into());
-        }
-        for (view, table) in [("Alibaba's inspect", &theirs), ("ours", &ours)] {
-            for node in NODES {
-                for index in 0..2u32 {
-                    let cell = gpu_cell(table, node, index);
-                    let want = format!("{}/{GPU_MIB}", used.get(&(node.to_owned(), index)).copied().unwrap_or(0));
-                    if cell.as_deref() != Some(want.as_str()) {
-                        problems.push(format!("{view} shows {node} GPU{index} as {cell:?}; its containers: {want}"));
-                    }
-                }
-            }
-        }
-        let kubelet = self.kubelet_view(&items);
-        for (node, (allocatable, asked)) in &kubelet {
-            if *allocatable != GPU_MIB * 2 || asked > allocatable {
-                problems.push(format!("{node}'s kubelet: {allocatable} allocatable, its pods ask {asked}"));
-            }
-        }
-        self.evidence.push(json!({"step": step, "problems": problems, "inspect": {"alibaba": theirs, "ours": ours},
-            "kubelet": kubelet, "placed": self.first.iter().map(|(k, v)| (k.clone(), format!("{v:?}"))).collect::<BTreeMap<_, _>>()}));
-        self.used = used;
-        let file = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("move-off-alibaba.json");
-        std::fs::write(&file, serde_json::to_string_pretty(&self.evidence).unwrap()).unwrap();
-        eprintln!("{step}: {} pods, {} problems\n{ours}", self.pods.len(), problems.len());
-        assert!(
-            problems.is_empty(),
-            "after \"{step}\":\n{}\nAlibaba's inspect:\n{theirs}\nours:\n{ours}\nevidence: {}",
-            problems.join("\n"),
-            file.display()
-        );
+        used
     }
 
     /// What Alibaba's `kubectl-inspect-gpushare` and ours (`--alibaba`) print of the cluster.
@@ -362,6 +384,25 @@ impl Move {
                 ((*node).to_owned(), (allocatable, asked))
             })
             .collect()
+    }
+}
+
+/// Checks that both inspects print the same table, and show each GPU used by exactly what its
+/// running containers need (`used`): nothing counted twice, nothing missed.
+fn check_inspects(used: &BTreeMap<(String, u32), u64>, (theirs, ours): (&str, &str), problems: &mut Vec<String>) {
+    if sorted_rows(ours) != sorted_rows(theirs) {
+        problems.push("kubectl-inspect-gpushare --alibaba and Alibaba's disagree".into());
+    }
+    for (view, table) in [("Alibaba's inspect", theirs), ("ours", ours)] {
+        for node in NODES {
+            for index in 0..2u32 {
+                let cell = gpu_cell(table, node, index);
+                let want = format!("{}/{GPU_MIB}", used.get(&(node.to_owned(), index)).copied().unwrap_or(0));
+                if cell.as_deref() != Some(want.as_str()) {
+                    problems.push(format!("{view} shows {node} GPU{index} as {cell:?}; its containers: {want}"));
+                }
+            }
+        }
     }
 }
 
