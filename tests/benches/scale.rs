@@ -20,6 +20,14 @@
 //! the nodes' capacity as its device plugin would set it, the same pods asking
 //! `aliyun.com/gpu-mem`; its pods/s as a ratio to (a), and each extender's resident memory once
 //! every pod is bound (it has no latency histogram).
+//! (d) Where it gives HAMi's source: HAMi's scheduler (extender and webhook) with its chart's
+//! kube-scheduler configuration, the nodes' devices in the annotation its device plugin writes
+//! (`hami.io/node-nvidia-register`, 10 shares per GPU) and `nvidia.com/gpu` allocatable, the same
+//! pods asking `nvidia.com/gpu: 1` and `nvidia.com/gpumem`; its node policy `spread`, not its
+//! chart's `binpack`: it binds under a lock on the node that only its device plugin releases,
+//! and these nodes have none, so each node takes one pod (pods no more than nodes). It reads the
+//! nodes' devices at a pace of its own: the pass reports how long that took, and places pods
+//! only once every node is read, within `GPUSHARE_SCALE_HAMI_WAIT` seconds (default 600).
 //! Needs the real components (`tests/kube/build`, or `GPUSHARE_KUBE_BIN`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::print_stderr, clippy::cast_precision_loss)]
 
@@ -29,7 +37,7 @@ use futures::StreamExt as _;
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory};
 use gpushare_testkit::cluster::http_get;
-use gpushare_testkit::peers::{self, ALIYUN_GPU_MEM};
+use gpushare_testkit::peers::{self, ALIYUN_GPU_MEM, HAMI_GPU, HAMI_GPUMEM, HAMI_SPLIT};
 use gpushare_testkit::realbox;
 use gpushare_testkit::realkube::{self, ControlPlane, EXTENDER_URL};
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -46,7 +54,7 @@ fn env(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-fn node_object(name: &str) -> Value {
+fn node_object(name: &str, hami: bool) -> Value {
     let gpus: Vec<Gpu> = (0..GPUS)
         .map(|i| {
             Gpu::new(i, GpuUuid::new(format!("GPU-{name}-{i}")).unwrap(), "NVIDIA A100-SXM4-80GB", Mib::new(GPU_MIB))
@@ -61,31 +69,48 @@ fn node_object(name: &str) -> Value {
         claims: vec![],
         over_budget: vec![],
     };
-    json!({"apiVersion": "v1", "kind": "Node",
-           "metadata": {"name": name, "annotations": {NODE_STATE_KEY: state.encode().unwrap()}}})
+    let mut node = json!({"apiVersion": "v1", "kind": "Node",
+           "metadata": {"name": name, "annotations": {NODE_STATE_KEY: state.encode().unwrap()}}});
+    if hami {
+        // What HAMi's device plugin writes: each GPU, its shares, memory and cores.
+        let devices: Vec<Value> = (0..GPUS)
+            .map(|i| {
+                json!({"id": format!("GPU-{name}-{i}"), "index": i, "count": HAMI_SPLIT, "devmem": GPU_MIB,
+                       "devcore": 100, "type": "NVIDIA A100-SXM4-80GB", "health": true})
+            })
+            .collect();
+        node["metadata"]["annotations"]["hami.io/node-nvidia-register"] = json!(Value::Array(devices).to_string());
+    }
+    node
 }
 
 fn node_status() -> Value {
     let total = (GPU_MIB * u64::from(GPUS)).to_string();
     let resources = json!({"cpu": "128", "memory": "1Ti", "pods": "110", "gpushare.io/gpu-mem": total, PLAIN: total,
-                           ALIYUN_GPU_MEM: total, "aliyun.com/gpu-count": GPUS.to_string()});
+                           ALIYUN_GPU_MEM: total, "aliyun.com/gpu-count": GPUS.to_string(),
+                           HAMI_GPU: (GPUS * HAMI_SPLIT).to_string()});
     json!({"status": {"capacity": resources, "allocatable": resources,
         "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet ready",
                         "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}})
 }
 
 fn pod_object(name: &str, resource: &str, mib: u64) -> Pod {
+    let mut limits = json!({resource: mib.to_string()});
+    if resource == HAMI_GPUMEM {
+        // HAMi's users ask for a GPU and the MiB on it.
+        limits[HAMI_GPU] = json!("1");
+    }
     serde_json::from_value(
         json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
         "spec": {"automountServiceAccountToken": false,
                  "containers": [{"name": "main", "image": "registry.example/app:1",
-                                 "resources": {"limits": {resource: mib.to_string()}}}]}}),
+                                 "resources": {"limits": limits}}]}}),
     )
     .unwrap()
 }
 
 /// Creates `nodes` API-only nodes: the object, its Ready status, and no `not-ready` taint.
-async fn add_nodes(client: &kube::Client, nodes: usize) {
+async fn add_nodes(client: &kube::Client, nodes: usize, hami: bool) {
     let api: Api<Node> = Api::all(client.clone());
     let t = Instant::now();
     futures::stream::iter(0..nodes)
@@ -93,7 +118,7 @@ async fn add_nodes(client: &kube::Client, nodes: usize) {
             let api = api.clone();
             async move {
                 let name = format!("node-{i:05}");
-                let node: Node = serde_json::from_value(node_object(&name)).unwrap();
+                let node: Node = serde_json::from_value(node_object(&name, hami)).unwrap();
                 api.create(&PostParams::default(), &node).await.unwrap();
                 api.patch_status(&name, &PatchParams::default(), &Patch::Merge(node_status())).await.unwrap();
                 // The API server taints a new node not-ready; the node lifecycle controller would
@@ -176,7 +201,8 @@ async fn run() {
     let mut plane = ControlPlane::start(&dir, &realkube::binaries().unwrap()).unwrap();
     plane.apply(&repo.join("etc/kubernetes/gpushare-extender-rbac.yaml")).unwrap();
     let client = plane.admin_client().await.unwrap();
-    add_nodes(&client, nodes).await;
+    let hami_built = peers::hami().map_err(|why| eprintln!("{why}")).is_ok();
+    add_nodes(&client, nodes, hami_built).await;
 
     // (a) The extender, under its shipped RBAC, and the shipped scheduler configuration.
     let (mut extender, addr) = realbox::start_extender(&plane, "", "warn").unwrap();
@@ -226,6 +252,47 @@ async fn run() {
         }
     };
 
+    // (d) HAMi's scheduler, spreading pods over the nodes (the module header says why).
+    let hami = if hami_built && pods <= nodes {
+        let (scheduler, url, metrics) = peers::spawn_hami_scheduler(&plane, HAMI_SPLIT, "spread").unwrap();
+        // It places nothing on a node until it has read the node's devices, which it does at its
+        // own pace: the time that takes is a figure of its own.
+        let t = Instant::now();
+        let wait = Duration::from_secs(env("GPUSHARE_SCALE_HAMI_WAIT", 600) as u64);
+        let mut registered = 0;
+        while registered < nodes && t.elapsed() < wait {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            // The nodes its metrics name (the body may come in chunks that split a line).
+            let (_, m) = http_get(metrics, "/metrics").await.unwrap_or_default();
+            let named: std::collections::BTreeSet<&str> =
+                m.split("node=\"").skip(1).filter_map(|rest| rest.split('"').next()).collect();
+            registered = named.len();
+        }
+        let secs = t.elapsed().as_secs_f64();
+        eprintln!(
+            "hami: {registered} of {nodes} nodes registered in {secs:.1} s ({:.2} nodes/s)",
+            registered as f64 / secs
+        );
+        if registered < nodes {
+            eprintln!("hami: not placed: its scheduler had not read every node's devices (GPUSHARE_SCALE_HAMI_WAIT)");
+            None
+        } else {
+            let config = peers::hami_scheduler_config(&url).replacen(
+                "clientConnection:\n",
+                &format!("clientConnection:\n{RATE}"),
+                1,
+            );
+            plane.start_scheduler_config(&config).unwrap();
+            let rate = place(&client, "hami", HAMI_GPUMEM, pods).await;
+            Some((rate, scheduler.pid().map(rss_mib)))
+        }
+    } else {
+        if hami_built {
+            eprintln!("HAMi's pass needs no more pods than nodes (each node takes one pod)");
+        }
+        None
+    };
+
     println!("real kube-scheduler, {nodes} API-only nodes x {GPUS} GPUs, {pods} pods each run");
     println!("| run | pods/s |");
     println!("|---|---|");
@@ -234,6 +301,9 @@ async fn run() {
     if let Some((rate, _)) = alibaba {
         println!("| (c) Alibaba's extender, {ALIYUN_GPU_MEM} | {rate:.1} |");
     }
+    if let Some((rate, _)) = hami {
+        println!("| (d) HAMi's scheduler, {HAMI_GPUMEM} | {rate:.1} |");
+    }
     println!("ratio (a)/(b): {:.2}", with_extender / plain);
     let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v}"));
     println!("extender filter under load: p50 <= {} ms, p99 <= {} ms (histogram bucket bounds)", ms(p50), ms(p99));
@@ -241,6 +311,9 @@ async fn run() {
     println!("gpushare-extender resident memory, every pod bound: {}", mib(ours_rss));
     if let Some((rate, rss)) = alibaba {
         println!("ratio (c)/(a): {:.3}; Alibaba's extender resident memory: {}", rate / with_extender, mib(rss));
+    }
+    if let Some((rate, rss)) = hami {
+        println!("ratio (d)/(a): {:.3}; HAMi's scheduler resident memory: {}", rate / with_extender, mib(rss));
     }
 }
 

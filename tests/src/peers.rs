@@ -393,21 +393,37 @@ pub fn hami_scheduler_config(url: &str) -> String {
     )
 }
 
-/// Starts HAMi's scheduler (its extender and mutating webhook, one HTTPS server as its chart
-/// runs it, with a serving certificate of the box's CA for 127.0.0.1), registers the webhook
-/// with the API server through a URL client configuration and that CA, and points kube-scheduler
-/// at the extender ([`hami_scheduler_config`]). Returns HAMi's scheduler and the address of
-/// its metrics, where `hami_gpu_memory_limit_bytes{node="…"}` shows each node it has
-/// registered: it reads the nodes' device annotations every 15 s or so, and until then its
+/// Starts HAMi's scheduler ([`spawn_hami_scheduler`], its chart's node policy `binpack`) and
+/// points kube-scheduler at its extender ([`hami_scheduler_config`]). Returns HAMi's scheduler
+/// and the address of its metrics, where `hami_gpu_memory_limit_bytes{node="…"}` shows each node
+/// it has registered: it reads the nodes' device annotations every 15 s or so, and until then its
 /// filter answers "node unregistered".
 ///
 /// # Errors
-/// If it is not built, a file cannot be written, it does not listen within 30 s, or the webhook
-/// or kube-scheduler cannot be set up.
+/// If it cannot be started or set up, or kube-scheduler does not start.
 pub fn start_hami_scheduler(
     plane: &mut crate::realkube::ControlPlane,
     split: u32,
 ) -> anyhow::Result<(Proc, std::net::SocketAddr)> {
+    let (scheduler, url, metrics) = spawn_hami_scheduler(plane, split, "binpack")?;
+    plane.start_scheduler_config(&hami_scheduler_config(&url))?;
+    Ok((scheduler, metrics))
+}
+
+/// Starts HAMi's scheduler (its extender and mutating webhook, one HTTPS server as its chart
+/// runs it, with a serving certificate of the box's CA for 127.0.0.1) with `split` pods per GPU
+/// and the node policy `node_policy` (`binpack` or `spread`), and registers the webhook with the
+/// API server through a URL client configuration and that CA. Returns it once it listens, with
+/// the `urlPrefix` of its extender and the address of its metrics.
+///
+/// # Errors
+/// If it is not built, a file cannot be written, it does not listen within 30 s, or the webhook
+/// cannot be registered.
+pub fn spawn_hami_scheduler(
+    plane: &crate::realkube::ControlPlane,
+    split: u32,
+    node_policy: &str,
+) -> anyhow::Result<(Proc, String, std::net::SocketAddr)> {
     let (bin, _) = hami().map_err(anyhow::Error::msg)?;
     let port = crate::cluster::free_port()?;
     let metrics = crate::cluster::free_port()?;
@@ -427,7 +443,7 @@ pub fn start_hami_scheduler(
             format!("--key_file={}", key.display()),
             format!("--scheduler-name={HAMI_SCHEDULER}"),
             format!("--metrics-bind-address=127.0.0.1:{metrics}"),
-            "--node-scheduler-policy=binpack".into(),
+            format!("--node-scheduler-policy={node_policy}"),
             "--gpu-scheduler-policy=spread".into(),
             format!("--device-config-file={}", config.display()),
             "--leader-elect=false".into(),
@@ -450,8 +466,7 @@ pub fn start_hami_scheduler(
             "objectSelector": {"matchExpressions": [{"key": "hami.io/webhook", "operator": "NotIn", "values": ["ignore"]}]},
             "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"], "scope": "*"}]}]
     }))?;
-    plane.start_scheduler_config(&hami_scheduler_config(&format!("https://127.0.0.1:{port}")))?;
-    Ok((scheduler, std::net::SocketAddr::from(([127, 0, 0, 1], metrics))))
+    Ok((scheduler, format!("https://127.0.0.1:{port}"), std::net::SocketAddr::from(([127, 0, 0, 1], metrics))))
 }
 
 /// Standard base64 of `bytes`, as a Kubernetes `caBundle` carries a certificate.
