@@ -262,11 +262,10 @@ async fn run() {
         let mut registered = 0;
         while registered < nodes && t.elapsed() < wait {
             tokio::time::sleep(Duration::from_millis(500)).await;
-            // The nodes its metrics name (the body may come in chunks that split a line).
+            // The nodes its metrics name, each in several lines: the body may come in chunks,
+            // and a chunk's boundary may split one of them, never all.
             let (_, m) = http_get(metrics, "/metrics").await.unwrap_or_default();
-            let named: std::collections::BTreeSet<&str> =
-                m.split("node=\"").skip(1).filter_map(|rest| rest.split('"').next()).collect();
-            registered = named.len();
+            registered = (0..nodes).filter(|i| m.contains(&format!("node=\"node-{i:05}\""))).count();
         }
         let secs = t.elapsed().as_secs_f64();
         eprintln!(
