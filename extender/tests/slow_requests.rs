@@ -21,9 +21,17 @@ async fn a_request_stuck_behind_the_view_gets_503_at_the_timeout_and_health_stil
     let pod = h.api.create_pod("default", pod_object("p", 1000)).unwrap();
     until("ready", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().1 == 1)).await;
     // Something holds the cluster view for 3 s (as a huge request would).
+    // The requests start only once it holds the view: on a loaded machine a fixed pause could
+    // let the filter take the view first.
     let ext = h.ext.clone();
-    let holder = std::thread::spawn(move || ext.with_view(|_| std::thread::sleep(Duration::from_secs(3))));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    let holder = std::thread::spawn(move || {
+        ext.with_view(|_| {
+            held_tx.send(()).unwrap();
+            std::thread::sleep(Duration::from_secs(3));
+        });
+    });
+    tokio::task::spawn_blocking(move || held_rx.recv().unwrap()).await.unwrap();
     let addr = h.addr;
     let body = json!({"Pod": pod, "Nodes": null, "NodeNames": ["gpu-a"]}).to_string();
     let start = Instant::now();
