@@ -50,6 +50,13 @@ const GPU_MIB: u64 = 81_920;
 const PLAIN: &str = "example.com/gpu-mem";
 const RATE: &str = "  qps: 5000\n  burst: 5000\n";
 
+/// `config`, a kube-scheduler configuration, with its client's rate limits raised to [`RATE`].
+fn with_rate(config: &str) -> String {
+    let raised = config.replacen("clientConnection:\n", &format!("clientConnection:\n{RATE}"), 1);
+    assert_ne!(raised, config, "a kube-scheduler configuration with no clientConnection section");
+    raised
+}
+
 fn env(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
@@ -213,10 +220,10 @@ async fn run() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let shipped = std::fs::read_to_string(repo.join("etc/kube-scheduler/gpushare-scheduler-config.yaml")).unwrap();
-    let with_rate = shipped.replacen("clientConnection:\n", &format!("clientConnection:\n{RATE}"), 1);
-    assert_ne!(with_rate, shipped, "the shipped configuration has no clientConnection section");
     plane
-        .start_scheduler_config(&with_rate.replace(EXTENDER_URL, &format!("http://{addr}/gpushare-scheduler")))
+        .start_scheduler_config(
+            &with_rate(&shipped).replace(EXTENDER_URL, &format!("http://{addr}/gpushare-scheduler")),
+        )
         .unwrap();
     let with_extender = place(&client, "ext", "gpushare.io/gpu-mem", pods).await;
     let (_, metrics) = http_get(addr, "/metrics").await.unwrap();
@@ -237,12 +244,7 @@ async fn run() {
         Ok(_) => {
             // Logging as ours does here (`warn`): at `info` it writes a line per node per filter.
             let (extender, url) = peers::spawn_alibaba_extender(&plane, "warn").unwrap();
-            let config = peers::alibaba_scheduler_config(&url).replacen(
-                "clientConnection:\n",
-                &format!("clientConnection:\n{RATE}"),
-                1,
-            );
-            plane.start_scheduler_config(&config).unwrap();
+            plane.start_scheduler_config(&with_rate(&peers::alibaba_scheduler_config(&url))).unwrap();
             let rate = place(&client, "alibaba", ALIYUN_GPU_MEM, pods).await;
             Some((rate, extender.pid().map(rss_mib)))
         }
@@ -276,12 +278,7 @@ async fn run() {
             eprintln!("hami: not placed: its scheduler had not read every node's devices (GPUSHARE_SCALE_HAMI_WAIT)");
             None
         } else {
-            let config = peers::hami_scheduler_config(&url).replacen(
-                "clientConnection:\n",
-                &format!("clientConnection:\n{RATE}"),
-                1,
-            );
-            plane.start_scheduler_config(&config).unwrap();
+            plane.start_scheduler_config(&with_rate(&peers::hami_scheduler_config(&url))).unwrap();
             let rate = place(&client, "hami", HAMI_GPUMEM, pods).await;
             Some((rate, scheduler.pid().map(rss_mib)))
         }

@@ -160,6 +160,42 @@ pub fn alibaba() -> Result<(PathBuf, String), String> {
     Ok((bin, commits))
 }
 
+/// What Alibaba's `kubectl-inspect-gpushare` and ours (`--alibaba`, the binary beside the
+/// running test) print of the cluster `kubeconfig` names, each as its output or its error.
+///
+/// # Panics
+/// If Alibaba's gpushare is not built, or ours cannot be found.
+#[allow(clippy::unwrap_used)]
+#[must_use]
+pub fn inspect_both(kubeconfig: &Path) -> (String, String) {
+    let (bin, _) = alibaba().unwrap();
+    let text = |r: anyhow::Result<String>| r.unwrap_or_else(|e| format!("{e:#}"));
+    let theirs = text(crate::cluster::inspect(&bin.join("kubectl-inspect-gpushare"), kubeconfig, &[]));
+    let ours_bin = crate::cluster::Binaries::beside_current_exe().unwrap().inspect;
+    (theirs, text(crate::cluster::inspect(&ours_bin, kubeconfig, &["--alibaba"])))
+}
+
+/// The rows of an inspect summary table (header, nodes, the cluster's total), each as its
+/// whitespace-separated cells, the rule line left out, in order: Alibaba's inspect lists the
+/// nodes in no fixed order.
+#[must_use]
+pub fn inspect_rows(table: &str) -> Vec<Vec<&str>> {
+    let mut rows: Vec<Vec<&str>> =
+        table.lines().filter(|l| !l.starts_with("---")).map(|l| l.split_whitespace().collect()).collect();
+    rows.sort();
+    rows
+}
+
+/// The `used/total` cell of GPU `index` in `node`'s row of an inspect summary table.
+#[must_use]
+pub fn inspect_cell(table: &str, node: &str, index: u32) -> Option<String> {
+    let rows = inspect_rows(table);
+    let header = rows.iter().find(|r| r.first() == Some(&"NAME"))?;
+    let column = header.iter().position(|h| h.starts_with(&format!("GPU{index}(")))?;
+    let row = rows.iter().find(|r| r.first() == Some(&node))?;
+    row.get(column).map(|c| (*c).to_owned())
+}
+
 /// Alibaba's kube-scheduler configuration in `kubescheduler.config.k8s.io/v1` form (its own
 /// files are Policy JSON and v1beta2, which Kubernetes 1.28+ no longer loads), with the same
 /// extender settings: filter and bind at `url`, `aliyun.com/gpu-mem` managed, not ignorable.

@@ -25,7 +25,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
-use gpushare_testkit::cluster::{Binaries, Proc, http_get, inspect};
+use gpushare_testkit::cluster::{Proc, http_get};
 use gpushare_testkit::cri::Created;
 use gpushare_testkit::nvml::FakeGpu;
 use gpushare_testkit::peers::{self, ALIYUN_GPU_MEM};
@@ -235,7 +235,7 @@ impl Move {
         let seen = self.settle(may_wait);
         let mut problems = Vec::new();
         let used = self.check_pods(&seen, &mut problems);
-        let (theirs, ours) = self.inspect_both();
+        let (theirs, ours) = peers::inspect_both(&self.b.plane.admin);
         check_inspects(&used, (&theirs, &ours), &mut problems);
         let kubelet = self.kubelet_view(&seen.pods);
         for (node, (allocatable, asked)) in &kubelet {
@@ -354,15 +354,6 @@ impl Move {
         used
     }
 
-    /// What Alibaba's `kubectl-inspect-gpushare` and ours (`--alibaba`) print of the cluster.
-    fn inspect_both(&self) -> (String, String) {
-        let (bin, _) = peers::alibaba().unwrap();
-        let text = |r: anyhow::Result<String>| r.unwrap_or_else(|e| format!("{e:#}"));
-        let theirs = text(inspect(&bin.join("kubectl-inspect-gpushare"), &self.b.plane.admin, &[]));
-        let ours = text(inspect(&Binaries::beside_current_exe().unwrap().inspect, &self.b.plane.admin, &["--alibaba"]));
-        (theirs, ours)
-    }
-
     /// Per node, the kubelet's allocatable `aliyun.com/gpu-mem` and what its pods that have not
     /// ended ask of it.
     fn kubelet_view(&self, items: &Value) -> BTreeMap<String, (u64, u64)> {
@@ -390,13 +381,13 @@ impl Move {
 /// Checks that both inspects print the same table, and show each GPU used by exactly what its
 /// running containers need (`used`): nothing counted twice, nothing missed.
 fn check_inspects(used: &BTreeMap<(String, u32), u64>, (theirs, ours): (&str, &str), problems: &mut Vec<String>) {
-    if sorted_rows(ours) != sorted_rows(theirs) {
+    if peers::inspect_rows(ours) != peers::inspect_rows(theirs) {
         problems.push("kubectl-inspect-gpushare --alibaba and Alibaba's disagree".into());
     }
     for (view, table) in [("Alibaba's inspect", theirs), ("ours", ours)] {
         for node in NODES {
             for index in 0..2u32 {
-                let cell = gpu_cell(table, node, index);
+                let cell = peers::inspect_cell(table, node, index);
                 let want = format!("{}/{GPU_MIB}", used.get(&(node.to_owned(), index)).copied().unwrap_or(0));
                 if cell.as_deref() != Some(want.as_str()) {
                     problems.push(format!("{view} shows {node} GPU{index} as {cell:?}; its containers: {want}"));
@@ -438,27 +429,6 @@ fn placement(node: &str, p: &Value) -> Option<(String, u32)> {
     }
     let index = annotations["ALIYUN_COM_GPU_MEM_IDX"].as_str()?.parse::<u32>().ok()?;
     Some((FakeGpu::new(node, index, 0, "").uuid, index))
-}
-
-/// The rows of an inspect summary table, each as its whitespace-separated cells; the rule line
-/// left out.
-fn summary_rows(table: &str) -> Vec<Vec<&str>> {
-    table.lines().filter(|l| !l.starts_with("---")).map(|l| l.split_whitespace().collect()).collect()
-}
-
-/// [`summary_rows`] in order: Alibaba's inspect lists the nodes in no fixed order.
-fn sorted_rows(table: &str) -> Vec<Vec<&str>> {
-    let mut rows = summary_rows(table);
-    rows.sort();
-    rows
-}
-
-/// The `used/total` cell of GPU `index` in `node`'s row of an inspect summary table.
-fn gpu_cell(table: &str, node: &str, index: u32) -> Option<String> {
-    let header = summary_rows(table).into_iter().find(|r| r.first() == Some(&"NAME"))?;
-    let column = header.iter().position(|h| h.starts_with(&format!("GPU{index}(")))?;
-    let row = summary_rows(table).into_iter().find(|r| r.first() == Some(&node))?;
-    row.get(column).map(|c| (*c).to_owned())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -146,22 +146,6 @@ fn hami_mismatch(b: &RealBox, s: &Seen, ctrs: &[Ctr]) -> Option<String> {
     })
 }
 
-/// What Alibaba's `kubectl-inspect-gpushare` and ours (`--alibaba`) print of the cluster.
-fn inspect_both(b: &RealBox) -> (String, String) {
-    let (bin, _) = gpushare_testkit::peers::alibaba().unwrap();
-    let theirs = gpushare_testkit::cluster::inspect(&bin.join("kubectl-inspect-gpushare"), &b.plane.admin, &[]);
-    let ours_bin = gpushare_testkit::cluster::Binaries::beside_current_exe().unwrap().inspect;
-    let ours = gpushare_testkit::cluster::inspect(&ours_bin, &b.plane.admin, &["--alibaba"]);
-    let text = |r: anyhow::Result<String>| r.unwrap_or_else(|e| format!("{e:#}"));
-    (text(theirs), text(ours))
-}
-
-/// The rows of an inspect summary table (header, nodes, the cluster's total), each as its
-/// whitespace-separated cells; the rule line left out.
-fn summary_rows(table: &str) -> Vec<Vec<&str>> {
-    table.lines().filter(|l| !l.starts_with("---")).map(|l| l.split_whitespace().collect()).collect()
-}
-
 /// The GPUs (UUIDs) each container of pod `name` is assigned, from the extender's annotation.
 fn assignment(b: &RealBox, name: &str) -> BTreeMap<String, Vec<String>> {
     let p = get(&b.plane, &["get", "pod", name, "-n", "default"]);
@@ -227,10 +211,10 @@ async fn same_size_pods_racing() {
         let mut more = json!({"mib_needed_per_gpu": per_gpu});
         if system == System::Alibaba {
             // Ours must show the node Alibaba's plugin serves as Alibaba's own inspect does.
-            let (theirs, ours) = inspect_both(&b);
+            let (theirs, ours) = gpushare_testkit::peers::inspect_both(&b.plane.admin);
             assert_eq!(
-                summary_rows(&ours),
-                summary_rows(&theirs),
+                gpushare_testkit::peers::inspect_rows(&ours),
+                gpushare_testkit::peers::inspect_rows(&theirs),
                 "kubectl-inspect-gpushare --alibaba disagrees with Alibaba's:\n{ours}\n{theirs}"
             );
             more["inspect"] = json!({"alibaba": theirs, "ours": ours});
