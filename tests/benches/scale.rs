@@ -25,9 +25,11 @@
 //! (`hami.io/node-nvidia-register`, 10 shares per GPU) and `nvidia.com/gpu` allocatable, the same
 //! pods asking `nvidia.com/gpu: 1` and `nvidia.com/gpumem`; its node policy `spread`, not its
 //! chart's `binpack`: it binds under a lock on the node that only its device plugin releases,
-//! and these nodes have none, so each node takes one pod (pods no more than nodes). It reads the
-//! nodes' devices at a pace of its own: the pass reports how long that took, and places pods
-//! only once every node is read, within `GPUSHARE_SCALE_HAMI_WAIT` seconds (default 600).
+//! and these nodes have none, so each node takes one pod (pods no more than nodes). Its API
+//! client's rate limits are raised as kube-scheduler's are (`--kube-qps`, `--kube-burst` 5000):
+//! at client-go's defaults it reads about one node every two seconds. It reads the nodes'
+//! devices at a pace of its own: the pass reports how long that took, and places pods only once
+//! every node is read, within `GPUSHARE_SCALE_HAMI_WAIT` seconds (default 600).
 //! Needs the real components (`tests/kube/build`, or `GPUSHARE_KUBE_BIN`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::print_stderr, clippy::cast_precision_loss)]
 
@@ -256,7 +258,7 @@ async fn run() {
 
     // (d) HAMi's scheduler, spreading pods over the nodes (the module header says why).
     let hami = if hami_built && pods <= nodes {
-        let (scheduler, url, metrics) = peers::spawn_hami_scheduler(&plane, HAMI_SPLIT, "spread").unwrap();
+        let (scheduler, url, metrics) = peers::spawn_hami_scheduler(&plane, HAMI_SPLIT, "spread", Some(5000)).unwrap();
         // It places nothing on a node until it has read the node's devices, which it does at its
         // own pace: the time that takes is a figure of its own.
         let t = Instant::now();

@@ -441,7 +441,7 @@ pub fn start_hami_scheduler(
     plane: &mut crate::realkube::ControlPlane,
     split: u32,
 ) -> anyhow::Result<(Proc, std::net::SocketAddr)> {
-    let (scheduler, url, metrics) = spawn_hami_scheduler(plane, split, "binpack")?;
+    let (scheduler, url, metrics) = spawn_hami_scheduler(plane, split, "binpack", None)?;
     plane.start_scheduler_config(&hami_scheduler_config(&url))?;
     Ok((scheduler, metrics))
 }
@@ -449,8 +449,10 @@ pub fn start_hami_scheduler(
 /// Starts HAMi's scheduler (its extender and mutating webhook, one HTTPS server as its chart
 /// runs it, with a serving certificate of the box's CA for 127.0.0.1) with `split` pods per GPU
 /// and the node policy `node_policy` (`binpack` or `spread`), and registers the webhook with the
-/// API server through a URL client configuration and that CA. Returns it once it listens, with
-/// the `urlPrefix` of its extender and the address of its metrics.
+/// API server through a URL client configuration and that CA. `kube_rate`, where given, raises
+/// its API client's rate limits (`--kube-qps`, `--kube-burst`; client-go's defaults, 5 and 10,
+/// otherwise): it sends two requests per node it registers. Returns it once it listens, with the
+/// `urlPrefix` of its extender and the address of its metrics.
 ///
 /// # Errors
 /// If it is not built, a file cannot be written, it does not listen within 30 s, or the webhook
@@ -459,6 +461,7 @@ pub fn spawn_hami_scheduler(
     plane: &crate::realkube::ControlPlane,
     split: u32,
     node_policy: &str,
+    kube_rate: Option<u32>,
 ) -> anyhow::Result<(Proc, String, std::net::SocketAddr)> {
     let (bin, _) = hami().map_err(anyhow::Error::msg)?;
     let port = crate::cluster::free_port()?;
@@ -470,10 +473,11 @@ pub fn spawn_hami_scheduler(
     )?;
     let config = plane.dir.join("hami-device-config.yaml");
     std::fs::write(&config, hami_device_config(split)).with_context(|| format!("writing {}", config.display()))?;
+    let rate = kube_rate.map(|r| [format!("--kube-qps={r}"), format!("--kube-burst={r}")]).into_iter().flatten();
     let mut scheduler = plane.spawn(
         "hami-scheduler",
         &bin.join("hami-scheduler"),
-        vec![
+        rate.chain([
             format!("--http_bind=127.0.0.1:{port}"),
             format!("--cert_file={}", crt.display()),
             format!("--key_file={}", key.display()),
@@ -483,7 +487,8 @@ pub fn spawn_hami_scheduler(
             "--gpu-scheduler-policy=spread".into(),
             format!("--device-config-file={}", config.display()),
             "--leader-elect=false".into(),
-        ],
+        ])
+        .collect(),
         vec![
             ("KUBECONFIG".into(), plane.admin.display().to_string()),
             ("POD_NAME".into(), "hami-scheduler".into()),
