@@ -51,7 +51,7 @@ pub struct Created {
     pub container: String,
     /// Its environment, as the kubelet set it (the device plugin's `envs` among the pod's own).
     pub envs: BTreeMap<String, String>,
-    /// Device nodes: (host path, container path).
+    /// Device nodes: (host path, container path), the kubelet's and its CDI devices'.
     pub devices: Vec<(String, String)>,
     /// Mounts: (host path, container path).
     pub mounts: Vec<(String, String)>,
@@ -361,8 +361,10 @@ impl RuntimeService for Service {
         let cdi_devices: Vec<String> = config.cdi_devices.iter().map(|d| d.name.clone()).collect();
         let mut mounts: Vec<(String, String)> =
             config.mounts.iter().map(|m| (m.host_path.clone(), m.container_path.clone())).collect();
-        crate::cdi::apply(&self.fs.join(CDI_DIR), &cdi_devices, &mut envs, &mut mounts)
-            .map_err(Status::failed_precondition)?;
+        let mut devices: Vec<(String, String)> =
+            config.devices.iter().map(|d| (d.host_path.clone(), d.container_path.clone())).collect();
+        let mut edits = crate::cdi::Edits { envs: &mut envs, mounts: &mut mounts, devices: &mut devices };
+        crate::cdi::apply(&self.fs.join(CDI_DIR), &cdi_devices, &mut edits).map_err(Status::failed_precondition)?;
         let log_path = if log_dir.is_empty() || config.log_path.is_empty() {
             String::new()
         } else {
@@ -378,7 +380,7 @@ impl RuntimeService for Service {
             pod_uid: meta.uid,
             container: config.metadata.as_ref().map(|m| m.name.clone()).unwrap_or_default(),
             envs,
-            devices: config.devices.iter().map(|d| (d.host_path.clone(), d.container_path.clone())).collect(),
+            devices,
             mounts,
             cdi_devices,
             running: false,

@@ -51,6 +51,18 @@ impl FakeGpu {
             name: name.to_owned(),
         }
     }
+
+    /// This GPU with a UUID of NVIDIA's form (`GPU-` and 32 hex digits in groups of 8-4-4-4-12),
+    /// made from its own: the same GPU gets the same UUID. Tools that parse UUIDs (NVIDIA's CDI
+    /// generation) refuse the `GPU-fake-…` form.
+    #[must_use]
+    pub fn with_nvidia_uuid(mut self) -> Self {
+        // FNV-1a, 128 bits as two 64-bit halves with different seeds.
+        let hash = |seed: u64| self.uuid.bytes().fold(seed, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+        let hex = format!("{:016x}{:016x}", hash(0xcbf2_9ce4_8422_2325), hash(0x8422_2325_cbf2_9ce4));
+        self.uuid = format!("GPU-{}-{}-{}-{}-{}", &hex[..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..]);
+        self
+    }
 }
 
 /// Builds the library as `<dir>/libnvidia-ml.so.1`.
@@ -121,4 +133,20 @@ pub fn inject(events_file: &Path, line: &str) -> anyhow::Result<()> {
     file.write_all(format!("{line}\n").as_bytes())
         .and_then(|()| file.flush())
         .with_context(|| format!("appending {line:?} to {}", events_file.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FakeGpu;
+
+    #[test]
+    fn nvidia_uuids_have_nvidias_form_and_are_stable_per_gpu() {
+        let a = FakeGpu::new("n", 0, 1, "m").with_nvidia_uuid();
+        let groups: Vec<usize> = a.uuid.strip_prefix("GPU-").unwrap().split('-').map(str::len).collect();
+        assert_eq!(groups, [8, 4, 4, 4, 12], "{}", a.uuid);
+        assert!(a.uuid[4..].chars().all(|c| c == '-' || c.is_ascii_hexdigit()), "{}", a.uuid);
+        assert_eq!(a, FakeGpu::new("n", 0, 1, "m").with_nvidia_uuid());
+        assert_ne!(a.uuid, FakeGpu::new("n", 1, 1, "m").with_nvidia_uuid().uuid);
+        assert_ne!(a.uuid, FakeGpu::new("o", 0, 1, "m").with_nvidia_uuid().uuid);
+    }
 }
