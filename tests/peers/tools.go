@@ -4,4 +4,8 @@
 // Nothing here is built into gpushare.
 package peers
 
-import _ "github.com/NVIDIA/k8s-device-plugin/cmd/nvidia-device-plugin"
+import (
+	_ "github.com/NVIDIA/k8s-device-plugin/cmd/nvidia-device-plugin"
+	// The CDI hook NVIDIA's DRA driver names in the specs it writes (it must exist to start).
+	_ "github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-cdi-hook"
+)

@@ -24,6 +24,7 @@ pub mod invariants;
 pub mod kubelet;
 pub mod node;
 pub mod notify;
+pub mod nvidia_dra;
 pub mod nvml;
 pub mod peers;
 pub mod realbox;

@@ -122,7 +122,7 @@ impl RealCluster {
     /// directory, its kubelet's device-plugin directory and the fake NVML event directive): the
     /// recording runtime, the real kubelet (registered and Ready), then the plugin as the node's
     /// `daemon`.
-    fn add_plugin_node(
+    pub(crate) fn add_plugin_node(
         &mut self,
         name: &str,
         start: impl FnOnce(&crate::realkube::ControlPlane, &Path, &Path, &str) -> anyhow::Result<Proc>,

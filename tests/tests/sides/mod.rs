@@ -388,27 +388,37 @@ pub(crate) fn evidence(system: System, verdict: &Verdict, seen: &[Seen], extra: 
 /// # Panics
 /// If the row is missing or says otherwise.
 pub(crate) fn record(scenario: &str, outcomes: &[(System, Verdict, Value)]) {
+    let columns: Vec<(&str, Verdict, Value)> =
+        outcomes.iter().map(|(s, v, e)| (s.column(), v.clone(), e.clone())).collect();
+    record_in("scenario", scenario, &columns);
+}
+
+/// [`record`] for the table of docs/comparison.md whose header row starts with `header`, the
+/// outcomes by column heading.
+///
+/// # Panics
+/// If the row is missing or says otherwise.
+pub(crate) fn record_in(header: &str, scenario: &str, outcomes: &[(&str, Verdict, Value)]) {
     let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("side-by-side");
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join(format!("{scenario}.json"));
     let all: Vec<&Value> = outcomes.iter().map(|(_, _, e)| e).collect();
     std::fs::write(&file, serde_json::to_string_pretty(&all).unwrap()).unwrap();
-    for (system, verdict, _) in outcomes {
-        eprintln!("{scenario}: {}: {verdict}", system.column());
+    for (column, verdict, _) in outcomes {
+        eprintln!("{scenario}: {column}: {verdict}");
     }
     let doc = std::fs::read_to_string(repo().join("docs/comparison.md")).unwrap();
     let cells = row(&doc, scenario).unwrap_or_else(|| panic!("docs/comparison.md has no row for `{scenario}`"));
-    let header = row(&doc, "scenario").expect("docs/comparison.md's scenario table has a header row");
-    for (system, verdict, _) in outcomes {
-        let column = header
+    let headings = row(&doc, header).unwrap_or_else(|| panic!("docs/comparison.md has no table headed {header:?}"));
+    for (column, verdict, _) in outcomes {
+        let at = headings
             .iter()
-            .position(|h| h == system.column())
-            .unwrap_or_else(|| panic!("docs/comparison.md's scenario table has no column {:?}", system.column()));
-        let cell = cells.get(column).map_or("", String::as_str);
+            .position(|h| h == column)
+            .unwrap_or_else(|| panic!("docs/comparison.md's {header:?} table has no column {column:?}"));
+        let cell = cells.get(at).map_or("", String::as_str);
         assert!(
             cell.starts_with(verdict.word()),
-            "docs/comparison.md says {cell:?} of {} in `{scenario}`, but this run saw {verdict} (evidence: {})",
-            system.column(),
+            "docs/comparison.md says {cell:?} of {column} in `{scenario}`, but this run saw {verdict} (evidence: {})",
             file.display()
         );
     }
