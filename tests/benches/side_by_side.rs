@@ -29,11 +29,14 @@
 //! pods as gpushare's MiB mode (`nvidia.com/gpu: 1`, `nvidia.com/gpumem` of the pod's MiB), each
 //! GPU shared by enough pods for every pod (its `deviceSplitCount`; the chart's 10 would hold
 //! 80); its figures too are given as ratios to gpushare's MiB mode.
+//! NVIDIA's DRA driver (its source given the same way): its GPU kubelet plugin with consumable
+//! shares of memory on the same 8 × 80 GiB as gpushare's DRA row, each pod with a claim of
+//! 1024 MiB of its `gpu.nvidia.com` class; its figures are given as ratios to gpushare's DRA row.
 //! Needs root and Go, as the real-cluster tests do. `GPUSHARE_BOX_DIR` keeps each box's logs
 //! and state, in `<dir>/<system>-<round>`. `GPUSHARE_BENCH_SYSTEMS` (e.g. `gib,dra`) runs only
-//! the systems named (`mib`, `gib`, `dra`, `nvidia`, `alibaba`, `hami`). The kubelet's DRA histogram starts at
-//! 100 ms, too coarse for a prepare: the DRA row's `Allocate` figures are left out (the prepare's
-//! latency is `cargo bench -p gpushared --bench dra_prepare`'s).
+//! the systems named (`mib`, `gib`, `dra`, `nvidia`, `alibaba`, `hami`, `nvidia-dra`). The kubelet's
+//! DRA histogram starts at 100 ms, too coarse for a prepare: the DRA rows' `Allocate` figures are
+//! left out (gpushare's prepare latency is `cargo bench -p gpushared --bench dra_prepare`'s).
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -48,6 +51,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use gpushare_testkit::nvidia_dra;
 use gpushare_testkit::nvml::FakeGpu;
 use gpushare_testkit::peers::{self, ALIYUN_GPU_MEM, HAMI_GPU, HAMI_GPUMEM, NVIDIA_GPU, NvidiaSharing};
 use gpushare_testkit::realbox::{RealCluster, RealOptions, is_root};
@@ -68,10 +72,18 @@ enum System {
     Nvidia,
     Alibaba,
     Hami,
+    NvidiaDra,
 }
 
-const SYSTEMS: [System; 6] =
-    [System::GpushareMib, System::GpushareGib, System::GpushareDra, System::Nvidia, System::Alibaba, System::Hami];
+const SYSTEMS: [System; 7] = [
+    System::GpushareMib,
+    System::GpushareGib,
+    System::GpushareDra,
+    System::Nvidia,
+    System::Alibaba,
+    System::Hami,
+    System::NvidiaDra,
+];
 
 impl System {
     /// The name `GPUSHARE_BENCH_SYSTEMS` uses.
@@ -83,6 +95,7 @@ impl System {
             System::Nvidia => "nvidia",
             System::Alibaba => "alibaba",
             System::Hami => "hami",
+            System::NvidiaDra => "nvidia-dra",
         }
     }
 }
@@ -104,7 +117,7 @@ fn main() {
     let pods = env("GPUSHARE_BENCH_PODS", 500) as usize;
     let rounds = env("GPUSHARE_BENCH_ROUNDS", 2);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let chosen = std::env::var("GPUSHARE_BENCH_SYSTEMS").unwrap_or_else(|_| "mib,gib,dra,nvidia,alibaba,hami".into());
+    let chosen = std::env::var("GPUSHARE_BENCH_SYSTEMS").unwrap_or_else(|_| "mib,gib,dra,nvidia,alibaba,hami,nvidia-dra".into());
     let mut chosen: Vec<&str> = chosen.split(',').map(str::trim).collect();
     if chosen.contains(&"alibaba")
         && let Err(why) = gpushare_testkit::peers::alibaba()
@@ -117,6 +130,12 @@ fn main() {
     {
         eprintln!("{why}");
         chosen.retain(|s| *s != "hami");
+    }
+    if chosen.contains(&"nvidia-dra")
+        && let Err(why) = gpushare_testkit::nvidia_dra::built()
+    {
+        eprintln!("{why}");
+        chosen.retain(|s| *s != "nvidia-dra");
     }
     let mut figures: Vec<Vec<Figures>> = vec![Vec::new(); SYSTEMS.len()];
     for round in 1..=rounds {
@@ -136,11 +155,11 @@ fn main() {
         }
     }
     let mean = |v: &[Figures], f: fn(&Figures) -> f64| v.iter().map(f).sum::<f64>() / v.len() as f64;
-    let (mib, gib, dra, nvidia, alibaba, hami) =
-        (&figures[0], &figures[1], &figures[2], &figures[3], &figures[4], &figures[5]);
+    let (mib, gib, dra, nvidia, alibaba, hami, nvidia_dra) =
+        (&figures[0], &figures[1], &figures[2], &figures[3], &figures[4], &figures[5], &figures[6]);
     println!(
-        "\nmeans of {rounds} rounds (NaN: not run); ratios to gpushare GiB mode (DRA's, NVIDIA's), and \
-         Alibaba's and HAMi's to gpushare MiB mode:"
+        "\nmeans of {rounds} rounds (NaN: not run); ratios to gpushare GiB mode (DRA's, NVIDIA's), \
+         Alibaba's and HAMi's to gpushare MiB mode, NVIDIA's DRA driver's to gpushare DRA:"
     );
     for (name, f) in [
         ("pods/s end to end", (|x: &Figures| x.pods_per_s) as fn(&Figures) -> f64),
@@ -149,14 +168,15 @@ fn main() {
         ("plugin RSS", |x| x.rss_mib),
     ] {
         let (a, g, d, n, l) = (mean(mib, f), mean(gib, f), mean(dra, f), mean(nvidia, f), mean(alibaba, f));
-        let h = mean(hami, f);
+        let (h, nd) = (mean(hami, f), mean(nvidia_dra, f));
         println!(
             "  {name}: gpushare MiB {a:.2}, GiB {g:.2}, DRA {d:.2}; NVIDIA {n:.2}; Alibaba MiB {l:.2}; HAMi {h:.2}; \
-             ratio {:.2}, {:.2}; Alibaba {:.2}; HAMi {:.2}",
+             NVIDIA DRA {nd:.2}; ratio {:.2}, {:.2}; Alibaba {:.2}; HAMi {:.2}; NVIDIA DRA {:.2}",
             d / g,
             n / g,
             l / a,
-            h / a
+            h / a,
+            nd / d
         );
     }
 }
@@ -202,8 +222,16 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
             wait_hami_registered(&b).await;
             (HAMI_GPU, (split * GPUS).to_string(), mib_pod.as_str())
         }
+        System::NvidiaDra => {
+            b.plane.create(&nvidia_dra::device_class()).unwrap();
+            let gpus: Vec<FakeGpu> =
+                gpus(81920, "NVIDIA H100 80GB HBM3").into_iter().map(FakeGpu::with_nvidia_uuid).collect();
+            b.add_nvidia_dra_node(NODE, &gpus).unwrap();
+            ("", String::new(), "1024Mi")
+        }
     };
-    let dra = system == System::GpushareDra;
+    let dra = matches!(system, System::GpushareDra | System::NvidiaDra);
+    let class = if system == System::NvidiaDra { nvidia_dra::DEVICE_CLASS } else { "gpushare-memory" };
     if dra {
         wait_slice(&b, GPUS as usize);
     } else {
@@ -216,7 +244,7 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
             items.push(json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
                 "metadata": {"name": name, "namespace": "default"},
                 "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-                    "deviceClassName": "gpushare-memory", "capacity": {"requests": {"memory": ask}}}}]}}}));
+                    "deviceClassName": class, "capacity": {"requests": {"memory": ask}}}}]}}}));
             (json!({"claims": [{"name": "gpu"}]}), json!([{"name": "gpu", "resourceClaimName": name}]))
         } else if system == System::Hami {
             (json!({"limits": {HAMI_GPU: "1", HAMI_GPUMEM: ask}}), json!([]))
