@@ -117,7 +117,8 @@ fn main() {
     let pods = env("GPUSHARE_BENCH_PODS", 500) as usize;
     let rounds = env("GPUSHARE_BENCH_ROUNDS", 2);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let chosen = std::env::var("GPUSHARE_BENCH_SYSTEMS").unwrap_or_else(|_| "mib,gib,dra,nvidia,alibaba,hami,nvidia-dra".into());
+    let chosen =
+        std::env::var("GPUSHARE_BENCH_SYSTEMS").unwrap_or_else(|_| "mib,gib,dra,nvidia,alibaba,hami,nvidia-dra".into());
     let mut chosen: Vec<&str> = chosen.split(',').map(str::trim).collect();
     if chosen.contains(&"alibaba")
         && let Err(why) = gpushare_testkit::peers::alibaba()

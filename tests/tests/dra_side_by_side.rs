@@ -134,9 +134,8 @@ fn pod(name: &str, claim: &str, containers: &[&str]) -> Value {
     })
 }
 
-/// The devices the node's ResourceSlices offer now: name → UUID, those with a taint that keeps
-/// claims off (`NoSchedule`, `NoExecute`) left out.
-fn pool(b: &RealBox) -> BTreeMap<String, String> {
+/// The devices of the node's ResourceSlices, as published.
+fn slice_devices(b: &RealBox) -> Vec<Value> {
     let slices = get(&b.plane, &["get", "resourceslices"]);
     slices["items"]
         .as_array()
@@ -144,21 +143,27 @@ fn pool(b: &RealBox) -> BTreeMap<String, String> {
         .flatten()
         .filter(|s| s["spec"]["nodeName"] == NODE)
         .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+        .collect()
+}
+
+/// A device's GPU UUID, from its `uuid` attribute (both drivers publish one).
+fn device_uuid(d: &Value) -> Option<&str> {
+    d["attributes"]["uuid"]["string"].as_str()
+}
+
+/// The devices the node's ResourceSlices offer now: name → UUID, those with a taint that keeps
+/// claims off (`NoSchedule`, `NoExecute`) left out.
+fn pool(b: &RealBox) -> BTreeMap<String, String> {
+    slice_devices(b)
+        .iter()
         .filter(|d| !d["taints"].as_array().into_iter().flatten().any(|t| t["effect"] != "None"))
-        .filter_map(|d| Some((d["name"].as_str()?.to_owned(), d["attributes"]["uuid"]["string"].as_str()?.to_owned())))
+        .filter_map(|d| Some((d["name"].as_str()?.to_owned(), device_uuid(d)?.to_owned())))
         .collect()
 }
 
 /// The device of the node's ResourceSlices whose UUID is `uuid`, as published.
 fn slice_device(b: &RealBox, uuid: &str) -> Value {
-    let slices = get(&b.plane, &["get", "resourceslices"]);
-    slices["items"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
-        .find(|d| d["attributes"]["uuid"]["string"] == uuid)
-        .unwrap_or(Value::Null)
+    slice_devices(b).into_iter().find(|d| device_uuid(d) == Some(uuid)).unwrap_or(Value::Null)
 }
 
 /// Waits (a minute) until the pool has `count` devices.
@@ -248,15 +253,12 @@ fn observe(b: &RealBox, pods: &[Want]) -> Vec<Seen> {
     let created = b.node(NODE).unwrap().runtime.created();
     let items = get(&b.plane, &["get", "pods", "-n", "default"]);
     let claims = get(&b.plane, &["get", "resourceclaims", "-n", "default"]);
-    let slices = get(&b.plane, &["get", "resourceslices"]);
+    let devices = slice_devices(b);
     let uuid_of = |device: &str| {
-        slices["items"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+        devices
+            .iter()
             .find(|d| d["name"] == device)
-            .and_then(|d| d["attributes"]["uuid"]["string"].as_str().map(str::to_owned))
+            .and_then(|d| device_uuid(d).map(str::to_owned))
             // Both drivers name a GPU `gpu-<index>`: the slice may be gone a while (a kubelet
             // restarting removes it until the driver registers again).
             .or_else(|| {
