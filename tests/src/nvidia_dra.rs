@@ -6,7 +6,8 @@
 //! gates, off by default), as an operator who wants them runs it.
 //!
 //! What it needs of a host is made under the node's directory: a driver root with
-//! `libnvidia-ml.so.1` (the fake library) and `nvidia-smi`, `nvidia-cdi-hook` (built from the
+//! `libnvidia-ml.so.1` (the fake library, also under the driver version's name and as
+//! `libcuda.so.<version>`), `nvidia-smi` and character device nodes, `nvidia-cdi-hook` (built from the
 //! NVIDIA container toolkit module pinned in `tests/peers/go.mod`), and the CDI directory the
 //! node's runtime reads. Its GPUs need UUIDs of NVIDIA's form
 //! ([`FakeGpu::with_nvidia_uuid`]): its CDI generation parses them.
@@ -19,9 +20,6 @@ use crate::cluster::Proc;
 use crate::nvml::{self, FakeGpu};
 use crate::realbox::{RealCluster, RealNode};
 use crate::realkubelet::KubeletDirs;
-
-/// The driver's name, of its ResourceSlices and claims' results.
-pub const DRIVER: &str = "gpu.nvidia.com";
 
 /// The driver version the fake NVML library reports by default (tests/fake-nvml/README.md).
 const DRIVER_VERSION: &str = "550.54.15";
@@ -36,16 +34,7 @@ pub const DEVICE_CLASS: &str = "gpu.nvidia.com";
 /// # Errors
 /// The line saying why.
 pub fn built() -> Result<(PathBuf, String), String> {
-    let bin = crate::peers::binaries().map_err(|e| format!("the peers' build failed: {e:#}"))?;
-    if let Some(missing) = ["gpu-kubelet-plugin", "nvidia-cdi-hook"].iter().find(|b| !bin.join(b).is_file()) {
-        return Err(format!(
-            "NVIDIA's DRA driver did not run: {missing} is not in {} (set GPUSHARE_PEERS_SRC to a folder with its \
-             checkout, docs/comparison.md)",
-            bin.display()
-        ));
-    }
-    let commits = std::fs::read_to_string(bin.join("peers.txt")).unwrap_or_default();
-    Ok((bin, commits))
+    crate::peers::built_from_source("NVIDIA's DRA driver", &["gpu-kubelet-plugin", "nvidia-cdi-hook"])
 }
 
 /// Its chart's `DeviceClass` for GPUs.

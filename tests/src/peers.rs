@@ -147,12 +147,24 @@ pub const ALIYUN_GPU_MEM: &str = "aliyun.com/gpu-mem";
 /// # Errors
 /// The line saying why: the peers' build failed, or no source was given for it.
 pub fn alibaba() -> Result<(PathBuf, String), String> {
+    built_from_source(
+        "Alibaba's gpushare",
+        &["gpushare-scheduler-extender", "gpushare-device-plugin", "kubectl-inspect-gpushare"],
+    )
+}
+
+/// A peer built from source by `tests/peers/build` (`who`, its binaries `wanted`): the
+/// binaries' directory and the commits built (`peers.txt`), or one line saying why it cannot run
+/// here.
+///
+/// # Errors
+/// The line saying why: the peers' build failed, or no source was given for it.
+pub(crate) fn built_from_source(who: &str, wanted: &[&str]) -> Result<(PathBuf, String), String> {
     let bin = binaries().map_err(|e| format!("the peers' build failed: {e:#}"))?;
-    let wanted = ["gpushare-scheduler-extender", "gpushare-device-plugin", "kubectl-inspect-gpushare"];
     if let Some(missing) = wanted.iter().find(|b| !bin.join(b).is_file()) {
         return Err(format!(
-            "Alibaba's gpushare did not run: {missing} is not in {} (set GPUSHARE_PEERS_SRC to a folder with its \
-             checkouts, docs/comparison.md)",
+            "{who} did not run: {missing} is not in {} (set GPUSHARE_PEERS_SRC to a folder with its source, \
+             docs/comparison.md)",
             bin.display()
         ));
     }
@@ -383,16 +395,7 @@ pub const HAMI_SPLIT: u32 = 10;
 /// # Errors
 /// The line saying why.
 pub fn hami() -> Result<(PathBuf, String), String> {
-    let bin = binaries().map_err(|e| format!("the peers' build failed: {e:#}"))?;
-    if let Some(missing) = ["hami-scheduler", "hami-device-plugin"].iter().find(|b| !bin.join(b).is_file()) {
-        return Err(format!(
-            "HAMi did not run: {missing} is not in {} (set GPUSHARE_PEERS_SRC to a folder with its checkout, \
-             docs/comparison.md)",
-            bin.display()
-        ));
-    }
-    let commits = std::fs::read_to_string(bin.join("peers.txt")).unwrap_or_default();
-    Ok((bin, commits))
+    built_from_source("HAMi", &["hami-scheduler", "hami-device-plugin"])
 }
 
 /// HAMi's device configuration (its chart's `device-config.yaml`, NVIDIA's section, with the
