@@ -142,6 +142,10 @@ pub struct Options {
     /// The kubelet stand-ins report each allocated device's health in pod status (the
     /// kubelet's `ResourceHealthStatus` gate, which docs/install.md asks to turn off).
     pub kubelet_resource_health: bool,
+    /// The daemons reach the API server through a relay that holds back its answers this
+    /// long ([`crate::lag`]), while the kubelets connect directly: their pod watches lag
+    /// behind the kubelets'.
+    pub daemon_api_lag: Option<Duration>,
 }
 
 impl Default for Options {
@@ -153,6 +157,7 @@ impl Default for Options {
             daemon_extra: String::new(),
             scheduler_backoff_ms: 1000,
             kubelet_resource_health: false,
+            daemon_api_lag: None,
         }
     }
 }
@@ -353,6 +358,8 @@ pub struct Cluster {
     /// The cluster unit.
     pub unit: String,
     client: kube::Client,
+    /// The relay the daemons' API connections go through, if they lag.
+    _lag: Option<crate::lag::Lag>,
 }
 
 impl Cluster {
@@ -401,11 +408,29 @@ impl Cluster {
         )?;
         wait_for(&mut apiserver, Duration::from_secs(20), "the API server", || kubeconfig.is_file())?;
         let (client, api_url) = client_from_kubeconfig(&kubeconfig)?;
+        let (lag, daemon_kubeconfig) = match options.daemon_api_lag {
+            Some(delay) => {
+                let upstream: SocketAddr = api_url
+                    .trim_start_matches("http://")
+                    .parse()
+                    .with_context(|| format!("the API server's URL {api_url} is not http://host:port"))?;
+                let lag = crate::lag::Lag::start(upstream, delay).await?;
+                let lagging = dir.join("kubeconfig-lagging");
+                let text = std::fs::read_to_string(&kubeconfig)?;
+                std::fs::write(
+                    &lagging,
+                    text.replace(&format!("server: {api_url}"), &format!("server: {}", lag.url())),
+                )?;
+                (Some(lag), lagging)
+            }
+            None => (None, kubeconfig.clone()),
+        };
 
         let dbus_daemon = if options.dbus { which("dbus-daemon") } else { None };
         let mut nodes = Vec::new();
         for (i, node) in spec.nodes.iter().enumerate() {
-            nodes.push(start_node(&bin, &dir, &library, &kubeconfig, spec, node, i, options, dbus_daemon.as_deref())?);
+            let kubeconfigs = (kubeconfig.as_path(), daemon_kubeconfig.as_path());
+            nodes.push(start_node(&bin, &dir, &library, kubeconfigs, spec, node, i, options, dbus_daemon.as_deref())?);
         }
 
         // The extender and the scheduler.
@@ -455,6 +480,7 @@ impl Cluster {
             scheduler,
             unit: spec.unit.to_string(),
             client,
+            _lag: lag,
         };
         cluster.wait_ready(Duration::from_secs(60)).await?;
         // GPUs the cluster file marks unhealthy get that fault from NVML, once their daemon
@@ -780,7 +806,7 @@ fn start_node(
     bin: &Binaries,
     dir: &Path,
     library: &Path,
-    kubeconfig: &Path,
+    (kubeconfig, daemon_kubeconfig): (&Path, &Path),
     spec: &ClusterSpec,
     node: &NodeSpec,
     i: usize,
@@ -869,7 +895,7 @@ fn start_node(
             plugin_dir.display(),
             pod_resources.display(),
             ndir.join("state").join("ledger.db").display(),
-            kubeconfig.display(),
+            daemon_kubeconfig.display(),
             library.display(),
             node.unit.unwrap_or(spec.unit),
             options.daemon_extra

@@ -5,6 +5,7 @@
 //! - [`cdi`]: the runtime's CDI: the devices the kubelet names, applied from the specs of one directory;
 //! - [`cluster`]: the whole box as processes (API server, kubelets, daemons, extender, scheduler);
 //! - [`invariants`]: design.md's invariants checked across the box from the outside;
+//! - [`lag`]: a TCP relay that holds back a server's answers, for a daemon whose pod watch lags the kubelet's;
 //! - [`kubelet`]: the kubelet's side of the device plugin API and its PodResources API, restarts included;
 //! - [`notify`]: systemd's end of `sd_notify`, recording what a service notifies;
 //! - [`node`]: the kubelet stand-in as a node: registers its Node, admits the pods bound to it, writes their status;
@@ -22,6 +23,7 @@ pub mod cluster;
 pub mod cri;
 pub mod invariants;
 pub mod kubelet;
+pub mod lag;
 pub mod node;
 pub mod notify;
 pub mod nvidia_dra;

@@ -10,7 +10,9 @@
 //! Bounded: `GPUSHARE_FAULT_PODS` pods (default 2000) over `GPUSHARE_FAULT_NODES` nodes
 //! (default 20), within `GPUSHARE_FAULT_DEADLINE_SECS` (default 600) from start to end, after
 //! which it fails with the counts so far; `GPUSHARE_FAULT_SEED` repeats a run;
-//! `GPUSHARE_BOX_DIR` keeps its state.
+//! `GPUSHARE_BOX_DIR` keeps its state. The daemons' API connections lag behind the kubelets' by
+//! `GPUSHARE_FAULT_LAG_MS` (default 300; 0 for none): every answer and watch event reaches them
+//! that much later, so a kubelet admits pods a daemon's watch has not delivered yet.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::{BTreeSet, VecDeque};
@@ -137,7 +139,11 @@ async fn churn_under_faults(started: Instant, shared: Shared) {
     // A new seed each run unless one is given; printed, so any run can be repeated.
     let seed = env("GPUSHARE_FAULT_SEED", XorShift::from_clock().below(u64::MAX));
     let mut rng = XorShift::new(seed);
-    eprintln!("fault suite: {total} pods over {n_nodes} nodes, seed GPUSHARE_FAULT_SEED={seed}");
+    let lag_ms = env("GPUSHARE_FAULT_LAG_MS", 300);
+    eprintln!(
+        "fault suite: {total} pods over {n_nodes} nodes, the daemons' API answers {lag_ms} ms late, seed \
+         GPUSHARE_FAULT_SEED={seed}"
+    );
 
     // GiB units keep 20 nodes' device lists small on a 2-core machine; recovery after 2 s.
     let spec = uniform_cluster(n_nodes, 2, 16_384, gpushare_core::MemoryUnit::Gib);
@@ -146,6 +152,7 @@ async fn churn_under_faults(started: Instant, shared: Shared) {
         dir: gpushare_testkit::box_dir(),
         dbus: false,
         scheduler_backoff_ms: 200,
+        daemon_api_lag: (lag_ms > 0).then(|| Duration::from_millis(lag_ms)),
         daemon_extra: "[health]\nprobe_interval_seconds = 1\nrecovery_seconds = 2\n[reconcile]\ninterval_seconds = 5\ngrace_seconds = 5\n"
             .into(),
         ..Options::default()

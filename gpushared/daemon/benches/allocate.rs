@@ -51,6 +51,7 @@ fn pod(p: usize) -> PodView {
         pod: PodRef { namespace: "bench".into(), name: format!("pod-{p:04}"), uid: format!("uid-{p:04}") },
         node: Some("bench-node".into()),
         created: format!("2026-01-01T00:{:02}:{:02}Z", p / 60, p % 60),
+        version: 0,
         terminal: false,
         spec: serde_json::from_value(serde_json::json!({"containers": [{"name": "main",
             "resources": {"limits": {"gpushare.io/gpu-mem": POD_MIB.to_string()}}}]}))

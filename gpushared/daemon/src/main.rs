@@ -214,6 +214,14 @@ async fn run(config: Config) -> anyhow::Result<()> {
         tasks.spawn(gpushared::cluster::recovery::finish_rebuild(Arc::clone(&alloc), pods.clone()));
     }
     tasks.spawn(gpushared::cluster::kube::watch_pods(client.clone(), node.clone(), pods.clone(), Arc::clone(&alloc)));
+    let reads = pods.serve_reads();
+    tasks.spawn(gpushared::cluster::kube::refresh_pods(
+        client.clone(),
+        node.clone(),
+        pods.clone(),
+        reads,
+        Arc::clone(&alloc),
+    ));
     tasks.spawn(gpushared::cluster::kube::evict_pods(client.clone(), evict_rx, Arc::clone(&alloc)));
     tasks.spawn(gpushared::cluster::heartbeat::run(
         client.clone(),

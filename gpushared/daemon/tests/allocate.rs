@@ -1,7 +1,8 @@
 //! Allocate end to end: the daemon binary, the API-server stand-in holding pods bound to the
 //! node with their `gpushare.io/assignment`, and the kubelet stand-in admitting them through
-//! the device plugin socket. Every request shape, repeats, an API-server outage, refusals,
-//! releases, and SIGKILL in the middle of an admission burst.
+//! the device plugin socket. Every request shape, repeats, an API-server outage, a pod watch
+//! lagging behind the kubelet, refusals, releases, and SIGKILL in the middle of an admission
+//! burst.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -9,7 +10,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Host, WAIT, bound_pod, static_gpus};
+use common::{Daemon, Host, WAIT, assigned_pod, bound_pod, static_gpus};
 use gpushare_core::ContainerRole;
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_testkit::apiserver::ApiServer;
@@ -25,6 +26,8 @@ struct Cluster {
     api: ApiServer,
     kubelet: Kubelet,
     config: std::path::PathBuf,
+    /// The relay the daemon's API connection goes through, when it lags.
+    _lag: Option<gpushare_testkit::lag::Lag>,
 }
 
 /// A node with `gpus` (MiB each) served by a daemon, with the stand-ins around it.
@@ -34,18 +37,33 @@ async fn cluster(gpus: &[u64]) -> (Cluster, Daemon) {
 
 /// The same with `extra` configuration after the GPU list.
 async fn cluster_with(gpus: &[u64], extra: &str) -> (Cluster, Daemon) {
+    cluster_lagging(gpus, extra, None).await
+}
+
+/// The same with the daemon's API answers held back by `lag`: its pod watch lags behind the
+/// kubelet (the test), which admits pods as soon as they are bound.
+async fn cluster_lagging(gpus: &[u64], extra: &str, lag: Option<Duration>) -> (Cluster, Daemon) {
     let host = Host::new();
     let api = ApiServer::start().await.unwrap();
     api.create_node(json!({"metadata": {"name": "node-a"}})).unwrap();
-    let kubeconfig = host.path("kubeconfig");
-    api.write_kubeconfig(&kubeconfig).unwrap();
+    let (kubeconfig, lag) = match lag {
+        Some(delay) => {
+            let lag = gpushare_testkit::lag::Lag::start(api.addr(), delay).await.unwrap();
+            (host.kubeconfig(&lag.url()), Some(lag))
+        }
+        None => {
+            let kubeconfig = host.path("kubeconfig");
+            api.write_kubeconfig(&kubeconfig).unwrap();
+            (kubeconfig, None)
+        }
+    };
     let gpus: Vec<(u64, Option<u32>)> = gpus.iter().map(|m| (*m, None)).collect();
     let config = host.config(&kubeconfig, "", &format!("{}{extra}", static_gpus(&gpus)));
     let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
     let daemon = Daemon::start(&config, host.path("daemon-1.log"));
     kubelet.wait_registered(1, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
     kubelet.wait_devices(WAIT, |d| !d.is_empty()).await.unwrap();
-    (Cluster { host, api, kubelet, config }, daemon)
+    (Cluster { host, api, kubelet, config, _lag: lag }, daemon)
 }
 
 /// Admits one pod's containers, retrying while the daemon has not yet seen the pod.
@@ -204,15 +222,49 @@ async fn an_mps_gpu_the_host_lacks_stops_the_daemon_with_the_gpus_it_has() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pods_already_seen_are_served_through_an_api_server_outage() {
+async fn an_admission_during_an_api_server_outage_waits_for_a_read_of_the_nodes_pods() {
     let (c, daemon) = cluster(&[1000]).await;
     bound_pod(&c.api, "p1", &[("main", ContainerRole::App, &[(0, 100)])]);
     bound_pod(&c.api, "p2", &[("main", ContainerRole::App, &[(0, 120)])]);
+    bound_pod(&c.api, "p3", &[("main", ContainerRole::App, &[(0, 130)])]);
     admit(&c, &[100]).await;
+    // The watch has p2, but the kubelet's may have more: the call waits for the API server.
     c.api.set_available(false);
-    let a = c.kubelet.admit(&[120]).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+    let asked = Instant::now();
+    let (answer, ()) = tokio::join!(c.kubelet.admit(&[120]), async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        c.api.set_available(true);
+    });
+    let a = answer.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+    assert!(asked.elapsed() >= Duration::from_secs(1), "answered without reading the node's pods");
     assert_eq!(a[0].envs["GPUSHARE_POD"], "default/p2");
+    // An outage that outlasts the wait fails the admission, saying why.
+    c.api.set_available(false);
+    let err = c.kubelet.admit(&[130]).await.unwrap_err().to_string();
     c.api.set_available(true);
+    assert!(err.contains("Unavailable") && err.contains("cannot tell which pod the kubelet is admitting"), "{err}");
+    admit(&c, &[130]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_watch_lagging_behind_the_kubelet_never_serves_the_wrong_pod() {
+    const LAG: Duration = Duration::from_millis(1500);
+    let (c, daemon) = cluster_lagging(&[1000, 1000], "", Some(LAG)).await;
+    // x is created first and bound last; y waits, bound, seen by the daemon's watch. The
+    // kubelet, handed both at once (after its own restart, say), admits the older first: x,
+    // which the daemon's watch delivers only 1.5 s later.
+    assigned_pod(&c.api, "x", None, &[("main", ContainerRole::App, &[(1, 200)])], common::uuid);
+    tokio::time::sleep(Duration::from_millis(1100)).await; // a later creation second
+    bound_pod(&c.api, "y", &[("main", ContainerRole::App, &[(0, 200)])]);
+    tokio::time::sleep(LAG + Duration::from_secs(1)).await;
+    c.api.patch_pod("default", "x", &json!({"spec": {"nodeName": "node-a"}})).unwrap();
+    let first = c.kubelet.admit(&[200]).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+    let second = c.kubelet.admit(&[200]).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+    let got = |a: &[gpushare_testkit::kubelet::Admitted]| {
+        (a[0].envs["GPUSHARE_POD"].clone(), a[0].envs["NVIDIA_VISIBLE_DEVICES"].clone())
+    };
+    assert_eq!(got(&first), ("default/x".into(), "GPU-static-1".into()), "{}", daemon.log());
+    assert_eq!(got(&second), ("default/y".into(), "GPU-static-0".into()), "{}", daemon.log());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

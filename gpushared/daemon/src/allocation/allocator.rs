@@ -42,6 +42,7 @@ pub use claims::{ClaimError, ClaimRef, ClaimShare, PreparedShare};
 pub use env::{Answer, Mount};
 pub use error::AllocError;
 pub use gpus::Summary;
+pub use resolve::Care;
 use resolve::{Candidate, Held, Scope, key_hash};
 
 #[derive(Debug)]
@@ -222,20 +223,19 @@ impl Allocator {
     where
         I: IntoIterator<Item = &'a str> + Clone,
     {
-        self.preferred_with(available, must_include, size, false)
+        self.preferred_with(available, must_include, size, Care::AS_IS)
     }
 
-    /// [`Self::preferred`]; when `patient`, an ambiguous choice is
-    /// [`AllocError::Ambiguous`] instead of a guess (the caller waits for the pod watch).
+    /// [`Self::preferred`], choosing the container as sure as `care` asks.
     ///
     /// # Errors
-    /// As [`Self::preferred`], and [`AllocError::Ambiguous`].
+    /// As [`Self::preferred`], and [`AllocError::Ambiguous`] or [`AllocError::Unconfirmed`].
     pub fn preferred_with<'a, I>(
         &self,
         available: I,
         must_include: &[String],
         size: usize,
-        patient: bool,
+        care: Care,
     ) -> Result<Vec<String>, AllocError>
     where
         I: IntoIterator<Item = &'a str> + Clone,
@@ -244,7 +244,7 @@ impl Allocator {
         Self::rebuilding(&state)?;
         self.release_offered(&mut state, available.clone(), must_include)?;
         let pods = self.pods.snapshot();
-        let cand = self.scope().choose(&pods, &state.held, &state.admissions, size, patient)?;
+        let cand = self.scope().choose(&pods, &state.held, &state.admissions, size, care)?;
         let proposal =
             propose::propose(&self.inventory, &self.devices, cand.container(), available, must_include, size);
         if proposal.short {
@@ -266,15 +266,15 @@ impl Allocator {
     /// # Errors
     /// [`AllocError`], and nothing is written.
     pub fn allocate(&self, device_ids: &[String]) -> Result<Answer, AllocError> {
-        self.allocate_with(device_ids, false)
+        self.allocate_with(device_ids, Care::AS_IS)
     }
 
-    /// [`Self::allocate`]; when `patient`, an ambiguous choice (no proposal names the
-    /// container) is [`AllocError::Ambiguous`] instead of a guess.
+    /// [`Self::allocate`]; where no proposal names the container, it is chosen as sure as
+    /// `care` asks.
     ///
     /// # Errors
-    /// As [`Self::allocate`], and [`AllocError::Ambiguous`].
-    pub fn allocate_with(&self, device_ids: &[String], patient: bool) -> Result<Answer, AllocError> {
+    /// As [`Self::allocate`], and [`AllocError::Ambiguous`] or [`AllocError::Unconfirmed`].
+    pub fn allocate_with(&self, device_ids: &[String], care: Care) -> Result<Answer, AllocError> {
         self.check_devices(device_ids)?;
         let key = request_key(device_ids);
         let mut state = self.lock();
@@ -289,7 +289,7 @@ impl Allocator {
             // Only now the whole pod store: most calls follow a proposal and need one pod.
             None => {
                 let pods = self.pods.snapshot();
-                self.scope().choose(&pods, &state.held, &state.admissions, device_ids.len(), patient)?
+                self.scope().choose(&pods, &state.held, &state.admissions, device_ids.len(), care)?
             }
         };
         let rows = Self::rows_for(&state.inventory, &cand, device_ids)?;

@@ -2,8 +2,9 @@
 //! `spec.nodeName`), with the node's own credentials, feeding the [`PodStore`]. The watch
 //! relists after errors and keeps the store as last seen in between, so `Allocate` keeps
 //! working through an API-server outage for pods already seen. A deleted or finished pod's
-//! ledger rows are released, the history kept. A kubelet reporting per-MiB device health is
-//! pointed out ([`DeviceHealthNotice`]).
+//! ledger rows are released, the history kept. Kubelet calls ask for consistent reads of the
+//! node's pods not yet running ([`refresh_pods`]), so they never go by a lagging watch. A kubelet
+//! reporting per-MiB device health is pointed out ([`DeviceHealthNotice`]).
 
 use gpushare_core::retry::Backoff;
 use std::collections::BTreeMap;
@@ -61,6 +62,7 @@ pub fn view(pod: &PodObject) -> Option<PodView> {
         },
         node: pod.spec.node_name.clone(),
         created: meta.creation_timestamp.as_ref().map(|t| t.0.to_string()).unwrap_or_default(),
+        version: meta.resource_version.as_deref().and_then(|v| v.parse().ok()).unwrap_or(0),
         terminal: meta.deletion_timestamp.is_some() || matches!(phase, Some("Succeeded" | "Failed")),
         spec: pod.spec.core(),
         annotations: meta.annotations.clone().unwrap_or_default().into_iter().collect::<BTreeMap<_, _>>(),
@@ -144,7 +146,7 @@ pub async fn watch_pods(client: Client, node: String, store: PodStore, alloc: Ar
             Ok(watcher::Event::Delete(pod)) => {
                 if let Some(v) = view(&pod) {
                     release(&alloc, &v, "pod deleted");
-                    store.remove(&v.pod.uid);
+                    store.remove(&v.pod.uid, v.version);
                 }
             }
             Ok(watcher::Event::Init) => relist.clear(),
@@ -172,6 +174,57 @@ pub async fn watch_pods(client: Client, node: String, store: PodStore, alloc: Ar
                 }
             }
         }
+    }
+}
+
+/// The pods a consistent read returns: those bound to `node` that are not running or finished,
+/// the only ones a kubelet call can be for.
+#[must_use]
+pub fn not_running(node: &str) -> String {
+    format!("spec.nodeName={node},status.phase!=Running,status.phase!=Succeeded,status.phase!=Failed")
+}
+
+/// How long one consistent read may take before the calls waiting on it hear that it failed.
+const READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Serves the consistent reads kubelet calls ask for ([`PodStore::confirm`]): a list of the pods
+/// bound to `node` not yet running, with no resource version (so the API server answers as of
+/// now, not from a possibly older cache), merged into `store`. Calls that ask while a read is
+/// under way wait for the next one, which begins after them; calls that ask together share it.
+/// `requested` comes from [`PodStore::serve_reads`], taken before the plugin serves.
+pub async fn refresh_pods(
+    client: Client,
+    node: String,
+    store: PodStore,
+    mut requested: tokio::sync::watch::Receiver<u64>,
+    alloc: Arc<Allocator>,
+) {
+    let api: Api<PodObject> = Api::all(client);
+    let params = kube::api::ListParams::default().fields(&not_running(&node));
+    let mut served = 0;
+    loop {
+        if requested.wait_for(|n| *n > served).await.is_err() {
+            return;
+        }
+        served = *requested.borrow_and_update();
+        let started = std::time::Instant::now();
+        let error = match tokio::time::timeout(READ_TIMEOUT, api.list(&params)).await {
+            Ok(Ok(list)) => {
+                let views: Vec<PodView> = list.items.iter().filter_map(view).collect();
+                for v in views.iter().filter(|v| v.terminal) {
+                    release(&alloc, v, "pod finished or deleted");
+                }
+                tracing::debug!(pods = views.len(), took = ?started.elapsed(), "read the node's pods not running yet");
+                store.merge_read(views);
+                None
+            }
+            Ok(Err(e)) => Some(format!("listing the pods of node {node}: {e}")),
+            Err(_) => Some(format!("listing the pods of node {node}: no answer within {READ_TIMEOUT:?}")),
+        };
+        if let Some(e) = &error {
+            tracing::warn!(error = %e, "a consistent read of this node's pods failed");
+        }
+        store.read_done(served, error);
     }
 }
 

@@ -25,7 +25,7 @@ use tokio::sync::watch;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use crate::allocation::allocator::{AllocError, Allocator};
+use crate::allocation::allocator::{AllocError, Allocator, Care};
 
 mod list_and_watch;
 
@@ -73,7 +73,7 @@ fn status(e: &AllocError) -> Status {
         | AllocError::Unhealthy { .. }
         | AllocError::Cordoned { .. } => Status::failed_precondition(msg),
         AllocError::Ledger(_) => Status::internal(msg),
-        AllocError::Rebuilding { .. } => Status::unavailable(msg),
+        AllocError::Rebuilding { .. } | AllocError::Unconfirmed { .. } => Status::unavailable(msg),
         AllocError::NoSuchGpu(_) => Status::not_found(msg),
     }
 }
@@ -145,55 +145,80 @@ pub(crate) async fn stopped(mut stop: watch::Receiver<bool>) {
 
 type DeviceStream = Pin<Box<dyn Stream<Item = Result<ListAndWatchResponse, Status>> + Send>>;
 
-/// How long a kubelet call waits for its pod to become clear in the pod watch: to appear at all,
-/// or to be the only candidate. The kubelet admits only pods it has seen bound, through its own
-/// watch of the same API server, so the daemon is at most moments behind — longer only after an
-/// API-server outage, while its watch reconnects. Refusing at once would fail the pod's
-/// admission, and the kubelet would go on to the next pod while the daemon still took the failed
-/// one to be first in line; guessing among look-alikes could hand a container another's GPUs.
+/// How long a kubelet call waits for its pod to become clear in the pod store: to appear at all,
+/// to be the only candidate, or for a consistent read of the node's pods to succeed. The kubelet
+/// admits only pods it has seen bound, so a read begun after its call has the pod; only an
+/// API-server outage keeps it from answering. Refusing at once would fail the pod's admission,
+/// and the kubelet would go on to the next pod while the daemon still took the failed one to be
+/// first in line; guessing among look-alikes could hand a container another's GPUs.
 pub const CANDIDATE_WAIT: Duration = Duration::from_secs(5);
 
+/// How often a call whose consistent read failed tries again.
+const READ_RETRY: Duration = Duration::from_millis(250);
+
 impl Plugin {
-    /// Runs `call` (patient) on the blocking pool; while it finds no pod waiting for what the
-    /// kubelet asks (asking the pod watch for news: [`crate::allocation::pods::PodStore::want_news`]),
-    /// cannot tell which of several it is, or the first in line is doubtful, runs
-    /// it again after each change of the pods bound here or of the allocations, for up to
-    /// [`CANDIDATE_WAIT`]; then once more, impatient (the oldest look-alike is taken; a doubtful
-    /// pod is still refused: failing an admission is safe, handing a container another pod's
+    /// Runs `call` on the blocking pool, first with the pod store as it stands. If that would
+    /// serve a pod whose admission has not started, or none at all, it reads the node's pods
+    /// consistently ([`crate::allocation::pods::PodStore::confirm`]) and runs it again: the
+    /// pod watch may lag behind the kubelet's, which has already seen the pod it admits. While
+    /// it then finds no pod waiting for what the kubelet asks, cannot tell which of several it
+    /// is, or the first in line is doubtful, it runs again after each change of the pods bound
+    /// here or of the allocations, for up to [`CANDIDATE_WAIT`]; then once more, impatient
+    /// (the oldest look-alike is taken; a doubtful pod is still refused, and so is every call
+    /// while no read succeeds: failing an admission is safe, handing a container another pod's
     /// GPU is not).
     async fn waiting_for_the_pod<T, F>(&self, call: F) -> Result<T, Status>
     where
         T: Send + 'static,
-        F: Fn(&Allocator, bool) -> Result<T, AllocError> + Send + Sync + 'static,
+        F: Fn(&Allocator, Care) -> Result<T, AllocError> + Send + Sync + 'static,
     {
         let call = Arc::new(call);
         let deadline = tokio::time::Instant::now() + CANDIDATE_WAIT;
-        let mut patient = true;
+        let mut care = Care { patient: true, confirmed: false };
         loop {
             // Subscribed before the call, so a change while it runs wakes the wait below.
             let mut pods = self.alloc.pods().subscribe();
             let mut allocations = self.alloc.subscribe();
             let (alloc, f) = (Arc::clone(&self.alloc), Arc::clone(&call));
-            let result = tokio::task::spawn_blocking(move || f(&alloc, patient))
+            let result = tokio::task::spawn_blocking(move || f(&alloc, care))
                 .await
                 .map_err(|e| Status::internal(format!("allocation task failed: {e}")))?;
             let waiting = tokio::time::Instant::now() < deadline;
+            let mut retry_in = None;
             match result {
+                Err(AllocError::Unconfirmed { .. }) => match self.alloc.pods().confirm().await {
+                    Ok(()) => {
+                        care.confirmed = true;
+                        continue;
+                    }
+                    Err(e) if waiting => {
+                        tracing::debug!(error = %e, "cannot read this node's pods yet; trying again");
+                        retry_in = Some(READ_RETRY);
+                    }
+                    Err(e) => {
+                        return Err(Status::unavailable(format!(
+                            "cannot tell which pod the kubelet is admitting: the pod watch may lag behind the \
+                             kubelet's, and no read of this node's pods succeeded within {CANDIDATE_WAIT:?} ({e}); \
+                             check that the API server is reachable with gpushared's kubeconfig"
+                        )));
+                    }
+                },
                 Err(AllocError::NoCandidate { .. }) if waiting => self.alloc.pods().want_news(),
                 Err(AllocError::Doubtful { .. } | AllocError::Rebuilding { .. }) if waiting => {}
                 Err(AllocError::Ambiguous { .. }) if waiting => {}
-                Err(e @ AllocError::Ambiguous { .. }) if patient => {
+                Err(e @ AllocError::Ambiguous { .. }) if care.patient => {
                     tracing::warn!(error = %e, "still ambiguous after waiting; serving the oldest");
-                    patient = false;
+                    care.patient = false;
                     continue;
                 }
                 other => return other.map_err(|e| status(&e)),
             }
+            let retry = retry_in.map_or(deadline, |d| (tokio::time::Instant::now() + d).min(deadline));
             // A closed channel (the daemon is stopping) waits out the deadline instead.
             tokio::select! {
                 Ok(()) = pods.changed() => {}
                 Ok(()) = allocations.changed() => {}
-                () = tokio::time::sleep_until(deadline) => {}
+                () = tokio::time::sleep_until(retry) => {}
             }
         }
     }
@@ -229,7 +254,7 @@ impl DevicePlugin for Plugin {
         let sizes = Arc::new(sizes);
         let listed: usize = requests.iter().map(|r| r.available_device_i_ds.len()).sum();
         let responses = self
-            .waiting_for_the_pod(move |alloc, patient| {
+            .waiting_for_the_pod(move |alloc, care| {
                 requests
                     .iter()
                     .zip(sizes.iter())
@@ -239,7 +264,7 @@ impl DevicePlugin for Plugin {
                                 r.available_device_i_ds.iter(),
                                 &r.must_include_device_i_ds.to_vec(),
                                 *size,
-                                patient,
+                                care,
                             )
                             .map(|device_i_ds| ContainerPreferredAllocationResponse { device_i_ds })
                     })
@@ -259,11 +284,11 @@ impl DevicePlugin for Plugin {
         let _admission = Admission::start(&self.alloc);
         let requests = Arc::new(request.into_inner().container_requests);
         let responses = self
-            .waiting_for_the_pod(move |alloc, patient| {
+            .waiting_for_the_pod(move |alloc, care| {
                 requests
                     .iter()
                     .map(|r| {
-                        alloc.allocate_with(&r.devices_ids, patient).map(|a| ContainerAllocateResponse {
+                        alloc.allocate_with(&r.devices_ids, care).map(|a| ContainerAllocateResponse {
                             envs: a.envs.into_iter().collect(),
                             mounts: a
                                 .mounts

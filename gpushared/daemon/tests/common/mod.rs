@@ -161,6 +161,19 @@ pub fn bound_pod(api: &ApiServer, name: &str, containers: &[Spec<'_>]) {
 
 /// [`bound_pod`] on GPUs whose UUIDs `uuid` gives by index.
 pub fn bound_pod_on(api: &ApiServer, name: &str, containers: &[Spec<'_>], uuid: impl Fn(u32) -> GpuUuid) {
+    assigned_pod(api, name, Some("node-a"), containers, uuid);
+}
+
+/// A pod assigned to node-a's GPUs as [`bound_pod_on`] makes it, bound to `node` (`None`: not
+/// bound yet; `spec.nodeName` patched later binds it).
+#[allow(dead_code)] // Not every test file binds pods late.
+pub fn assigned_pod(
+    api: &ApiServer,
+    name: &str,
+    node: Option<&str>,
+    containers: &[Spec<'_>],
+    uuid: impl Fn(u32) -> GpuUuid,
+) {
     let assignment = Assignment {
         node: "node-a".into(),
         unit: MemoryUnit::Mib,
@@ -188,7 +201,7 @@ pub fn bound_pod_on(api: &ApiServer, name: &str, containers: &[Spec<'_>], uuid: 
     api.create_pod(
         "default",
         json!({"metadata": {"name": name, "annotations": {ASSIGNMENT_KEY: assignment.encode().unwrap()}},
-               "spec": {"nodeName": "node-a", "initContainers": init, "containers": app}}),
+               "spec": {"nodeName": node, "initContainers": init, "containers": app}}),
     )
     .unwrap();
 }

@@ -132,4 +132,16 @@ pub enum AllocError {
         /// The unit.
         unit: MemoryUnit,
     },
+    /// The container chosen belongs to a pod whose admission has not started, and the pod
+    /// store has not been read consistently since the call came: the pod watch may lag behind
+    /// the kubelet's, so the pod the kubelet admits may be one not seen yet. The caller reads
+    /// the node's pods ([`crate::allocation::pods::PodStore::confirm`]) and asks again.
+    #[error(
+        "pod {pod} would be served, but the daemon has not read this node's pods since the kubelet's call came, so \
+         another pod may be the one admitted; it reads them before answering"
+    )]
+    Unconfirmed {
+        /// namespace/name of the pod that would be served; empty when none would.
+        pod: String,
+    },
 }

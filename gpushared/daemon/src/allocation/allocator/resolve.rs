@@ -7,6 +7,9 @@
 //! assignment asks for the number of devices the call names. The pod already being admitted
 //! wins; then containers without an outstanding proposal (a proposal not yet followed by
 //! `Allocate` belongs to another admission); then the oldest (the kubelet's admission order).
+//!
+//! A pod whose admission has not started is chosen only from a store read consistently after
+//! the call came ([`Care::confirmed`]): the pod watch may lag behind the kubelet's.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -95,6 +98,30 @@ impl Candidate {
         // `position` comes from enumerating this same, immutable assignment.
         &self.assignment.containers[self.position]
     }
+}
+
+/// How sure a choice must be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Care {
+    /// A guess among look-alikes is [`AllocError::Ambiguous`] instead (the caller waits).
+    pub patient: bool,
+    /// The pod store includes a consistent read begun after the call came. Without it, a
+    /// container of a pod whose admission has not started is [`AllocError::Unconfirmed`].
+    pub confirmed: bool,
+}
+
+impl Care {
+    /// The store as it stands is the truth, and the oldest look-alike is taken: a store that
+    /// nothing else feeds (tests, tools).
+    pub const AS_IS: Care = Care { patient: false, confirmed: true };
+    /// The store is the truth; look-alikes are refused.
+    pub const PATIENT: Care = Care { patient: true, confirmed: true };
+}
+
+/// Whether the kubelet has started admitting pod `uid`: it is the pod being admitted, or
+/// holds rows.
+fn started(held: &[Arc<Held>], admissions: &Admissions, uid: &str) -> bool {
+    admissions.is_admitting(uid) || held.iter().any(|h| h.pod.uid == uid)
 }
 
 /// The node the choice is made for.
@@ -218,15 +245,14 @@ impl Scope<'_> {
         })
     }
 
-    /// The container a request of `units` devices is for. When `patient`, a guess among
-    /// look-alikes is [`AllocError::Ambiguous`] instead.
+    /// The container a request of `units` devices is for, as sure as `care` asks.
     pub(super) fn choose(
         &self,
         pods: &[Arc<StoredPod>],
         held: &[Arc<Held>],
         admissions: &Admissions,
         units: usize,
-        patient: bool,
+        care: Care,
     ) -> Result<Candidate, AllocError> {
         if units == 0 {
             return Err(AllocError::BadRequest(
@@ -235,6 +261,9 @@ impl Scope<'_> {
             ));
         }
         let (mut fitting, _) = self.pending(pods, held, Some(units), false);
+        if fitting.is_empty() && !care.confirmed {
+            return Err(AllocError::Unconfirmed { pod: String::new() });
+        }
         if fitting.is_empty()
             && let Some(e) = self.unusable_for(pods, held, units)
         {
@@ -251,12 +280,20 @@ impl Scope<'_> {
             )
         };
         fitting.sort_by_cached_key(key);
+        if !care.confirmed
+            && let Some(top) = fitting.first()
+            && !started(held, admissions, &top.view().pod.uid)
+        {
+            return Err(AllocError::Unconfirmed { pod: top.view().pod.to_string() });
+        }
         if let Some(top) = fitting.first()
             && admissions.is_doubtful(&top.view().pod.uid)
         {
             return Err(AllocError::Doubtful { pod: top.view().pod.to_string(), units, unit: self.unit });
         }
-        if patient && let Some((first, other)) = ambiguity(held, admissions, &fitting) {
+        if care.patient
+            && let Some((first, other)) = ambiguity(held, admissions, &fitting)
+        {
             return Err(AllocError::Ambiguous { first, other, units, unit: self.unit });
         }
         fitting.into_iter().next().ok_or_else(|| self.no_candidate(pods, held, units))
@@ -294,7 +331,7 @@ impl Scope<'_> {
 /// as many units first but is assigned differently. Returns both names.
 fn ambiguity(held: &[Arc<Held>], admissions: &Admissions, fitting: &[Candidate]) -> Option<(String, String)> {
     let top = fitting.first()?;
-    let started = |uid: &str| admissions.is_admitting(uid) || held.iter().any(|h| h.pod.uid == uid);
+    let started = |uid: &str| started(held, admissions, uid);
     let uid = top.view().pod.uid.as_str();
     if started(uid) {
         return None;

@@ -8,7 +8,7 @@ use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssi
 use gpushare_core::codec::node::PodRef;
 use gpushare_core::{ContainerRole, GpuUuid, MemoryUnit, Mib, ResourceNames};
 
-use super::{Held, Scope};
+use super::{Care, Held, Scope};
 use crate::allocation::allocator::AllocError;
 use crate::allocation::allocator::admission::{Admissions, Owner, Step};
 use crate::allocation::allocator::tests::{ContainerSpec, spec_of};
@@ -30,10 +30,12 @@ struct P<'a> {
     /// The spec disagrees with the assignment (each container asks 1 MiB more).
     bad: bool,
     terminal: bool,
+    /// Its resource version when first stored: the order the watch delivered it.
+    version: u64,
 }
 
 const fn p<'a>(uid: &'a str, created: &'a str, containers: &'a [ContainerSpec<'a>]) -> P<'a> {
-    P { uid, created, node: "node-a", containers, bad: false, terminal: false }
+    P { uid, created, node: "node-a", containers, bad: false, terminal: false, version: 0 }
 }
 
 /// A container as its pod's spec asks: name, role, (GPU index, MiB) shares.
@@ -69,6 +71,7 @@ fn stored(pods: &[P<'_>]) -> Vec<Arc<StoredPod>> {
             pod: PodRef { namespace: "default".into(), name: format!("pod-{}", p.uid), uid: p.uid.into() },
             node: Some("node-a".into()),
             created: p.created.into(),
+            version: p.version,
             terminal: p.terminal,
             spec: spec_of(&names, &asked),
             annotations: BTreeMap::from([(ASSIGNMENT_KEY.to_owned(), assignment.encode().unwrap())]),
@@ -108,6 +111,7 @@ fn outcome(r: &Result<super::Candidate, AllocError>) -> String {
         Err(AllocError::Ambiguous { first, other, .. }) => format!("ambiguous {first} {other}"),
         Err(AllocError::BadAssignment { pod, .. }) => format!("bad assignment {pod}"),
         Err(AllocError::BadRequest(_)) => "bad request".into(),
+        Err(AllocError::Unconfirmed { pod }) => format!("unconfirmed {pod}"),
         Err(e) => format!("other: {e}"),
     }
 }
@@ -262,9 +266,29 @@ fn the_container_a_call_is_for() {
         for step in case.steps {
             admissions.apply(step.clone());
         }
-        let got = scope.choose(&stored(case.pods), &held(case.held), &admissions, case.units, case.patient);
+        let care = Care { patient: case.patient, confirmed: true };
+        let got = scope.choose(&stored(case.pods), &held(case.held), &admissions, case.units, care);
         assert_eq!(outcome(&got), case.want, "{}", case.name);
     }
+}
+
+#[test]
+fn an_unconfirmed_store_serves_only_a_pod_the_kubelet_already_admits() {
+    let names = ResourceNames::gpushare();
+    let scope = Scope { node: "node-a", names: &names, unit: MemoryUnit::Mib };
+    let unconfirmed = Care { patient: true, confirmed: false };
+    let two = [("init", INIT, &[(0, 100)][..]), ("a", APP, &[(0, 200)][..])];
+    let pods = stored(&[p("x", "2026-01-01", &two)]);
+    let none = Admissions::default();
+    // The only pod in view may not be the one the kubelet admits; nor may "none waits".
+    assert_eq!(outcome(&scope.choose(&pods, &[], &none, 100, unconfirmed)), "unconfirmed default/pod-x");
+    assert_eq!(outcome(&scope.choose(&pods, &[], &none, 300, unconfirmed)), "unconfirmed ");
+    assert_eq!(outcome(&scope.choose(&[], &[], &none, 100, unconfirmed)), "unconfirmed ");
+    // Its next container once its first holds a row, or while it is the pod being admitted.
+    assert_eq!(outcome(&scope.choose(&pods, &held(&[("x", "init")]), &none, 200, unconfirmed)), "x/a");
+    let mut admitting = Admissions::default();
+    admitting.apply(Step::Allocated { key: "k".into(), uid: "x".into() });
+    assert_eq!(outcome(&scope.choose(&pods, &[], &admitting, 100, unconfirmed)), "x/init");
 }
 
 #[test]
@@ -275,7 +299,7 @@ fn no_candidate_says_what_waits_and_what_cannot_be_served() {
         p("x", "2026-01-01", &[("a", APP, &[(0, 100)])]),
         P { node: "node-b", ..p("y", "2026-01-01", &[("a", APP, &[(0, 100)])]) },
     ]);
-    let e = scope.choose(&pods, &[], &Admissions::default(), 300, true).unwrap_err().to_string();
+    let e = scope.choose(&pods, &[], &Admissions::default(), 300, Care::PATIENT).unwrap_err().to_string();
     assert!(e.contains("default/pod-x container \"a\" waits for 100 MiB"), "{e}");
     assert!(e.contains("default/pod-y is assigned to node node-b"), "{e}");
 }
