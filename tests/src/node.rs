@@ -8,7 +8,8 @@
 //!   status every `nodeStatusUpdateFrequency` (10 s); the stand-in writes within 250 ms of a
 //!   change so the box settles in seconds.
 //! - **Admits the pods bound to its node** (a watch with `spec.nodeName=<node>`), one at a time
-//!   in creation order, as `HandlePodAdditions` does: each container's devices through the
+//!   in creation order, those created in the same second in the order the watch delivered
+//!   them, as `HandlePodAdditions` does: each container's devices through the
 //!   device plugin ([`Kubelet::admit_pod`](crate::kubelet::Kubelet::admit_pod): init
 //!   containers first, reuse, `GetPreferredAllocation`, `Allocate`). Resources no plugin
 //!   registered (`gpushare.io/gpu-count`) are ignored, as the kubelet's
@@ -149,8 +150,9 @@ struct State {
     admitted: HashMap<(String, String), String>,
     /// UIDs refused (never admitted again).
     refused: HashSet<String>,
-    /// Pods waiting for admission, by (creation time, namespace, name) → pod.
-    waiting: BTreeMap<(String, String, String), Pod>,
+    /// Pods waiting for admission, in the kubelet's order: (creation time, resource version
+    /// when the watch first delivered it, namespace, name) → pod.
+    waiting: BTreeMap<(String, u64, String, String), Pod>,
     /// Status writes the API server has not taken yet, by UID.
     status_pending: HashMap<String, (Known, Value)>,
 }
@@ -356,7 +358,15 @@ impl NodeAgent {
             self.release(&Known { uid: old, namespace: k.namespace.clone(), name: k.name.clone() }).await;
         }
         let created = pod.metadata.creation_timestamp.as_ref().map(|t| t.0.to_string()).unwrap_or_default();
-        self.state.lock().await.waiting.insert((created, k.namespace, k.name), pod);
+        let version = pod.metadata.resource_version.as_deref().and_then(|v| v.parse().ok()).unwrap_or(0);
+        let mut state = self.state.lock().await;
+        // A pod seen again keeps its place in line.
+        let key = state
+            .waiting
+            .iter()
+            .find(|(_, p)| uid_of(p) == k.uid)
+            .map_or((created, version, k.namespace, k.name), |(key, _)| key.clone());
+        state.waiting.insert(key, pod);
     }
 
     /// Releases the admitted pods a fresh list no longer has.
@@ -398,7 +408,9 @@ impl NodeAgent {
         }
     }
 
-    /// Admits the waiting pods in creation order; stops at one that must wait for the plugin.
+    /// Admits the waiting pods in the kubelet's order (`HandlePodAdditions` sorts each batch by
+    /// creation time; within a second, the watch's order stands); stops at one that must wait
+    /// for the plugin.
     async fn admit_waiting(&self) {
         loop {
             let next = {

@@ -1,8 +1,8 @@
 //! Allocate end to end: the daemon binary, the API-server stand-in holding pods bound to the
 //! node with their `gpushare.io/assignment`, and the kubelet stand-in admitting them through
 //! the device plugin socket. Every request shape, repeats, an API-server outage, a pod watch
-//! lagging behind the kubelet, refusals, releases, and SIGKILL in the middle of an admission
-//! burst.
+//! lagging behind the kubelet, look-alikes in the kubelet's order, refusals, releases, and
+//! SIGKILL in the middle of an admission burst.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -265,6 +265,20 @@ async fn a_pod_watch_lagging_behind_the_kubelet_never_serves_the_wrong_pod() {
     };
     assert_eq!(got(&first), ("default/x".into(), "GPU-static-1".into()), "{}", daemon.log());
     assert_eq!(got(&second), ("default/y".into(), "GPU-static-0".into()), "{}", daemon.log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn look_alikes_created_in_one_second_are_served_in_the_order_they_were_bound() {
+    let (c, daemon) = cluster(&[1000]).await;
+    // Bound one after the other within a second, named against that order: the kubelet's
+    // watch delivers tie-b first, and the kubelet admits it first.
+    bound_pod(&c.api, "tie-b", &[("main", ContainerRole::App, &[(0, 200)])]);
+    bound_pod(&c.api, "tie-a", &[("main", ContainerRole::App, &[(0, 200)])]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let first = admit(&c, &[200]).await;
+    let second = admit(&c, &[200]).await;
+    assert_eq!(first[0].envs["GPUSHARE_POD"], "default/tie-b", "{}", daemon.log());
+    assert_eq!(second[0].envs["GPUSHARE_POD"], "default/tie-a", "{}", daemon.log());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

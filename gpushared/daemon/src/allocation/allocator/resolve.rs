@@ -6,7 +6,9 @@
 //! the container being admitted is the first container without a row of some pod whose
 //! assignment asks for the number of devices the call names. The pod already being admitted
 //! wins; then containers without an outstanding proposal (a proposal not yet followed by
-//! `Allocate` belongs to another admission); then the oldest (the kubelet's admission order).
+//! `Allocate` belongs to another admission); then the kubelet's admission order: the oldest
+//! (creation time, in whole seconds), and among pods created in the same second the first its
+//! watch delivered (the resource version at which the daemon first saw the pod bound here).
 //!
 //! A pod whose admission has not started is chosen only from a store read consistently after
 //! the call came ([`Care::confirmed`]): the pod watch may lag behind the kubelet's.
@@ -275,6 +277,7 @@ impl Scope<'_> {
                 !admissions.is_admitting(&c.view().pod.uid),
                 proposed.contains(&(c.view().pod.uid.as_str(), c.container().name.as_str())),
                 c.view().created.clone(),
+                c.pod.arrival,
                 c.view().pod.namespace.clone(),
                 c.view().pod.name.clone(),
             )

@@ -148,6 +148,18 @@ fn the_container_a_call_is_for() {
             want: "x/a",
         },
         Case {
+            name: "look-alikes created in the same second in the order the watch delivered them",
+            pods: &[
+                P { version: 9, ..p("a", "2026-01-01T00:00:00Z", &one_a) },
+                P { version: 5, ..p("z", "2026-01-01T00:00:00Z", &one_a) },
+            ],
+            held: &[],
+            steps: &[],
+            units: 100,
+            patient: true,
+            want: "z/a",
+        },
+        Case {
             name: "the pod being admitted before older ones",
             pods: &[p("x", "2026-01-01", &one_a), p("y", "2026-01-02", &two)],
             held: &[("y", "init")],
