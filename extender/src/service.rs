@@ -531,9 +531,9 @@ impl<C: Cluster> Extender<C> {
 
     fn lookalike_reason(node: &str, other: &str, pod: &str) -> String {
         format!(
-            "node {node} is still admitting pod {other}, whose first GPU request is the same size as pod {pod}'s but \
-             on other GPUs; the kubelet cannot tell the two apart, so {pod} goes there once the node's daemon reports \
-             {other} allocated"
+            "node {node} is still admitting pod {other}, one of whose GPU requests is the size of one of pod {pod}'s \
+             but on other GPUs; the kubelet cannot tell the two apart, so {pod} goes there once the node's daemon \
+             reports {other} allocated"
         )
     }
 

@@ -207,7 +207,7 @@ impl ClusterView {
         let mut s = summary::summarize(
             unit,
             inventory.gpus().iter().zip(&usage.total).map(|(g, used)| (g.is_schedulable(), g.capacity(unit), *used)),
-            usage.admitting.iter().map(|a| a.assignment.first_request()),
+            usage.admitting.iter().flat_map(|a| a.assignment.request_sizes()).map(Some),
         )?;
         s.stale_at = entry.heartbeat.as_ref().map(Renewal::stale_at);
         Some(s)

@@ -1084,8 +1084,8 @@ mod settle_tests {
 
     #[test]
     fn a_pod_waiting_for_a_look_alike_is_not_settled() {
-        let lookalike = "0/2 nodes are available: 2 node gpu-a is still admitting pod default/web-01, whose first GPU \
-                         request is the same size as pod default/web-02's but on other GPUs";
+        let lookalike = "0/2 nodes are available: 2 node gpu-a is still admitting pod default/web-01, one of whose GPU \
+                         requests is the size of one of pod default/web-02's but on other GPUs";
         assert!(!is_settled(&waiting(lookalike)));
         assert!(is_transient(lookalike));
         let unfit = "0/2 nodes are available: 2 container \"main\" needs 38000 MiB on a GPU";

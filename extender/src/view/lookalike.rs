@@ -1,6 +1,7 @@
 //! The look-alike rule, in one place: a pod must not be bound to a node that is still admitting
-//! another pod whose first device request is the same size on other GPUs, because the kubelet's
-//! device-plugin calls carry only device counts and the daemon could serve either first. Such a
+//! another pod one of whose device requests is the size of one of its own, on other GPUs
+//! ([`Assignment::is_lookalike_of`]), because the kubelet's device-plugin calls carry only device
+//! counts and the daemon could serve either first. Such a
 //! pod goes beside the look-alikes when there is room; otherwise it waits ([`Placed::Behind`]).
 //! filter and bind both ask [`ClusterView::place_clear_of_lookalikes`].
 
@@ -30,12 +31,12 @@ impl ClusterView {
         policy: GpuPolicy,
         evicted: &Evicted<'_>,
     ) -> Option<Assignment> {
-        let first = pod.first_request()?;
+        let sizes = pod.request_sizes();
         let usage = self.usage(node).ok()?;
         let beside: HashSet<String> = usage
             .admitting
             .iter()
-            .filter(|a| a.uid != uid && a.assignment.first_request() == Some(first))
+            .filter(|a| a.uid != uid && !a.assignment.request_sizes().is_disjoint(&sizes))
             .flat_map(|a| a.assignment.containers.iter().flat_map(|c| c.gpus.iter().map(|g| g.uuid.to_string())))
             .collect();
         if beside.is_empty() {
@@ -56,12 +57,14 @@ impl ClusterView {
         .flatten()
     }
 
-    /// Whether `node` is admitting a pod whose first device request is the size of `pod`'s:
-    /// the cheap test before [`Self::lookalike_in_admission`].
+    /// Whether `node` is admitting a pod one of whose device requests is the size of one of
+    /// `pod`'s: the cheap test before [`Self::lookalike_in_admission`].
     pub fn admits_lookalike(&mut self, node: &str, pod: &PodRequest, uid: &str) -> bool {
-        let Some(first) = pod.first_request() else { return false };
-        self.usage(node)
-            .is_ok_and(|u| u.admitting.iter().any(|a| a.uid != uid && a.assignment.first_request() == Some(first)))
+        let sizes = pod.request_sizes();
+        !sizes.is_empty()
+            && self.usage(node).is_ok_and(|u| {
+                u.admitting.iter().any(|a| a.uid != uid && !a.assignment.request_sizes().is_disjoint(&sizes))
+            })
     }
 
     /// Places `pod` on `node` as things stand with the `evicted` pods gone, clear of the
@@ -91,8 +94,8 @@ impl ClusterView {
     }
 
     /// A pod bound (or being bound) to `node` that its daemon has not allocated yet and that
-    /// the kubelet cannot tell from a pod placed as `assignment`: its first device request is
-    /// the same size, but its GPUs differ. The kubelet's device-plugin calls carry only device
+    /// the kubelet cannot tell from a pod placed as `assignment`: a device request of each is
+    /// the same size, but their GPUs differ. The kubelet's device-plugin calls carry only device
     /// counts, so the daemon would serve whichever it takes to be first; binding a look-alike
     /// while the other is admitted could hand each the other's GPUs. Returns `namespace/name`.
     fn lookalike_in_admission(&mut self, node: &str, uid: &str, assignment: &Assignment) -> Option<String> {

@@ -17,7 +17,7 @@ use super::FxHasher;
 /// GPUs a record holds; nodes with more are decided the long way.
 pub const INLINE_GPUS: usize = 8;
 
-/// Distinct first-request sizes of the pods a node is admitting that a record lists; with more,
+/// Distinct request sizes of the pods a node is admitting that a record lists; with more,
 /// every pod with a first request is sent the long way on that node.
 pub const LOOKALIKE_SIZES: usize = 4;
 
@@ -33,7 +33,7 @@ pub struct Summary {
     pub capacity: u64,
     /// Sum over those GPUs of their usage, each capped at its capacity.
     pub used: u64,
-    /// Distinct first-request sizes (MiB) of the pods the node is admitting, in
+    /// Distinct request sizes (MiB) of the containers of the pods the node is admitting, in
     /// `lookalikes[..lookalike_count]`; `None` count when there are more than fit (or a size
     /// does not fit in 32 bits).
     pub lookalikes: [u32; LOOKALIKE_SIZES],
@@ -55,7 +55,7 @@ pub struct Shape {
     pub gpus: usize,
     /// The unit the request was read in.
     pub unit: MemoryUnit,
-    /// The pod's first request (for look-alikes).
+    /// The pod's one request size (for look-alikes).
     pub first: Option<u64>,
 }
 
@@ -100,7 +100,7 @@ impl Summary {
         Some(node_score(u128::from(self.used) + added, u128::from(self.capacity), policy))
     }
 
-    /// Whether the node may be admitting a pod whose first request is `first` (then the long
+    /// Whether the node may be admitting a pod with a request of size `first` (then the long
     /// way checks exactly).
     #[must_use]
     pub fn may_admit_lookalike(&self, first: Option<u64>) -> bool {
@@ -113,7 +113,7 @@ impl Summary {
 }
 
 /// Builds a record from a node's inventory figures: per GPU position (whether it takes
-/// allocations, capacity in the unit, usage), and the first-request sizes of the pods it is
+/// allocations, capacity in the unit, usage), and the request sizes of the pods it is
 /// admitting. `None` when the node does not fit a record.
 #[must_use]
 pub fn summarize(

@@ -453,7 +453,7 @@ fn the_summary_scores_and_filters_as_the_placer() {
 }
 
 #[test]
-fn a_node_admitting_a_pod_of_the_same_first_request_is_left_to_the_long_way() {
+fn a_node_admitting_a_pod_of_a_request_of_the_same_size_is_left_to_the_long_way() {
     let mut v = ClusterView::new(config(false));
     v.apply_node(&node("n1", 2, 1000, 1, vec![]));
     // Bound with its assignment, not reported by the daemon yet: in admission.
@@ -468,6 +468,13 @@ fn a_node_admitting_a_pod_of_the_same_first_request_is_left_to_the_long_way() {
     v.apply_node(&node("n1", 2, 1000, 2, vec![holding("a", "main", 0, 300)]));
     v.refresh();
     assert!(v.passes_at_a_glance("n1", &same, &none));
+    // Any of its requests counts, not only the first: the daemon serves the next container
+    // without a row, whichever it is.
+    let two = assignment("n1", &[("fetch", &[(0, 100)]), ("main", &[(0, 250)])]);
+    v.apply_pod(&pod("d", 350, Some(("n1", two)), "Pending"));
+    v.refresh();
+    let later = Shape::of(&v.request_of(&pod("e", 250, None, "Pending")).unwrap()).unwrap();
+    assert!(!v.passes_at_a_glance("n1", &later, &none));
     assert!(v.summaries_in_step());
 }
 

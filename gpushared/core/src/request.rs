@@ -362,6 +362,13 @@ impl PodRequest {
         init.chain(app).map(|c| c.memory).find(|m| *m > Mib::ZERO)
     }
 
+    /// [`Assignment::request_sizes`](crate::codec::assignment::Assignment::request_sizes) of
+    /// this pod before it is placed.
+    #[must_use]
+    pub fn request_sizes(&self) -> std::collections::BTreeSet<Mib> {
+        self.containers.iter().map(|c| c.memory).filter(|m| *m > Mib::ZERO).collect()
+    }
+
     /// True if no container asks for GPU memory.
     #[must_use]
     pub fn is_empty(&self) -> bool {

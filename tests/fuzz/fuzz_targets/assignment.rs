@@ -14,6 +14,7 @@ fuzz_target!(|text: &str| {
     assert_eq!(again, a);
     let _ = a.footprint();
     let _ = a.first_request();
+    let _ = a.request_sizes();
     let main = ContainerRequest::new("main", ContainerRole::App, Mib::new(1000), 1, MemoryUnit::Mib).unwrap();
     let _ = a.check_against(&PodRequest::new(MemoryUnit::Mib, vec![main]));
     assert!(a.same_placement(&a));

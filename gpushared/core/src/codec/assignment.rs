@@ -128,12 +128,25 @@ impl Assignment {
             && self.containers.iter().zip(&other.containers).all(|(a, b)| a.role == b.role && gpus(a) == gpus(b))
     }
 
-    /// Whether the kubelet cannot tell `other` from this pod (the same [`Self::first_request`])
-    /// while they are placed differently: serving one in the other's place would hand it the
-    /// other's GPUs.
+    /// The memory of each of the kubelet's device requests for this pod, one per container that
+    /// has any: what the daemon tells a pod's containers apart by.
+    #[must_use]
+    pub fn request_sizes(&self) -> BTreeSet<Mib> {
+        self.containers
+            .iter()
+            .map(|c| c.gpus.iter().fold(Mib::ZERO, |m, g| m.saturating_add(g.mib)))
+            .filter(|m| *m > Mib::ZERO)
+            .collect()
+    }
+
+    /// Whether the kubelet cannot tell `other` from this pod while they are placed differently:
+    /// a container of each asks for the same memory ([`Self::request_sizes`]). The daemon serves
+    /// a call for the next container without a ledger row of some pod; any container can be
+    /// next (the first of a pod not admitted yet; a later one of a pod whose admission a kubelet
+    /// restart cut short), so serving one in the other's place would hand it the other's GPUs.
     #[must_use]
     pub fn is_lookalike_of(&self, other: &Assignment) -> bool {
-        self.first_request().is_some() && self.first_request() == other.first_request() && !self.same_placement(other)
+        !self.request_sizes().is_disjoint(&other.request_sizes()) && !self.same_placement(other)
     }
 
     /// Encodes the annotation value.
@@ -274,7 +287,7 @@ mod tests {
     }
 
     #[test]
-    fn look_alikes_are_the_same_first_request_placed_differently() {
+    fn look_alikes_share_a_request_size_placed_differently() {
         let a = sample();
         // Init containers first: the kubelet asks for fetch's 5000 MiB before anything else.
         assert_eq!(a.first_request(), Some(Mib::new(5000)));
@@ -287,8 +300,15 @@ mod tests {
         assert!(!a.same_placement(&elsewhere));
         assert!(a.is_lookalike_of(&elsewhere));
         let mut other_size = elsewhere.clone();
-        other_size.containers[0].gpus = vec![share(1, 4000)];
+        other_size.containers[0].gpus = vec![share(1, 4500)];
+        other_size.containers[1].gpus = vec![share(1, 400)];
+        other_size.containers[2].gpus = vec![share(1, 3000)];
         assert!(!a.is_lookalike_of(&other_size), "the kubelet's count tells them apart");
+        // A later container the size of another's: either may be the next the kubelet asks for.
+        let mut later = other_size.clone();
+        later.containers[2].gpus = vec![share(1, 500)];
+        assert_eq!(later.request_sizes(), [4500, 400, 500].map(Mib::new).into());
+        assert!(a.is_lookalike_of(&later));
         let request = PodRequest::new(
             MemoryUnit::Mib,
             vec![
@@ -299,6 +319,7 @@ mod tests {
             ],
         );
         assert_eq!(request.first_request(), Some(Mib::new(5000)));
+        assert_eq!(request.request_sizes(), [4000, 5000].map(Mib::new).into());
     }
 
     #[test]
