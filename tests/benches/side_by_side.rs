@@ -18,7 +18,12 @@
 //! 100 ms); the kubelet's own `Allocate` latency for the resource (its
 //! `kubelet_device_plugin_alloc_duration_seconds` histogram, p50 and p99 interpolated within
 //! its buckets: 5, 10, 25, 50, 100, 250 ms, ...); and the device plugin's resident memory
-//! (`VmRSS`) once every pod runs. Then each figure of NVIDIA's as a ratio to gpushare's.
+//! (`VmRSS`) once every pod runs. Then each figure of NVIDIA's as a ratio to gpushare's. And where
+//! each round's time went, per pod, from the components' own metrics: kube-scheduler's attempts
+//! and scheduling cycles, gpushare-extender's binds (and how many waited behind a look-alike),
+//! the kubelet's admission of the pod's resources (its topology manager's admit, which runs the
+//! device manager's `GetPreferredAllocation` and `Allocate`) and its `Allocate` calls alone, and
+//! how long kube-scheduler's own API client held requests back.
 //! Alibaba (where `GPUSHARE_PEERS_SRC` gives its source, `tests/peers/build`): its device plugin
 //! in MiB mode on the same node as gpushare's MiB mode, pods of the same size placed through its
 //! extender; its figures are given as ratios to gpushare's MiB mode. `GPUSHARE_BENCH_MIB_GPU`
@@ -107,6 +112,33 @@ struct Figures {
     alloc_p50_ms: f64,
     alloc_p99_ms: f64,
     rss_mib: f64,
+    stages: Stages,
+}
+
+/// Where a round's time went, from the components' own metrics and logs, per pod of the burst
+/// (the stages overlap: kube-scheduler places pods while the kubelet admits earlier ones). NaN
+/// where a component does not report it.
+#[derive(Clone, Copy, Debug)]
+struct Stages {
+    /// kube-scheduler's scheduling attempts per pod (1: none was tried again).
+    attempts: f64,
+    /// kube-scheduler's scheduling cycles (its filters and scores, the extender's filter and
+    /// prioritize), ms per pod (`scheduler_scheduling_attempt_duration_seconds`).
+    schedule_ms: f64,
+    /// gpushare-extender's bind (its checks, waits behind look-alikes, the Binding), ms per
+    /// pod (`gpushare_extender_request_duration_seconds{verb="bind"}`).
+    bind_ms: f64,
+    /// Binds deferred behind a look-alike, per pod (`gpushare_extender_binds_total{outcome="deferred"}`).
+    deferred: f64,
+    /// The kubelet's admission of a pod's resources (its topology manager's admit, which runs the
+    /// device manager: `GetPreferredAllocation`, `Allocate`, its checkpoint), ms per pod
+    /// (`kubelet_topology_manager_admission_duration_ms`).
+    admit_ms: f64,
+    /// The kubelet's `Allocate` calls alone, ms per pod (`kubelet_device_plugin_alloc_duration_seconds`).
+    allocate_ms: f64,
+    /// kube-scheduler's API client held back by its own rate limit, ms per pod (its log's
+    /// `Waited before sending request`).
+    throttled_ms: f64,
 }
 
 fn main() {
@@ -152,6 +184,20 @@ fn main() {
                  plugin RSS {:.1} MiB",
                 f.pods_per_s, f.alloc_p50_ms, f.alloc_p99_ms, f.rss_mib
             );
+            let st = f.stages;
+            println!(
+                "  stages per pod: {:.2} scheduling attempts, scheduling {:.1} ms, extender bind {:.1} ms ({:.2} \
+                 deferred behind look-alikes), kubelet admission {:.1} ms of which Allocate {:.1} ms, kube-scheduler \
+                 throttled {:.1} ms; wall time {:.1} ms",
+                st.attempts,
+                st.schedule_ms,
+                st.bind_ms,
+                st.deferred,
+                st.admit_ms,
+                st.allocate_ms,
+                st.throttled_ms,
+                1000.0 / f.pods_per_s
+            );
             figures[i].push(f);
         }
     }
@@ -178,6 +224,25 @@ fn main() {
             l / a,
             h / a,
             nd / d
+        );
+    }
+    println!("\nstages per pod, means of {rounds} rounds (ms unless said; NaN: not reported):");
+    println!(
+        "  system | pods/s | attempts | scheduling | extender bind | deferred | kubelet admission | Allocate | throttled"
+    );
+    for (system, runs) in SYSTEMS.into_iter().zip(&figures).filter(|(_, r)| !r.is_empty()) {
+        let m = |f: fn(&Stages) -> f64| runs.iter().map(|x| f(&x.stages)).sum::<f64>() / runs.len() as f64;
+        println!(
+            "  {} | {:.2} | {:.2} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} | {:.1}",
+            system.short(),
+            mean(runs, |x| x.pods_per_s),
+            m(|s| s.attempts),
+            m(|s| s.schedule_ms),
+            m(|s| s.bind_ms),
+            m(|s| s.deferred),
+            m(|s| s.admit_ms),
+            m(|s| s.allocate_ms),
+            m(|s| s.throttled_ms)
         );
     }
 }
@@ -268,10 +333,65 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
     }
     let elapsed = started.elapsed().as_secs_f64();
     let rss_mib = rss_kib(node.daemon.pid().unwrap()) / 1024.0;
-    let (alloc_p50_ms, alloc_p99_ms) =
-        if dra { (f64::NAN, f64::NAN) } else { alloc_quantiles(&kubelet_metrics(&b), resource) };
+    let kubelet = kubelet_metrics(&b);
+    let (alloc_p50_ms, alloc_p99_ms) = if dra { (f64::NAN, f64::NAN) } else { alloc_quantiles(&kubelet, resource) };
+    let stages = stages(&b, &kubelet, resource, pods as f64).await;
     b.shutdown();
-    Figures { pods_per_s: pods as f64 / elapsed, alloc_p50_ms, alloc_p99_ms, rss_mib }
+    Figures { pods_per_s: pods as f64 / elapsed, alloc_p50_ms, alloc_p99_ms, rss_mib, stages }
+}
+
+/// The sum of a metric's series whose lines start with `name` (`name{` or `name `) and contain
+/// every one of `labels`; NaN if there is none.
+fn metric(text: &str, name: &str, labels: &[&str]) -> f64 {
+    let values: Vec<f64> = text
+        .lines()
+        .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' ')))
+        .filter(|l| labels.iter().all(|want| l.contains(want)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+        .collect();
+    if values.is_empty() { f64::NAN } else { values.iter().sum() }
+}
+
+/// Seconds in a Go duration as klog prints it (`1.5s`, `993.1ms`, `12µs`).
+fn go_seconds(text: &str) -> Option<f64> {
+    for (suffix, scale) in [("ms", 1e-3), ("µs", 1e-6), ("us", 1e-6), ("ns", 1e-9), ("s", 1.0)] {
+        if let Some(n) = text.strip_suffix(suffix) {
+            return n.parse::<f64>().ok().map(|v| v * scale);
+        }
+    }
+    None
+}
+
+/// Where the round's time went ([`Stages`]).
+async fn stages(b: &RealCluster, kubelet: &str, resource: &str, pods: f64) -> Stages {
+    let scheduler = b.plane.scheduler_port;
+    let scheduler = if scheduler == 0 { String::new() } else { secure_metrics(b, scheduler) };
+    let extender = gpushare_testkit::cluster::http_get(b.addr, "/metrics").await.map(|(_, m)| m).unwrap_or_default();
+    let throttled: f64 = b
+        .plane
+        .scheduler
+        .as_ref()
+        .map(gpushare_testkit::cluster::Proc::log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("Waited before sending request"))
+        .filter_map(|l| go_seconds(l.split("delay=\"").nth(1)?.split('"').next()?))
+        .fold(0.0, |sum, s| sum + s);
+    let per_pod_ms = |seconds: f64| seconds * 1000.0 / pods;
+    let attempts = metric(&scheduler, "scheduler_schedule_attempts_total", &[]);
+    Stages {
+        attempts: attempts / pods,
+        schedule_ms: per_pod_ms(metric(&scheduler, "scheduler_scheduling_attempt_duration_seconds_sum", &[])),
+        bind_ms: per_pod_ms(metric(&extender, "gpushare_extender_request_duration_seconds_sum", &["verb=\"bind\""])),
+        deferred: metric(&extender, "gpushare_extender_binds_total", &["outcome=\"deferred\""]) / pods,
+        admit_ms: metric(kubelet, "kubelet_topology_manager_admission_duration_ms_sum", &[]) / pods,
+        allocate_ms: per_pod_ms(metric(
+            kubelet,
+            "kubelet_device_plugin_alloc_duration_seconds_sum",
+            &[&format!("resource_name=\"{resource}\"")],
+        )),
+        throttled_ms: per_pod_ms(throttled),
+    }
 }
 
 /// Waits until HAMi's scheduler has read the node's devices (its metrics name the node): until
@@ -316,9 +436,16 @@ fn rss_kib(pid: u32) -> f64 {
 
 /// The node's kubelet's `/metrics`, fetched with a client certificate of the cluster's CA.
 fn kubelet_metrics(b: &RealCluster) -> String {
+    let text = secure_metrics(b, b.node(NODE).unwrap().kubelet.port);
+    assert!(!text.is_empty(), "the kubelet served no metrics");
+    text
+}
+
+/// `/metrics` of a component serving HTTPS on `port` (the kubelet, kube-scheduler), fetched with
+/// a client certificate of the cluster's CA; empty if it cannot be read.
+fn secure_metrics(b: &RealCluster, port: u16) -> String {
     let (crt, key) =
         b.plane.pki.issue("bench-metrics", "/O=system:masters/CN=bench", "extendedKeyUsage=clientAuth\n").unwrap();
-    let port = b.node(NODE).unwrap().kubelet.port;
     let out = Command::new("curl")
         .args(["-sSk", "--cert"])
         .arg(&crt)
@@ -326,9 +453,12 @@ fn kubelet_metrics(b: &RealCluster) -> String {
         .arg(&key)
         .arg(format!("https://127.0.0.1:{port}/metrics"))
         .output()
-        .expect("running curl for the kubelet's metrics");
-    assert!(out.status.success(), "curl: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap()
+        .expect("running curl for metrics");
+    if !out.status.success() {
+        eprintln!("curl https://127.0.0.1:{port}/metrics: {}", String::from_utf8_lossy(&out.stderr));
+        return String::new();
+    }
+    String::from_utf8(out.stdout).unwrap_or_default()
 }
 
 /// p50 and p99 (ms) of `kubelet_device_plugin_alloc_duration_seconds` for `resource`,

@@ -468,7 +468,8 @@ impl GpusharedFiles {
         Ok(report)
     }
 
-    /// Starts gpushared as `node` on these files.
+    /// Starts gpushared as `node` on these files, logging at `info` (or as
+    /// `GPUSHARE_BOX_DAEMON_LOG` says: a `RUST_LOG` filter).
     ///
     /// # Errors
     /// If it cannot be started.
@@ -479,7 +480,7 @@ impl GpusharedFiles {
             &ours.gpushared,
             vec!["--config".into(), self.config.display().to_string()],
             vec![
-                ("RUST_LOG".into(), "info".into()),
+                ("RUST_LOG".into(), std::env::var("GPUSHARE_BOX_DAEMON_LOG").unwrap_or_else(|_| "info".into())),
                 ("FAKE_NVML_CONFIG".into(), self.nvml_config.display().to_string()),
             ],
         )
