@@ -369,10 +369,13 @@ impl NodeAgent {
         state.waiting.insert(key, pod);
     }
 
-    /// Releases the admitted pods a fresh list no longer has.
+    /// Releases the admitted pods a fresh list no longer has, and forgets the waiting ones.
     async fn release_missing(&self, seen: &HashSet<String>) {
         let gone: Vec<Known> = {
-            let state = self.state.lock().await;
+            let mut state = self.state.lock().await;
+            // Pods deleted while the watch was away are no longer waiting either, as the
+            // kubelet's pod config drops the pods a new list no longer has.
+            state.waiting.retain(|_, p| seen.contains(&uid_of(p)));
             state
                 .admitted
                 .iter()
