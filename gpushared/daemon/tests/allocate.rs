@@ -285,8 +285,11 @@ async fn look_alikes_created_in_one_second_are_served_in_the_order_they_were_bou
 async fn refusals_are_errors_with_reasons() {
     // Two GPUs: the kubelet counts 2000 devices, while the ledger knows GPU0 alone.
     let (c, _daemon) = cluster(&[1000, 1000]).await;
-    // Nobody waits.
+    // Nobody waits: the read of the node's pods says so, and the call is refused without
+    // waiting out the 5 s a lagging pod watch would get.
+    let asked = Instant::now();
     let err = c.kubelet.admit(&[64]).await.unwrap_err().to_string();
+    assert!(asked.elapsed() < Duration::from_secs(3), "refused after {:?}", asked.elapsed());
     assert!(
         err.contains("FailedPrecondition") && err.contains("no pod bound to node node-a is waiting for 64 MiB"),
         "{err}"

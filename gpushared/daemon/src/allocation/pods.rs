@@ -237,14 +237,15 @@ impl PodStore {
     }
 
     /// Waits for a consistent read of the node's pods that began after this call, merged into
-    /// the store: from then on the store has every pod the kubelet can have seen. At once when
-    /// nothing serves reads (a store without an API server, in tests).
+    /// the store: from then on the store has every pod the kubelet can have seen. Returns
+    /// whether a read was made: none, at once, when nothing serves reads (a store without an
+    /// API server, in tests).
     ///
     /// # Errors
     /// Why the read failed (the API server cannot be reached, say).
-    pub async fn confirm(&self) -> Result<(), String> {
+    pub async fn confirm(&self) -> Result<bool, String> {
         if !self.served.load(Ordering::SeqCst) {
-            return Ok(());
+            return Ok(false);
         }
         let mut refreshed = self.refreshed.subscribe();
         let mut wanted = 0;
@@ -254,7 +255,7 @@ impl PodStore {
         });
         let outcome =
             refreshed.wait_for(|r| r.serves >= wanted).await.map_err(|_| "the daemon is stopping".to_owned())?;
-        outcome.error.clone().map_or(Ok(()), Err)
+        outcome.error.clone().map_or(Ok(true), Err)
     }
 
     /// Takes on serving consistent reads: the receiver sees the count of reads asked for; each
@@ -345,7 +346,7 @@ mod tests {
     async fn a_confirmation_waits_for_a_read_begun_after_it() {
         let store = PodStore::new();
         // Nothing serves reads: the store is all there is.
-        store.confirm().await.unwrap();
+        assert_eq!(store.confirm().await, Ok(false));
         let mut requested = store.serve_reads();
         let asker = store.clone();
         let first = tokio::spawn(async move { asker.confirm().await });
@@ -361,7 +362,7 @@ mod tests {
         let second = tokio::spawn(async move { asker.confirm().await });
         requested.wait_for(|n| *n > serving).await.unwrap();
         store.read_done(*requested.borrow_and_update(), None);
-        assert_eq!(second.await.unwrap(), Ok(()));
+        assert_eq!(second.await.unwrap(), Ok(true));
     }
 
     #[tokio::test]

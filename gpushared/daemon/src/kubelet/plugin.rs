@@ -160,9 +160,10 @@ impl Plugin {
     /// Runs `call` on the blocking pool, first with the pod store as it stands. If that would
     /// serve a pod whose admission has not started, or none at all, it reads the node's pods
     /// consistently ([`crate::allocation::pods::PodStore::confirm`]) and runs it again: the
-    /// pod watch may lag behind the kubelet's, which has already seen the pod it admits. While
-    /// it then finds no pod waiting for what the kubelet asks, cannot tell which of several it
-    /// is, or the first in line is doubtful, it runs again after each change of the pods bound
+    /// pod watch may lag behind the kubelet's, which has already seen the pod it admits; a call
+    /// for no pod the read found is refused at once. While it then cannot tell which of several
+    /// pods it is for, or the first in line is doubtful (or, with no API server to read, finds no
+    /// pod waiting), it runs again after each change of the pods bound
     /// here or of the allocations, for up to [`CANDIDATE_WAIT`]; then once more, impatient
     /// (the oldest look-alike is taken; a doubtful pod is still refused, and so is every call
     /// while no read succeeds: failing an admission is safe, handing a container another pod's
@@ -175,6 +176,10 @@ impl Plugin {
         let call = Arc::new(call);
         let deadline = tokio::time::Instant::now() + CANDIDATE_WAIT;
         let mut care = Care { patient: true, confirmed: false };
+        // Whether the API server was read since the call came: then a pod not found is not
+        // there (deleted, say, while the kubelet's watch lagged), and waiting would only hold
+        // up the kubelet's next admissions.
+        let mut read = false;
         loop {
             // Subscribed before the call, so a change while it runs wakes the wait below.
             let mut pods = self.alloc.pods().subscribe();
@@ -187,8 +192,9 @@ impl Plugin {
             let mut retry_in = None;
             match result {
                 Err(AllocError::Unconfirmed { .. }) => match self.alloc.pods().confirm().await {
-                    Ok(()) => {
+                    Ok(made) => {
                         care.confirmed = true;
+                        read = made;
                         continue;
                     }
                     Err(e) if waiting => {
@@ -203,7 +209,7 @@ impl Plugin {
                         )));
                     }
                 },
-                Err(AllocError::NoCandidate { .. }) if waiting => self.alloc.pods().want_news(),
+                Err(AllocError::NoCandidate { .. }) if waiting && !read => self.alloc.pods().want_news(),
                 Err(AllocError::Doubtful { .. } | AllocError::Rebuilding { .. }) if waiting => {}
                 Err(AllocError::Ambiguous { .. }) if waiting => {}
                 Err(e @ AllocError::Ambiguous { .. }) if care.patient => {
