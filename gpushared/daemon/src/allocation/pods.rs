@@ -1,6 +1,7 @@
 //! The pods bound to this node, as the daemon last saw them: filled by the API-server watch
-//! ([`crate::cluster::kube`]), read by the allocator. It keeps serving what it saw through an API-server
-//! outage, so `Allocate` for a pod already seen never waits on the network. Every change is
+//! ([`crate::cluster::kube`]), read by the allocator. It keeps what it saw through an API-server
+//! outage, so the `Allocate` that follows a `GetPreferredAllocation`, and a pod's later
+//! containers, never wait on the network. Every change is
 //! announced ([`PodStore::subscribe`]), so a kubelet call waiting for its pod to show up wakes
 //! when it does; and such a call asks for the pod ([`PodStore::want_news`]), which cuts short the
 //! watch's back-off after an outage: the kubelet has just seen the pod, so the API server is back.
