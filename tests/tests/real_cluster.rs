@@ -278,7 +278,12 @@ async fn outages_of_the_real_api_server_and_scheduler_lose_nothing() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     // One warning per watch for the whole outage (retries back off, at debug), and word when
-    // each is back.
+    // each is back. gpushared admits through reads of the node's pods, not its watch, so its
+    // watch may come back after the admission; a read that found the pod cut its back-off short.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !daemon.log().contains("pod watch back") && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
     let watches = [
         ("gpushared", "pod", daemon.log()),
         ("the extender", "node", b.extender.log()),

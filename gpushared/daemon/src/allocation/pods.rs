@@ -230,11 +230,16 @@ impl PodStore {
     }
 
     /// Merges what a consistent read of the node's pods returned ([`Self::upsert`] for each).
-    pub fn merge_read(&self, views: Vec<PodView>) {
+    /// A read that brought something the watch had not delivered says the watch lags, or waits
+    /// out a back-off while the API server is back: it is asked to try again now
+    /// ([`Self::want_news`]). Returns whether the store changed.
+    pub fn merge_read(&self, views: Vec<PodView>) -> bool {
         let changed = self.inner.write().is_ok_and(|mut pods| views.into_iter().fold(false, |c, v| pods.merge(v) | c));
         if changed {
             self.changed();
+            self.want_news();
         }
+        changed
     }
 
     /// Waits for a consistent read of the node's pods that began after this call, merged into
@@ -319,12 +324,12 @@ mod tests {
         // A watch lagging behind a consistent read delivers an older copy: kept out.
         store.upsert(view("a", 7, None));
         assert_eq!(store.get("a").unwrap().view.version, 10);
-        store.merge_read(vec![view("a", 12, Some("n")), view("b", 11, Some("n"))]);
+        assert!(store.merge_read(vec![view("a", 12, Some("n")), view("b", 11, Some("n"))]));
         assert_eq!(store.get("a").unwrap().view.version, 12);
         // Deleted at 15: a read begun before the deletion does not bring it back; a later
         // pod of the same UID cannot exist, but a version past the deletion would be taken.
         store.remove("a", 15);
-        store.merge_read(vec![view("a", 12, Some("n"))]);
+        assert!(!store.merge_read(vec![view("a", 12, Some("n"))]), "nothing new");
         assert!(store.get("a").is_none(), "a deleted pod came back");
         // A relist keeps the newer copy a read stored meanwhile.
         store.merge_read(vec![view("b", 20, Some("n"))]);

@@ -215,7 +215,9 @@ pub async fn refresh_pods(
                     release(&alloc, v, "pod finished or deleted");
                 }
                 tracing::debug!(pods = views.len(), took = ?started.elapsed(), "read the node's pods not running yet");
-                store.merge_read(views);
+                if store.merge_read(views) {
+                    tracing::debug!("the read found pods the watch had not delivered");
+                }
                 None
             }
             Ok(Err(e)) => Some(format!("listing the pods of node {node}: {e}")),
