@@ -212,16 +212,11 @@ impl PodStore {
         if let Ok(mut pods) = self.inner.write() {
             let mut fresh = Pods { by_uid: BTreeMap::new(), deleted: std::mem::take(&mut pods.deleted) };
             for view in views {
-                let uid = view.pod.uid.clone();
-                match pods.by_uid.remove(&uid) {
-                    Some(kept) if kept.is_newer_than(&view) => {
-                        fresh.by_uid.insert(uid, kept);
-                    }
-                    earlier => {
-                        let stored = Arc::new(StoredPod::new(view, earlier.as_deref()));
-                        fresh.by_uid.insert(uid, stored);
-                    }
+                // The copy held so far, for `merge` to keep if newer and to take the arrival from.
+                if let Some(kept) = pods.by_uid.remove(&view.pod.uid) {
+                    fresh.by_uid.insert(view.pod.uid.clone(), kept);
                 }
+                fresh.merge(view);
             }
             *pods = fresh;
         }
