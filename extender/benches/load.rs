@@ -48,6 +48,7 @@ fn node(i: usize) -> Value {
         allocations: vec![],
         claims: vec![],
         over_budget: vec![],
+        tells_lookalikes_apart: false,
     };
     json!({"apiVersion": "v1", "kind": "Node",
            "metadata": {"name": format!("node-{i:05}"), "annotations": {NODE_STATE_KEY: state.encode().unwrap()}},

@@ -457,7 +457,8 @@ pub struct Usage {
     pub base: Vec<Mib>,
     /// Each holder's memory per GPU position.
     pub pods: Vec<Holder>,
-    /// Pods bound (or being bound) to the node that its daemon has not reported allocated yet.
+    /// Pods bound (or being bound) to the node that its daemon has not reported allocated yet,
+    /// while they are look-alikes to keep apart (none where the node tells them apart itself).
     pub admitting: Vec<Admitting>,
     /// Pods bound to the node with a request but no placement yet (Alibaba's `PENDING`).
     pub pending: Vec<(String, Mib)>,

@@ -243,6 +243,7 @@ async fn whole_and_dra_gpus_take_no_share_and_their_holders_are_reported() {
             budget: Mib::new(4096),
             since_ms: 1_763_892_000_000,
         }],
+        tells_lookalikes_apart: false,
     };
     h.api
         .create_node(json!({"apiVersion": "v1", "kind": "Node",

@@ -77,6 +77,7 @@ fn node_object(name: &str, hami: bool) -> Value {
         allocations: vec![],
         claims: vec![],
         over_budget: vec![],
+        tells_lookalikes_apart: false,
     };
     let mut node = json!({"apiVersion": "v1", "kind": "Node",
            "metadata": {"name": name, "annotations": {NODE_STATE_KEY: state.encode().unwrap()}}});

@@ -351,6 +351,7 @@ mod tests {
                 .collect(),
             claims: vec![],
             over_budget: vec![],
+            tells_lookalikes_apart: false,
         };
         serde_json::from_value(
             json!({"metadata": {"name": name, "annotations": {NODE_STATE_KEY: state.encode().unwrap()}}}),

@@ -224,6 +224,10 @@ struct Shared {
     /// Devices allocated outside any named pod ([`Kubelet::allocate`], [`Kubelet::admit`]).
     loose: HashSet<String>,
     pods: Vec<Pod>,
+    /// The pod in admission, with the containers `List` shows for it (sidecars and app
+    /// containers, in spec order): the kubelet adds a pod to its pod manager before admitting
+    /// it, so `List` shows it from then on, each container's devices once allocated.
+    admitting: Option<(Pod, Vec<String>)>,
     injected: Vec<PodResources>,
     limiter: Limiter,
     pod_resources_requests: usize,
@@ -255,6 +259,7 @@ impl Default for Shared {
             stream_errors: Vec::new(),
             loose: HashSet::new(),
             pods: Vec::new(),
+            admitting: None,
             injected: Vec::new(),
             limiter: Limiter::new(),
             pod_resources_requests: 0,
@@ -282,9 +287,24 @@ impl Shared {
         in_use
     }
 
-    /// The `List` answer: admitted pods in admission order, then injected entries.
+    /// The `List` answer: admitted pods in admission order, the pod in admission, then
+    /// injected entries.
     fn list(&self) -> Vec<PodResources> {
-        self.pods.iter().map(Pod::resources).chain(self.injected.iter().cloned()).collect()
+        let admitting = self.admitting.as_ref().map(|(pod, listed)| {
+            let so_far = pod.resources();
+            PodResources {
+                containers: listed
+                    .iter()
+                    .map(|name| {
+                        so_far.containers.iter().find(|c| &c.name == name).cloned().unwrap_or_else(|| {
+                            ContainerResources { name: name.clone(), ..ContainerResources::default() }
+                        })
+                    })
+                    .collect(),
+                ..so_far
+            }
+        });
+        self.pods.iter().map(Pod::resources).chain(admitting).chain(self.injected.iter().cloned()).collect()
     }
 
     fn get(&self, namespace: &str, name: &str) -> Option<PodResources> {
@@ -915,13 +935,17 @@ impl Kubelet {
             .filter(|(_, c)| c.init || c.sidecar)
             .chain(containers.iter().enumerate().filter(|(_, c)| !c.init && !c.sidecar));
         let mut pod = Pod { namespace: namespace.to_owned(), name: name.to_owned(), containers: Vec::new() };
+        let listed = containers.iter().filter(|c| !c.init || c.sidecar).map(|c| c.name.clone()).collect();
+        self.shared().admitting = Some((pod.clone(), listed));
         let mut answers: Vec<Option<Admitted>> = vec![None; containers.len()];
         let mut reusable: Vec<String> = Vec::new();
         for (i, spec) in order {
-            let (admitted, held) = self
+            let admitted = self
                 .admit_container(&pod, spec, &reusable)
                 .await
-                .with_context(|| format!("pod {namespace}/{name} container {:?}", spec.name))?;
+                .with_context(|| format!("pod {namespace}/{name} container {:?}", spec.name));
+            // Rejected, the pod is no longer active: `List` drops it.
+            let (admitted, held) = admitted.inspect_err(|_| self.shared().admitting = None)?;
             if spec.init {
                 let known: HashSet<String> = reusable.iter().cloned().collect();
                 reusable.extend(admitted.devices.iter().filter(|d| !known.contains(*d)).cloned());
@@ -930,9 +954,13 @@ impl Kubelet {
                 reusable.retain(|d| !taken.contains(d));
             }
             pod.containers.push(held);
+            if let Some((p, _)) = self.shared().admitting.as_mut() {
+                p.containers.clone_from(&pod.containers);
+            }
             answers[i] = Some(admitted);
         }
         let mut shared = self.shared();
+        shared.admitting = None;
         if shared.pods.iter().any(|p| p.namespace == namespace && p.name == name) {
             bail!("pod {namespace}/{name} was admitted meanwhile");
         }

@@ -362,6 +362,24 @@ async fn filter_steers_a_look_alike_away_from_a_node_still_admitting_one() {
 }
 
 #[tokio::test]
+async fn a_node_that_tells_look_alikes_apart_takes_them_at_once() {
+    let n1 = crate::view::tests::node_telling("n1", 2, 1000, 1, vec![], true);
+    let ext = extender(
+        &[n1, node("n2", 2, 1000, 1, vec![])],
+        &[pod("a", 600, None, "Pending"), pod("b", 600, None, "Pending")],
+    );
+    assert_eq!(ext.bind(&bind_args("a", "n1")).await.error, "");
+    // a, on one GPU, is not admitted yet; b fits only on the other. n1's daemon asks the
+    // kubelet which pod each call is for, so b may go there now.
+    let b = pod("b", 600, None, "Pending");
+    let a = args(&b, &["n1", "n2"]);
+    let r = ext.filter(&a);
+    assert_eq!(r.node_names.as_deref().map(<[Name<'_>]>::len), Some(2), "{r:?}");
+    assert_eq!(ext.bind(&bind_args("b", "n1")).await.error, "");
+    assert_eq!(ext.metrics().binds(BindOutcome::Deferred), 0);
+}
+
+#[tokio::test]
 async fn a_look_alike_goes_beside_the_one_in_admission_when_there_is_room() {
     let ext =
         extender(&[node("n1", 2, 1000, 1, vec![])], &[pod("a", 200, None, "Pending"), pod("b", 200, None, "Pending")]);
@@ -393,6 +411,7 @@ fn prioritize_weighs_gpu_activity_only_when_configured() {
             allocations: vec![],
             claims: vec![],
             over_budget: vec![],
+            tells_lookalikes_apart: false,
         };
         serde_json::from_value::<crate::objects::NodeObject>(json!({
             "metadata": {"name": name, "annotations": {gpushare_core::codec::node::NODE_STATE_KEY: state.encode().unwrap()}}

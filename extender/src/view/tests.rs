@@ -29,6 +29,18 @@ pub(crate) fn uuid(node: &str, i: u32) -> GpuUuid {
 
 /// A node whose daemon publishes `gpus` GPUs of `mib` each, with `allocations`.
 pub(crate) fn node(name: &str, gpus: u32, mib: u64, generation: u64, allocations: Vec<NodeAllocation>) -> NodeObject {
+    node_telling(name, gpus, mib, generation, allocations, false)
+}
+
+/// [`node`], whose daemon says whether it tells look-alike pods apart itself.
+pub(crate) fn node_telling(
+    name: &str,
+    gpus: u32,
+    mib: u64,
+    generation: u64,
+    allocations: Vec<NodeAllocation>,
+    tells_lookalikes_apart: bool,
+) -> NodeObject {
     let list: Vec<Gpu> = (0..gpus)
         .map(|i| {
             let mut g = Gpu::new(i, uuid(name, i), "Tesla T4", Mib::new(mib));
@@ -49,6 +61,7 @@ pub(crate) fn node(name: &str, gpus: u32, mib: u64, generation: u64, allocations
         allocations,
         claims: vec![],
         over_budget: vec![],
+        tells_lookalikes_apart,
     };
     serde_json::from_value(json!({
         "metadata": {"name": name, "annotations": {NODE_STATE_KEY: state.encode().unwrap()}},

@@ -64,6 +64,7 @@ impl ClusterView {
             let own = if pod.terminal { None } else { self.footprint(inventory, &pod.holding) };
             if daemon.is_none()
                 && own.is_some()
+                && !state.tells_lookalikes_apart
                 && let Holding::Assigned(a) = &pod.holding
             {
                 let pod = pod.key();
@@ -98,8 +99,10 @@ impl ClusterView {
             if a.node != node || counted.contains(uid.as_str()) {
                 continue;
             }
-            let pod = a.key();
-            usage.admitting.push(Admitting { uid: uid.clone(), pod, assignment: a.assignment.clone() });
+            if !state.tells_lookalikes_apart {
+                let pod = a.key();
+                usage.admitting.push(Admitting { uid: uid.clone(), pod, assignment: a.assignment.clone() });
+            }
             if let Some(mib) = self.footprint(inventory, &Holding::Assigned(Box::new(a.assignment.clone()))) {
                 usage.pods.push(Holder { uid: uid.clone(), pod: a.key(), mib, assumed: true });
             }

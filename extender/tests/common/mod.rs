@@ -35,6 +35,7 @@ pub fn node_object(name: &str, gpus: u32, mib: u64) -> Value {
         allocations: vec![],
         claims: vec![],
         over_budget: vec![],
+        tells_lookalikes_apart: false,
     };
     json!({
         "apiVersion": "v1", "kind": "Node",

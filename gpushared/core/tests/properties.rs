@@ -189,7 +189,7 @@ proptest! {
                 mib: Mib::new(mib),
             })
             .collect::<Vec<_>>();
-        let state = NodeState { generation, daemon_version: "0.1.0".into(), inventory: inv, used, allocations, claims, over_budget: vec![] };
+        let state = NodeState { generation, daemon_version: "0.1.0".into(), inventory: inv, used, allocations, claims, over_budget: vec![], tells_lookalikes_apart: false };
         let text = state.encode().unwrap();
         let back = NodeState::decode(&text).unwrap();
         // Allocations come back grouped by GPU; compare as sets.

@@ -222,6 +222,8 @@ async fn run(config: Config) -> anyhow::Result<()> {
         reads,
         Arc::clone(&alloc),
     ));
+    let fetches = pods.serve_fetches();
+    tasks.spawn(gpushared::cluster::kube::fetch_pods(client.clone(), pods.clone(), fetches, Arc::clone(&alloc)));
     tasks.spawn(gpushared::cluster::kube::evict_pods(client.clone(), evict_rx, Arc::clone(&alloc)));
     tasks.spawn(gpushared::cluster::heartbeat::run(
         client.clone(),
@@ -243,7 +245,8 @@ async fn run(config: Config) -> anyhow::Result<()> {
 
     let socket = config.socket_path();
     let dir = config.kubelet.device_plugin_dir.path().to_owned();
-    let plugin = Plugin::new(Arc::clone(&alloc), devices_rx);
+    let plugin =
+        Plugin::new(Arc::clone(&alloc), devices_rx).with_pod_resources(config.kubelet.pod_resources_socket.path());
     let mut server = plugin::Server::start(plugin.clone(), &socket)
         .with_context(|| format!("binding the plugin socket {}", socket.display()))?;
     let mut kubelet = KubeletWatch::new(&dir, &socket);

@@ -43,6 +43,11 @@ async fn cluster_with(gpus: &[u64], extra: &str) -> (Cluster, Daemon) {
 /// The same with the daemon's API answers held back by `lag`: its pod watch lags behind the
 /// kubelet (the test), which admits pods as soon as they are bound.
 async fn cluster_lagging(gpus: &[u64], extra: &str, lag: Option<Duration>) -> (Cluster, Daemon) {
+    cluster_of(gpus, extra, lag, false).await
+}
+
+/// The same, with the kubelet's PodResources served (`listing`) or not.
+async fn cluster_of(gpus: &[u64], extra: &str, lag: Option<Duration>, listing: bool) -> (Cluster, Daemon) {
     let host = Host::new();
     let api = ApiServer::start().await.unwrap();
     api.create_node(json!({"metadata": {"name": "node-a"}})).unwrap();
@@ -59,7 +64,11 @@ async fn cluster_lagging(gpus: &[u64], extra: &str, lag: Option<Duration>) -> (C
     };
     let gpus: Vec<(u64, Option<u32>)> = gpus.iter().map(|m| (*m, None)).collect();
     let config = host.config(&kubeconfig, "", &format!("{}{extra}", static_gpus(&gpus)));
-    let kubelet = Kubelet::start(&host.plugin_dir()).await.unwrap();
+    let kubelet = if listing {
+        Kubelet::start_with_pod_resources(&host.plugin_dir(), &host.pod_resources_socket()).await.unwrap()
+    } else {
+        Kubelet::start(&host.plugin_dir()).await.unwrap()
+    };
     let daemon = Daemon::start(&config, host.path("daemon-1.log"));
     kubelet.wait_registered(1, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
     kubelet.wait_devices(WAIT, |d| !d.is_empty()).await.unwrap();
@@ -268,6 +277,45 @@ async fn a_pod_watch_lagging_behind_the_kubelet_never_serves_the_wrong_pod() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lagging_watch_reads_the_pod_the_kubelet_names() {
+    use gpushare_testkit::kubelet::ContainerSpec;
+    const LAG: Duration = Duration::from_millis(1500);
+    let (c, daemon) = cluster_of(&[1000, 1000], "", Some(LAG), true).await;
+    wait_telling_apart(&c, &daemon).await;
+    // y is bound and seen; x, a look-alike on the other GPU, is bound as the kubelet admits it,
+    // 1.5 s before the daemon's watch can deliver it. The kubelet names x; the daemon reads x.
+    bound_pod(&c.api, "y", &[("main", ContainerRole::App, &[(0, 200)])]);
+    tokio::time::sleep(LAG + Duration::from_secs(1)).await;
+    bound_pod(&c.api, "x", &[("main", ContainerRole::App, &[(1, 200)])]);
+    for (name, gpu) in [("x", "GPU-static-1"), ("y", "GPU-static-0")] {
+        let got = c
+            .kubelet
+            .admit_pod("default", name, &[ContainerSpec::app("main", 200)])
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e}\n{}", daemon.log()));
+        assert_eq!(got[0].envs["GPUSHARE_POD"], format!("default/{name}"), "{}", daemon.log());
+        assert_eq!(got[0].envs["NVIDIA_VISIBLE_DEVICES"], gpu, "{name}");
+    }
+}
+
+/// Waits for the daemon to publish that it tells look-alikes apart (the kubelet's PodResources
+/// answered it).
+async fn wait_telling_apart(c: &Cluster, daemon: &Daemon) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let node = c.api.node("node-a").unwrap();
+        let state = node["metadata"]["annotations"][NODE_STATE_KEY].as_str().map(NodeState::decode);
+        if let Some(Ok(s)) = state
+            && s.tells_lookalikes_apart
+        {
+            return;
+        }
+        assert!(Instant::now() < deadline, "never published telling look-alikes apart\n{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn look_alikes_created_in_one_second_are_served_in_the_order_they_were_bound() {
     let (c, daemon) = cluster(&[1000]).await;
     // Bound one after the other within a second, named against that order: the kubelet's
@@ -279,6 +327,33 @@ async fn look_alikes_created_in_one_second_are_served_in_the_order_they_were_bou
     let second = admit(&c, &[200]).await;
     assert_eq!(first[0].envs["GPUSHARE_POD"], "default/tie-b", "{}", daemon.log());
     assert_eq!(second[0].envs["GPUSHARE_POD"], "default/tie-a", "{}", daemon.log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kubelet_says_which_look_alike_it_admits() {
+    use gpushare_testkit::kubelet::ContainerSpec;
+    let (c, daemon) = cluster_of(&[1000, 1000], "", None, true).await;
+    // The daemon says on its node that it tells look-alikes apart once the kubelet's
+    // PodResources answered it.
+    wait_telling_apart(&c, &daemon).await;
+    // Three look-alikes, oldest first: x on GPU1, y and z on GPU0. The kubelet admits z, then
+    // y, then x: against every order the daemon could keep (it rejected x before its device
+    // manager, say, then took x again; its watch delivered them otherwise).
+    bound_pod(&c.api, "x", &[("main", ContainerRole::App, &[(1, 200)])]);
+    tokio::time::sleep(Duration::from_millis(1100)).await; // a later creation second
+    bound_pod(&c.api, "y", &[("main", ContainerRole::App, &[(0, 200)])]);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    bound_pod(&c.api, "z", &[("main", ContainerRole::App, &[(0, 200)])]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for (name, gpu) in [("z", "GPU-static-0"), ("y", "GPU-static-0"), ("x", "GPU-static-1")] {
+        let got = c
+            .kubelet
+            .admit_pod("default", name, &[ContainerSpec::app("main", 200)])
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e}\n{}", daemon.log()));
+        assert_eq!(got[0].envs["GPUSHARE_POD"], format!("default/{name}"), "{}", daemon.log());
+        assert_eq!(got[0].envs["NVIDIA_VISIBLE_DEVICES"], gpu, "{name}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

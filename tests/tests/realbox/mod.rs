@@ -31,6 +31,7 @@ pub(crate) fn node(name: &str, model: &str, mib: u64, count: u32) -> (Value, Val
         allocations: vec![],
         claims: vec![],
         over_budget: vec![],
+        tells_lookalikes_apart: false,
     };
     let total = (mib * u64::from(count)).to_string();
     let object = json!({"apiVersion": "v1", "kind": "Node",

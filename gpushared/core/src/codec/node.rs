@@ -1,7 +1,7 @@
 //! The node state a daemon publishes on its Node object: schema version 1.
 //!
 //! ```json
-//! {"v":1,"generation":7,"daemon":"0.1.0","unit":"MiB","gpus":[
+//! {"v":1,"generation":7,"daemon":"0.1.0","unit":"MiB","tellsLookalikesApart":true,"gpus":[
 //!   {"index":0,"uuid":"GPU-8f6e…","minor":0,"model":"Tesla T4","totalMiB":15360,"numa":0,
 //!    "health":"Healthy","cordoned":false,"usedMiB":3500,
 //!    "pods":[{"namespace":"default","name":"infer-1","uid":"3f1c…","container":"main","mib":3500}]},
@@ -19,6 +19,9 @@
 //! share once; they count in `usedMiB` as they are ([`used_per_gpu`]). `generation` grows with
 //! every publication so a reader can ignore a stale value. `overBudget` (absent when empty) lists the containers whose
 //! processes use more of the GPU's memory than their budget, as the daemon last sampled them.
+//! `tellsLookalikesApart` (absent when false) says the daemon learns from the kubelet itself
+//! which pod each device-plugin call is for (its PodResources `List`), so look-alike pods
+//! (device requests of one size) may be bound to the node while another is still admitted.
 
 use serde::{Deserialize, Serialize};
 
@@ -182,14 +185,22 @@ pub struct NodeState {
     pub claims: Vec<NodeClaim>,
     /// Containers over their budget.
     pub over_budget: Vec<OverBudget>,
+    /// Whether the daemon asks the kubelet which pod it is admitting, so that pods whose device
+    /// requests look alike need not be admitted one at a time (the extender's look-alike rule
+    /// does not apply to the node).
+    pub tells_lookalikes_apart: bool,
 }
 
 #[derive(Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 struct Wire {
     v: u32,
     generation: u64,
     daemon: String,
     unit: MemoryUnit,
+    /// Absent means false (and is what daemons before it wrote).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    tells_lookalikes_apart: bool,
     gpus: Vec<WireGpu>,
 }
 
@@ -321,6 +332,7 @@ impl NodeState {
             generation: self.generation,
             daemon: self.daemon_version.clone(),
             unit: self.inventory.unit(),
+            tells_lookalikes_apart: self.tells_lookalikes_apart,
             gpus: gpus
                 .iter()
                 .zip(&self.used)
@@ -492,6 +504,7 @@ impl NodeState {
             allocations,
             claims,
             over_budget,
+            tells_lookalikes_apart: wire.tells_lookalikes_apart,
         })
     }
 }
@@ -546,6 +559,7 @@ mod tests {
                 budget: Mib::new(3500),
                 since_ms: 1_700_000_000_000,
             }],
+            tells_lookalikes_apart: true,
         }
     }
 
@@ -554,7 +568,9 @@ mod tests {
         let state = sample();
         let text = state.encode().unwrap();
         assert!(
-            text.starts_with(r#"{"v":1,"generation":7,"daemon":"0.1.0","unit":"MiB","gpus":[{"index":0"#),
+            text.starts_with(
+                r#"{"v":1,"generation":7,"daemon":"0.1.0","unit":"MiB","tellsLookalikesApart":true,"gpus":[{"index":0"#
+            ),
             "{text}"
         );
         assert!(text.contains(r#""health":"Unhealthy","healthReason":"Xid 79""#), "{text}");
@@ -579,6 +595,10 @@ mod tests {
         let state = NodeState::decode(text).unwrap();
         assert_eq!(state.inventory.unit(), MemoryUnit::Gib);
         assert_eq!(state.used, vec![Mib::ZERO]);
+        // A daemon from before it does not tell look-alikes apart; false is not written.
+        assert!(!state.tells_lookalikes_apart);
+        let plain = NodeState { tells_lookalikes_apart: false, ..state };
+        assert!(!plain.encode().unwrap().contains("tellsLookalikesApart"));
     }
 
     #[test]
@@ -692,6 +712,7 @@ mod tests {
             allocations: allocations[..5].to_vec(),
             claims: Vec::new(),
             over_budget: Vec::new(),
+            tells_lookalikes_apart: false,
         };
         let text = state.encode().unwrap();
         assert!(text.contains(r#""container":"fetch","role":"init","mib":10000"#), "{text}");

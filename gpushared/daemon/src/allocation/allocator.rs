@@ -42,8 +42,8 @@ pub use claims::{ClaimError, ClaimRef, ClaimShare, PreparedShare};
 pub use env::{Answer, Mount};
 pub use error::AllocError;
 pub use gpus::Summary;
-pub use resolve::Care;
 use resolve::{Candidate, Held, Scope, key_hash};
+pub use resolve::{Care, KubeletListing, KubeletSays};
 
 #[derive(Debug)]
 struct State {
@@ -86,6 +86,9 @@ pub struct Allocator {
     admission: watch::Sender<bool>,
     /// The containers over their budget, as the over-use detector last saw them.
     over_budget: Mutex<Vec<OverBudget>>,
+    /// Whether the kubelet's PodResources answered when last asked: then calls are told apart
+    /// by asking it, and the node says so ([`gpushare_core::codec::node::NodeState::tells_lookalikes_apart`]).
+    kubelet_answers: std::sync::atomic::AtomicBool,
 }
 
 impl Allocator {
@@ -131,6 +134,7 @@ impl Allocator {
             activity: watch::Sender::new(0),
             admission: watch::Sender::new(false),
             over_budget: Mutex::new(Vec::new()),
+            kubelet_answers: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -223,7 +227,7 @@ impl Allocator {
     where
         I: IntoIterator<Item = &'a str> + Clone,
     {
-        self.preferred_with(available, must_include, size, Care::AS_IS)
+        self.preferred_with(available, must_include, size, &Care::AS_IS)
     }
 
     /// [`Self::preferred`], choosing the container as sure as `care` asks.
@@ -235,7 +239,7 @@ impl Allocator {
         available: I,
         must_include: &[String],
         size: usize,
-        care: Care,
+        care: &Care,
     ) -> Result<Vec<String>, AllocError>
     where
         I: IntoIterator<Item = &'a str> + Clone,
@@ -266,7 +270,7 @@ impl Allocator {
     /// # Errors
     /// [`AllocError`], and nothing is written.
     pub fn allocate(&self, device_ids: &[String]) -> Result<Answer, AllocError> {
-        self.allocate_with(device_ids, Care::AS_IS)
+        self.allocate_with(device_ids, &Care::AS_IS)
     }
 
     /// [`Self::allocate`]; where no proposal names the container, it is chosen as sure as
@@ -274,7 +278,7 @@ impl Allocator {
     ///
     /// # Errors
     /// As [`Self::allocate`], and [`AllocError::Ambiguous`] or [`AllocError::Unconfirmed`].
-    pub fn allocate_with(&self, device_ids: &[String], care: Care) -> Result<Answer, AllocError> {
+    pub fn allocate_with(&self, device_ids: &[String], care: &Care) -> Result<Answer, AllocError> {
         self.check_devices(device_ids)?;
         let key = request_key(device_ids);
         let mut state = self.lock();
@@ -422,6 +426,21 @@ impl Allocator {
         }
         self.changed();
         Ok(())
+    }
+
+    /// Records whether the kubelet's PodResources answered when last asked; a change is
+    /// published with the node state.
+    pub fn set_kubelet_answers(&self, answers: bool) {
+        if self.kubelet_answers.swap(answers, std::sync::atomic::Ordering::Relaxed) != answers {
+            tracing::info!(answers, "the kubelet's PodResources tells look-alike pods apart");
+            self.activity.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
+    /// Whether the kubelet's PodResources answered when last asked.
+    #[must_use]
+    pub fn kubelet_answers(&self) -> bool {
+        self.kubelet_answers.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn changed(&self) {

@@ -133,6 +133,18 @@ pub struct PodStore {
     refreshed: Arc<watch::Sender<Refreshed>>,
     /// Whether something serves consistent reads ([`Self::serve_reads`]).
     served: Arc<AtomicBool>,
+    /// Where reads of named pods go, once something serves them ([`Self::serve_fetches`]).
+    fetches: Arc<std::sync::Mutex<Option<tokio::sync::mpsc::UnboundedSender<Fetch>>>>,
+}
+
+/// A consistent read of named pods ([`PodStore::confirm_named`]): each `namespace/name` read
+/// with no resource version and merged into the store, then `done` told the outcome.
+#[derive(Debug)]
+pub struct Fetch {
+    /// The pods, `(namespace, name)`.
+    pub pods: Vec<(String, String)>,
+    /// Told once the pods found are merged (`Err`: why the read failed).
+    pub done: tokio::sync::oneshot::Sender<Result<(), String>>,
 }
 
 impl Default for PodStore {
@@ -145,6 +157,7 @@ impl Default for PodStore {
             requested: Arc::new(watch::Sender::new(0)),
             refreshed: Arc::new(watch::Sender::new(Refreshed::default())),
             served: Arc::default(),
+            fetches: Arc::default(),
         }
     }
 }
@@ -257,6 +270,30 @@ impl PodStore {
         let outcome =
             refreshed.wait_for(|r| r.serves >= wanted).await.map_err(|_| "the daemon is stopping".to_owned())?;
         outcome.error.clone().map_or(Ok(true), Err)
+    }
+
+    /// Reads the named pods consistently, after this call, into the store: cheaper than
+    /// [`Self::confirm`] when the kubelet said which pods it may be admitting. Returns whether
+    /// a read was made (none, at once, when nothing serves such reads).
+    ///
+    /// # Errors
+    /// Why the read failed.
+    pub async fn confirm_named(&self, pods: Vec<(String, String)>) -> Result<bool, String> {
+        let sender = self.fetches.lock().ok().and_then(|f| f.clone());
+        let Some(sender) = sender else { return Ok(false) };
+        let (done, outcome) = tokio::sync::oneshot::channel();
+        sender.send(Fetch { pods, done }).map_err(|_| "the daemon is stopping".to_owned())?;
+        outcome.await.map_err(|_| "the daemon is stopping".to_owned())?.map(|()| true)
+    }
+
+    /// Takes on serving reads of named pods ([`Self::confirm_named`]).
+    #[must_use]
+    pub fn serve_fetches(&self) -> tokio::sync::mpsc::UnboundedReceiver<Fetch> {
+        let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
+        if let Ok(mut f) = self.fetches.lock() {
+            *f = Some(sender);
+        }
+        receiver
     }
 
     /// Takes on serving consistent reads: the receiver sees the count of reads asked for; each

@@ -3,7 +3,8 @@
 //! relists after errors and keeps the store as last seen in between, so `Allocate` keeps
 //! working through an API-server outage for pods already seen. A deleted or finished pod's
 //! ledger rows are released, the history kept. Kubelet calls ask for consistent reads of the
-//! node's pods not yet running ([`refresh_pods`]), so they never go by a lagging watch. A kubelet
+//! node's pods not yet running ([`refresh_pods`]), or of the pods the kubelet says it may be
+//! admitting ([`fetch_pods`]), so they never go by a lagging watch. A kubelet
 //! reporting per-MiB device health is pointed out ([`DeviceHealthNotice`]).
 
 use gpushare_core::retry::Backoff;
@@ -227,6 +228,45 @@ pub async fn refresh_pods(
             tracing::warn!(error = %e, "a consistent read of this node's pods failed");
         }
         store.read_done(served, error);
+    }
+}
+
+/// Serves the reads of named pods kubelet calls ask for ([`PodStore::confirm_named`]): each pod
+/// read with a `GET` (a quorum read, as of now), those found merged into `store`. A pod the API
+/// server does not have (404), or will not show the node (403: not bound here), is left as the
+/// store has it. `fetches` comes from [`PodStore::serve_fetches`], taken before the plugin serves.
+pub async fn fetch_pods(
+    client: Client,
+    store: PodStore,
+    mut fetches: tokio::sync::mpsc::UnboundedReceiver<crate::allocation::pods::Fetch>,
+    alloc: Arc<Allocator>,
+) {
+    while let Some(fetch) = fetches.recv().await {
+        let started = std::time::Instant::now();
+        let gets = fetch.pods.iter().map(|(namespace, name)| {
+            let api: Api<PodObject> = Api::namespaced(client.clone(), namespace);
+            async move {
+                match tokio::time::timeout(READ_TIMEOUT, api.get(name)).await {
+                    Ok(Ok(pod)) => Ok(view(&pod)),
+                    Ok(Err(kube::Error::Api(e))) if e.code == 404 || e.code == 403 => Ok(None),
+                    Ok(Err(e)) => Err(format!("reading pod {namespace}/{name}: {e}")),
+                    Err(_) => Err(format!("reading pod {namespace}/{name}: no answer within {READ_TIMEOUT:?}")),
+                }
+            }
+        });
+        let outcome = futures::future::join_all(gets).await.into_iter().collect::<Result<Vec<_>, String>>();
+        let outcome = outcome.map(|views| {
+            let views: Vec<PodView> = views.into_iter().flatten().collect();
+            for v in views.iter().filter(|v| v.terminal) {
+                release(&alloc, v, "pod finished or deleted");
+            }
+            tracing::debug!(pods = views.len(), took = ?started.elapsed(), "read the pods the kubelet may admit");
+            store.merge_read(views);
+        });
+        if let Err(e) = &outcome {
+            tracing::warn!(error = %e, "a consistent read of the pods the kubelet may admit failed");
+        }
+        let _ = fetch.done.send(outcome);
     }
 }
 

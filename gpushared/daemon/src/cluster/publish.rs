@@ -436,6 +436,7 @@ mod tests {
             allocations,
             claims: Vec::new(),
             over_budget: Vec::new(),
+            tells_lookalikes_apart: false,
         }
     }
 

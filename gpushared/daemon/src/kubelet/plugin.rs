@@ -25,7 +25,8 @@ use tokio::sync::watch;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use crate::allocation::allocator::{AllocError, Allocator, Care};
+use crate::allocation::allocator::{AllocError, Allocator, Care, KubeletSays};
+use crate::kubelet::pod_resources;
 
 mod list_and_watch;
 
@@ -112,13 +113,15 @@ pub struct Plugin {
     devices: watch::Receiver<DeviceSnapshot>,
     /// Set to `true` to end every `ListAndWatch` stream (the server is being replaced).
     stop: watch::Receiver<bool>,
+    /// The kubelet's PodResources socket, asked which pod a call is for when several could be.
+    pod_resources: Option<Arc<Path>>,
 }
 
 impl Plugin {
     /// A service answering from `alloc`, streaming device lists from `devices`.
     #[must_use]
     pub fn new(alloc: Arc<Allocator>, devices: watch::Receiver<DeviceSnapshot>) -> Self {
-        Plugin { alloc, devices, stop: watch::Sender::new(false).subscribe() }
+        Plugin { alloc, devices, stop: watch::Sender::new(false).subscribe(), pod_resources: None }
     }
 
     /// The device list now and after every change, until the server stops.
@@ -126,6 +129,14 @@ impl Plugin {
         tokio_stream::wrappers::WatchStream::new(self.devices.clone())
             .map(|snapshot| ListAndWatchResponse::from_source(Arc::new(snapshot)))
             .take_until(Box::pin(stopped(self.stop.clone())))
+    }
+
+    /// The same, asking the kubelet's PodResources at `socket` which pod a call is for when
+    /// several could be (while [`Allocator::kubelet_answers`]).
+    #[must_use]
+    pub fn with_pod_resources(mut self, socket: &Path) -> Self {
+        self.pod_resources = Some(Arc::from(socket));
+        self
     }
 
     /// The same, ending its `ListAndWatch` streams once `stop` turns `true`.
@@ -161,37 +172,45 @@ impl Plugin {
     /// serve a pod whose admission has not started, or none at all, it reads the node's pods
     /// consistently ([`crate::allocation::pods::PodStore::confirm`]) and runs it again: the
     /// pod watch may lag behind the kubelet's, which has already seen the pod it admits; a call
-    /// for no pod the read found is refused at once. While it then cannot tell which of several
-    /// pods it is for, or the first in line is doubtful (or, with no API server to read, finds no
-    /// pod waiting), it runs again after each change of the pods bound
-    /// here or of the allocations, for up to [`CANDIDATE_WAIT`]; then once more, impatient
-    /// (the oldest look-alike is taken; a doubtful pod is still refused, and so is every call
-    /// while no read succeeds: failing an admission is safe, handing a container another pod's
-    /// GPU is not).
+    /// for no pod the read found is refused at once. When several pods could still be the one,
+    /// it asks the kubelet's PodResources which it is admitting ([`KubeletSays`]) and runs it
+    /// again with the answer.
+    ///
+    /// While it then cannot tell which of several pods it is for, or the first in line is
+    /// doubtful (or, with no API server to read, finds no pod waiting), it runs again after each
+    /// change of the pods bound here or of the allocations (asking the kubelet again), for up to
+    /// [`CANDIDATE_WAIT`]. Then, if the kubelet could not be asked, once more, impatient (the
+    /// oldest look-alike is taken); a call the kubelet's answer leaves ambiguous, one for a
+    /// doubtful pod and every call while no read succeeds are refused: failing an admission is
+    /// safe, handing a container another pod's GPU is not.
     async fn waiting_for_the_pod<T, F>(&self, call: F) -> Result<T, Status>
     where
         T: Send + 'static,
-        F: Fn(&Allocator, Care) -> Result<T, AllocError> + Send + Sync + 'static,
+        F: Fn(&Allocator, &Care) -> Result<T, AllocError> + Send + Sync + 'static,
     {
         let call = Arc::new(call);
         let deadline = tokio::time::Instant::now() + CANDIDATE_WAIT;
-        let mut care = Care { patient: true, confirmed: false };
+        let askable = self.pod_resources.is_some() && self.alloc.kubelet_answers();
+        let initial = if askable { KubeletSays::Askable } else { KubeletSays::Unasked };
+        let mut care = Care { patient: true, confirmed: false, kubelet: initial };
         // Whether the API server was read since the call came: then a pod not found is not
         // there (deleted, say, while the kubelet's watch lagged), and waiting would only hold
         // up the kubelet's next admissions.
         let mut read = false;
+        // Whether the kubelet answered since the call came.
+        let mut asked = false;
         loop {
             // Subscribed before the call, so a change while it runs wakes the wait below.
             let mut pods = self.alloc.pods().subscribe();
             let mut allocations = self.alloc.subscribe();
-            let (alloc, f) = (Arc::clone(&self.alloc), Arc::clone(&call));
-            let result = tokio::task::spawn_blocking(move || f(&alloc, care))
+            let (alloc, f, now) = (Arc::clone(&self.alloc), Arc::clone(&call), care.clone());
+            let result = tokio::task::spawn_blocking(move || f(&alloc, &now))
                 .await
                 .map_err(|e| Status::internal(format!("allocation task failed: {e}")))?;
             let waiting = tokio::time::Instant::now() < deadline;
             let mut retry_in = None;
             match result {
-                Err(AllocError::Unconfirmed { .. }) => match self.alloc.pods().confirm().await {
+                Err(AllocError::Unconfirmed { .. }) => match self.confirm(&mut care, &mut asked).await {
                     Ok(made) => {
                         care.confirmed = true;
                         read = made;
@@ -209,12 +228,25 @@ impl Plugin {
                         )));
                     }
                 },
+                Err(AllocError::Ambiguous { .. }) if care.kubelet == KubeletSays::Askable => {
+                    care.kubelet = self.ask_kubelet().await;
+                    asked |= matches!(care.kubelet, KubeletSays::Listed(_));
+                    continue;
+                }
                 Err(AllocError::NoCandidate { .. }) if waiting && !read => self.alloc.pods().want_news(),
                 Err(AllocError::Doubtful { .. } | AllocError::Rebuilding { .. }) if waiting => {}
-                Err(AllocError::Ambiguous { .. }) if waiting => {}
-                Err(e @ AllocError::Ambiguous { .. }) if care.patient => {
+                Err(AllocError::Ambiguous { .. }) if waiting => {
+                    if let KubeletSays::Listed(_) = care.kubelet {
+                        // Asked again after the next change (or shortly): a pod it listed was
+                        // rejected before this call, say, and the API server has it failed.
+                        care.kubelet = KubeletSays::Askable;
+                        retry_in = Some(KUBELET_RETRY);
+                    }
+                }
+                Err(e @ AllocError::Ambiguous { .. }) if care.patient && !asked => {
                     tracing::warn!(error = %e, "still ambiguous after waiting; serving the oldest");
                     care.patient = false;
+                    care.kubelet = KubeletSays::Unasked;
                     continue;
                 }
                 other => return other.map_err(|e| status(&e)),
@@ -228,7 +260,66 @@ impl Plugin {
             }
         }
     }
+
+    /// Reads consistently what the pod store may lack for this call. Asked first, the kubelet
+    /// names the pods it may be admitting: reading those alone (a `GET` each) is cheaper than
+    /// reading every pod of the node not running yet, which is what happens when it cannot be
+    /// asked or names many.
+    async fn confirm(&self, care: &mut Care, asked: &mut bool) -> Result<bool, String> {
+        if care.kubelet == KubeletSays::Askable {
+            care.kubelet = self.ask_kubelet().await;
+            *asked |= matches!(care.kubelet, KubeletSays::Listed(_));
+        }
+        if let KubeletSays::Listed(listing) = &care.kubelet {
+            let store = self.alloc.pods().snapshot();
+            // A pod the store has without an assignment asks nothing of this daemon (the
+            // extender binds with the assignment in the same update).
+            let plain = |ns: &str, name: &str| {
+                store.iter().any(|p| p.view.pod.namespace == ns && p.view.pod.name == name && p.assignment.is_none())
+            };
+            let to_read: Vec<(String, String)> =
+                listing.holding_nothing().into_iter().filter(|(ns, name)| !plain(ns, name)).collect();
+            if !to_read.is_empty() && to_read.len() <= NAMED_READS {
+                return self.alloc.pods().confirm_named(to_read).await;
+            }
+        }
+        self.alloc.pods().confirm().await
+    }
+
+    /// Asks the kubelet's PodResources which pods it holds. A kubelet that cannot be asked
+    /// turns the node back to look-alikes admitted one at a time (published), and the call
+    /// goes on by the kubelet's order; one that is only busy (its rate limit) is asked again.
+    async fn ask_kubelet(&self) -> KubeletSays {
+        let Some(socket) = &self.pod_resources else { return KubeletSays::Unasked };
+        for _ in 0..KUBELET_ASKS {
+            match pod_resources::listing(socket, KUBELET_TIMEOUT, self.alloc.resource()).await {
+                Ok(listing) => return KubeletSays::Listed(Arc::new(listing)),
+                Err(e) if e.is_busy() => {
+                    tracing::debug!(error = %e, "the kubelet's PodResources is busy; asking again");
+                    tokio::time::sleep(KUBELET_RETRY).await;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot ask the kubelet which pod it is admitting");
+                    self.alloc.set_kubelet_answers(false);
+                    return KubeletSays::Unasked;
+                }
+            }
+        }
+        KubeletSays::Unasked
+    }
 }
+
+/// The most pods a call reads by name; more, and it reads the node's pods not running instead.
+const NAMED_READS: usize = 16;
+
+/// How long the kubelet's PodResources has to answer a call's question.
+const KUBELET_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How soon the kubelet is asked again when busy, or when its answer left a call ambiguous.
+const KUBELET_RETRY: Duration = Duration::from_millis(20);
+
+/// How often a busy kubelet is asked before the call goes on by the kubelet's order.
+const KUBELET_ASKS: u32 = 25;
 
 #[tonic::async_trait]
 impl DevicePlugin for Plugin {

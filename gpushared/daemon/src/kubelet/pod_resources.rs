@@ -1,13 +1,14 @@
 //! The kubelet's PodResources API (`List`): asked over its unix socket for the containers that
 //! hold this daemon's devices, and reduced to what reconciliation reads
-//! ([`crate::allocation::reconcile::KubeletView`]).
+//! ([`crate::allocation::reconcile::KubeletView`]) and to what tells a device-plugin call's pod
+//! apart from its look-alikes ([`KubeletListing`]).
 
 use gpushare_proto::podresources::ListPodResourcesResponse;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::allocation::allocator::Allocator;
+use crate::allocation::allocator::{Allocator, KubeletListing};
 use crate::allocation::pods::PodStore;
 use crate::allocation::reconcile::{Holding, KubeletView};
 use crate::config::ReconcileConfig;
@@ -38,6 +39,35 @@ pub fn kubelet_view(list: &ListPodResourcesResponse, resource: &str) -> KubeletV
     view
 }
 
+/// Reduces a `List` answer to the pods the kubelet holds and, for each, the containers that
+/// hold devices of `resource`.
+#[must_use]
+pub fn kubelet_listing(list: &ListPodResourcesResponse, resource: &str) -> KubeletListing {
+    let mut listing = KubeletListing::default();
+    for pod in &list.pod_resources {
+        let holding = pod
+            .containers
+            .iter()
+            .filter(|c| c.devices.iter().any(|d| d.resource_name == resource && !d.device_ids.is_empty()))
+            .map(|c| c.name.clone());
+        listing.insert(&pod.namespace, &pod.name, holding);
+    }
+    listing
+}
+
+/// Asks the kubelet's PodResources `List` on `socket` which pods it holds (within `timeout`).
+///
+/// # Errors
+/// [`PodResourcesError`] when the kubelet cannot be reached or refuses.
+pub async fn listing(
+    socket: &std::path::Path,
+    timeout: Duration,
+    resource: &str,
+) -> Result<KubeletListing, PodResourcesError> {
+    let list = list(socket, timeout).await?;
+    Ok(kubelet_listing(&list, resource))
+}
+
 /// The kubelet's PodResources API cannot be asked.
 #[derive(Debug, thiserror::Error)]
 pub enum PodResourcesError {
@@ -53,13 +83,24 @@ pub enum PodResourcesError {
         reason: String,
     },
     /// The kubelet answered `List` with an error.
-    #[error("the kubelet's PodResources List at {socket} failed: {status}")]
+    #[error("the kubelet's PodResources List at {socket} failed: {code:?}: {message}")]
     List {
         /// The socket.
         socket: String,
-        /// The gRPC status.
-        status: String,
+        /// The gRPC status code.
+        code: tonic::Code,
+        /// Its message.
+        message: String,
     },
+}
+
+impl PodResourcesError {
+    /// Whether the kubelet only refused for now: its rate limit (100 calls a second, bursts of
+    /// 10) was spent.
+    #[must_use]
+    pub fn is_busy(&self) -> bool {
+        matches!(self, PodResourcesError::List { code, .. } if *code == tonic::Code::ResourceExhausted)
+    }
 }
 
 /// Asks the kubelet's PodResources `List` on `socket` (within `timeout`).
@@ -85,7 +126,8 @@ pub async fn list(
             .map(tonic::Response::into_inner)
             .map_err(|s| PodResourcesError::List {
                 socket: name.clone(),
-                status: format!("{:?}: {}", s.code(), s.message()),
+                code: s.code(),
+                message: s.message().to_owned(),
             })
     };
     tokio::time::timeout(timeout, ask).await.unwrap_or_else(|_| {
@@ -121,14 +163,23 @@ pub async fn reconcile_loop(
         }
         if !pods.is_synced() {
             tracing::info!("reconciliation waits for the first complete list of this node's pods");
-            continue;
+            let mut stored = pods.subscribe();
+            while !pods.is_synced() {
+                if stored.changed().await.is_err() {
+                    return;
+                }
+            }
         }
         let list = match list(&socket, Duration::from_secs(10)).await {
             Ok(list) => {
                 warned = false;
+                alloc.set_kubelet_answers(true);
                 list
             }
             Err(e) => {
+                if !e.is_busy() {
+                    alloc.set_kubelet_answers(false);
+                }
                 if warned {
                     tracing::debug!(error = %e, "reconciliation skipped");
                 } else {

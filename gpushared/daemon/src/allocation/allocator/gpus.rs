@@ -198,6 +198,7 @@ impl Allocator {
             allocations,
             claims,
             over_budget,
+            tells_lookalikes_apart: self.kubelet_answers(),
         }
     }
 }

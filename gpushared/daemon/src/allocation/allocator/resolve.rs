@@ -12,8 +12,13 @@
 //!
 //! A pod whose admission has not started is chosen only from a store read consistently after
 //! the call came ([`Care::confirmed`]): the pod watch may lag behind the kubelet's.
+//!
+//! Where several pods could be the one, the kubelet says which ([`KubeletSays`]): its
+//! PodResources `List`, asked during the call, lists the pods it has admitted and the one it is
+//! admitting (added before its admission starts, dropped when rejected), with the devices each
+//! container holds. The pod being admitted is the listed one whose container holds none yet.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment};
@@ -102,22 +107,65 @@ impl Candidate {
     }
 }
 
+/// The kubelet's own record of the pods it holds, from PodResources `List`: each pod it has
+/// admitted or is admitting, with the containers that hold devices of this daemon's resource.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KubeletListing {
+    pods: HashMap<(String, String), BTreeSet<String>>,
+}
+
+impl KubeletListing {
+    /// Adds pod `namespace/name`, whose `holding` containers hold devices of this resource.
+    pub fn insert(&mut self, namespace: &str, name: &str, holding: impl IntoIterator<Item = String>) {
+        self.pods.entry((namespace.to_owned(), name.to_owned())).or_default().extend(holding);
+    }
+
+    /// The pods listed whose containers hold none of this resource's devices, `(namespace,
+    /// name)`: those whose admission the kubelet may have begun without the daemon.
+    #[must_use]
+    pub fn holding_nothing(&self) -> Vec<(String, String)> {
+        self.pods.iter().filter(|(_, held)| held.is_empty()).map(|(k, _)| k.clone()).collect()
+    }
+
+    /// Whether the kubelet may be admitting `container` of `pod`: it lists the pod, and the
+    /// container holds none of this resource's devices yet. (Init containers that are not
+    /// sidecars are never listed, so theirs is the pod's listing alone.)
+    fn admitting(&self, pod: &PodRef, container: &str) -> bool {
+        self.pods.get(&(pod.namespace.clone(), pod.name.clone())).is_some_and(|held| !held.contains(container))
+    }
+}
+
+/// What the kubelet was asked about the pods it holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum KubeletSays {
+    /// It cannot be asked: look-alikes on the same GPUs are told apart by the kubelet's order.
+    #[default]
+    Unasked,
+    /// It can be asked: any two pods that could be the one are [`AllocError::Ambiguous`] (when
+    /// patient), so that the caller asks.
+    Askable,
+    /// Its answer, asked after the call came: only the pods it lists as admitting can be the one.
+    Listed(Arc<KubeletListing>),
+}
+
 /// How sure a choice must be.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Care {
     /// A guess among look-alikes is [`AllocError::Ambiguous`] instead (the caller waits).
     pub patient: bool,
     /// The pod store includes a consistent read begun after the call came. Without it, a
     /// container of a pod whose admission has not started is [`AllocError::Unconfirmed`].
     pub confirmed: bool,
+    /// What the kubelet said.
+    pub kubelet: KubeletSays,
 }
 
 impl Care {
     /// The store as it stands is the truth, and the oldest look-alike is taken: a store that
     /// nothing else feeds (tests, tools).
-    pub const AS_IS: Care = Care { patient: false, confirmed: true };
+    pub const AS_IS: Care = Care { patient: false, confirmed: true, kubelet: KubeletSays::Unasked };
     /// The store is the truth; look-alikes are refused.
-    pub const PATIENT: Care = Care { patient: true, confirmed: true };
+    pub const PATIENT: Care = Care { patient: true, confirmed: true, kubelet: KubeletSays::Unasked };
 }
 
 /// Whether the kubelet has started admitting pod `uid`: it is the pod being admitted, or
@@ -254,7 +302,7 @@ impl Scope<'_> {
         held: &[Arc<Held>],
         admissions: &Admissions,
         units: usize,
-        care: Care,
+        care: &Care,
     ) -> Result<Candidate, AllocError> {
         if units == 0 {
             return Err(AllocError::BadRequest(
@@ -283,6 +331,14 @@ impl Scope<'_> {
             )
         };
         fitting.sort_by_cached_key(key);
+        if let KubeletSays::Listed(listing) = &care.kubelet {
+            fitting.retain(|c| {
+                started(held, admissions, &c.view().pod.uid) || listing.admitting(&c.view().pod, &c.container().name)
+            });
+            if fitting.is_empty() {
+                return Err(self.no_candidate(pods, held, units));
+            }
+        }
         if !care.confirmed
             && let Some(top) = fitting.first()
             && !started(held, admissions, &top.view().pod.uid)
@@ -294,8 +350,10 @@ impl Scope<'_> {
         {
             return Err(AllocError::Doubtful { pod: top.view().pod.to_string(), units, unit: self.unit });
         }
+        // Asked or askable, the kubelet names even look-alikes on the same GPUs right.
+        let any_placement = care.kubelet != KubeletSays::Unasked;
         if care.patient
-            && let Some((first, other)) = ambiguity(held, admissions, &fitting)
+            && let Some((first, other)) = ambiguity(held, admissions, &fitting, any_placement)
         {
             return Err(AllocError::Ambiguous { first, other, units, unit: self.unit });
         }
@@ -331,8 +389,14 @@ impl Scope<'_> {
 
 /// Whether the first of `fitting` (sorted by [`Scope::choose`]) is a guess: it has not started
 /// admission (no row, not the pod being admitted), and another pod that has not either waits for
-/// as many units first but is assigned differently. Returns both names.
-fn ambiguity(held: &[Arc<Held>], admissions: &Admissions, fitting: &[Candidate]) -> Option<(String, String)> {
+/// as many units first but is assigned differently (or at all, with `any_placement`). Returns
+/// both names.
+fn ambiguity(
+    held: &[Arc<Held>],
+    admissions: &Admissions,
+    fitting: &[Candidate],
+    any_placement: bool,
+) -> Option<(String, String)> {
     let top = fitting.first()?;
     let started = |uid: &str| started(held, admissions, uid);
     let uid = top.view().pod.uid.as_str();
@@ -342,7 +406,9 @@ fn ambiguity(held: &[Arc<Held>], admissions: &Admissions, fitting: &[Candidate])
     fitting[1..]
         .iter()
         .find(|c| {
-            c.view().pod.uid != uid && !started(&c.view().pod.uid) && !c.assignment.same_placement(&top.assignment)
+            c.view().pod.uid != uid
+                && !started(&c.view().pod.uid)
+                && (any_placement || !c.assignment.same_placement(&top.assignment))
         })
         .map(|c| (top.view().pod.to_string(), c.view().pod.to_string()))
 }

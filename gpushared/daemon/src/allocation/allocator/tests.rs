@@ -196,7 +196,7 @@ fn a_pod_whose_allocation_a_kubelet_restart_lost_is_served_again() {
     // and offers a's devices as free. The restart explains it: a is served, not held back.
     std::thread::sleep(std::time::Duration::from_millis(2));
     f.alloc.kubelet_restarted();
-    let again = f.alloc.preferred_with(all_devices(&f).iter().map(String::as_str), &[], 300, Care::PATIENT).unwrap();
+    let again = f.alloc.preferred_with(all_devices(&f).iter().map(String::as_str), &[], 300, &Care::PATIENT).unwrap();
     assert_eq!(gpus_of(&f, &again), BTreeSet::from([0]));
     let history = f.alloc.history(0).unwrap();
     assert!(history.iter().any(|(_, _, detail)| detail.contains("offers these devices as free")), "{history:?}");
@@ -422,17 +422,17 @@ fn look_alike_pods_on_other_gpus_make_a_patient_choice_wait() {
     pod(&f, "b", "2026-01-01T00:00:02Z", &[("main", ContainerRole::App, &[(2, 400)])]);
     let available = all_devices(&f);
     let ids = || available.iter().map(String::as_str);
-    let err = f.alloc.preferred_with(ids(), &[], 400, Care::PATIENT).unwrap_err();
+    let err = f.alloc.preferred_with(ids(), &[], 400, &Care::PATIENT).unwrap_err();
     assert!(matches!(err, AllocError::Ambiguous { .. }), "{err}");
     assert!(err.to_string().contains("default/pod-a and default/pod-b both wait for 400 MiB"), "{err}");
     // Impatient, the oldest is taken, as the kubelet admits in creation order.
-    assert_eq!(gpus_of(&f, &f.alloc.preferred_with(ids(), &[], 400, Care::AS_IS).unwrap()), BTreeSet::from([0]));
+    assert_eq!(gpus_of(&f, &f.alloc.preferred_with(ids(), &[], 400, &Care::AS_IS).unwrap()), BTreeSet::from([0]));
     // Once the look-alike goes, the choice is clear.
     f.pods.remove("b", 0);
-    assert_eq!(gpus_of(&f, &f.alloc.preferred_with(ids(), &[], 400, Care::PATIENT).unwrap()), BTreeSet::from([0]));
+    assert_eq!(gpus_of(&f, &f.alloc.preferred_with(ids(), &[], 400, &Care::PATIENT).unwrap()), BTreeSet::from([0]));
     // Look-alikes placed alike are no ambiguity: either gets what it was assigned.
     pod(&f, "c", "2026-01-01T00:00:03Z", &[("main", ContainerRole::App, &[(0, 400)])]);
-    assert!(f.alloc.preferred_with(ids(), &[], 400, Care::PATIENT).is_ok());
+    assert!(f.alloc.preferred_with(ids(), &[], 400, &Care::PATIENT).is_ok());
 }
 
 #[test]
@@ -445,7 +445,7 @@ fn rows_whose_devices_the_kubelet_offers_as_free_are_released_and_their_pod_held
     f.alloc.allocate(&ids).unwrap();
     assert_eq!(f.alloc.live().unwrap().len(), 1);
     pod(&f, "b", "2026-01-01T00:00:02Z", &[("main", ContainerRole::App, &[(1, 300)])]);
-    let err = f.alloc.preferred_with(all_devices(&f).iter().map(String::as_str), &[], 300, Care::AS_IS).unwrap_err();
+    let err = f.alloc.preferred_with(all_devices(&f).iter().map(String::as_str), &[], 300, &Care::AS_IS).unwrap_err();
     assert!(f.alloc.live().unwrap().is_empty(), "a's row is released");
     let history = f.alloc.history(0).unwrap();
     assert!(history.iter().any(|(_, _, detail)| detail.contains("offers these devices as free")), "{history:?}");
@@ -455,7 +455,7 @@ fn rows_whose_devices_the_kubelet_offers_as_free_are_released_and_their_pod_held
     // The pod watch settles it: a is gone, b is served.
     f.alloc.release_pod("a", "pod deleted").unwrap();
     f.pods.remove("a", 0);
-    let again = f.alloc.preferred_with(all_devices(&f).iter().map(String::as_str), &[], 300, Care::PATIENT).unwrap();
+    let again = f.alloc.preferred_with(all_devices(&f).iter().map(String::as_str), &[], 300, &Care::PATIENT).unwrap();
     assert_eq!(gpus_of(&f, &again), BTreeSet::from([1]));
     let answer = f.alloc.allocate(&again).unwrap();
     f.in_use.borrow_mut().extend(again);
@@ -502,7 +502,7 @@ fn a_rebuild_refuses_calls_until_the_lost_rows_are_booked_again() {
     assert_eq!(missing.len(), 2);
     f.alloc.begin_rebuild(missing);
     let ids: Vec<String> = f.alloc.devices().ids(1).take(300).collect();
-    let err = f.alloc.allocate_with(&ids, Care::PATIENT).unwrap_err();
+    let err = f.alloc.allocate_with(&ids, &Care::PATIENT).unwrap_err();
     assert!(matches!(err, AllocError::Rebuilding { missing: 2 }), "{err}");
     // Published meanwhile as held: the extender does not see the GPU free.
     assert_eq!(f.alloc.node_state(1, "t").used, [Mib::new(600), Mib::ZERO, Mib::new(100)]);
@@ -511,6 +511,6 @@ fn a_rebuild_refuses_calls_until_the_lost_rows_are_booked_again() {
     let live = f.alloc.live().unwrap();
     assert_eq!(live.iter().map(|r| (r.pod.uid.as_str(), r.gpu_index)).collect::<Vec<_>>(), [("u1", 0)]);
     // Served again, and the rebuilt row counts: u2 gets its GPU1, u1 is not booked twice.
-    f.alloc.allocate_with(&ids, Care::PATIENT).unwrap();
+    f.alloc.allocate_with(&ids, &Care::PATIENT).unwrap();
     assert!(f.alloc.missing_from_ledger(&published[..1]).unwrap().is_empty());
 }

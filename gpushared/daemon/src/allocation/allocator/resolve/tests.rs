@@ -8,7 +8,7 @@ use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssi
 use gpushare_core::codec::node::PodRef;
 use gpushare_core::{ContainerRole, GpuUuid, MemoryUnit, Mib, ResourceNames};
 
-use super::{Care, Held, Scope};
+use super::{Care, Held, KubeletListing, KubeletSays, Scope};
 use crate::allocation::allocator::AllocError;
 use crate::allocation::allocator::admission::{Admissions, Owner, Step};
 use crate::allocation::allocator::tests::{ContainerSpec, spec_of};
@@ -278,8 +278,8 @@ fn the_container_a_call_is_for() {
         for step in case.steps {
             admissions.apply(step.clone());
         }
-        let care = Care { patient: case.patient, confirmed: true };
-        let got = scope.choose(&stored(case.pods), &held(case.held), &admissions, case.units, care);
+        let care = Care { patient: case.patient, ..Care::PATIENT };
+        let got = scope.choose(&stored(case.pods), &held(case.held), &admissions, case.units, &care);
         assert_eq!(outcome(&got), case.want, "{}", case.name);
     }
 }
@@ -288,19 +288,61 @@ fn the_container_a_call_is_for() {
 fn an_unconfirmed_store_serves_only_a_pod_the_kubelet_already_admits() {
     let names = ResourceNames::gpushare();
     let scope = Scope { node: "node-a", names: &names, unit: MemoryUnit::Mib };
-    let unconfirmed = Care { patient: true, confirmed: false };
+    let unconfirmed = Care { confirmed: false, ..Care::PATIENT };
     let two = [("init", INIT, &[(0, 100)][..]), ("a", APP, &[(0, 200)][..])];
     let pods = stored(&[p("x", "2026-01-01", &two)]);
     let none = Admissions::default();
     // The only pod in view may not be the one the kubelet admits; nor may "none waits".
-    assert_eq!(outcome(&scope.choose(&pods, &[], &none, 100, unconfirmed)), "unconfirmed default/pod-x");
-    assert_eq!(outcome(&scope.choose(&pods, &[], &none, 300, unconfirmed)), "unconfirmed ");
-    assert_eq!(outcome(&scope.choose(&[], &[], &none, 100, unconfirmed)), "unconfirmed ");
+    assert_eq!(outcome(&scope.choose(&pods, &[], &none, 100, &unconfirmed)), "unconfirmed default/pod-x");
+    assert_eq!(outcome(&scope.choose(&pods, &[], &none, 300, &unconfirmed)), "unconfirmed ");
+    assert_eq!(outcome(&scope.choose(&[], &[], &none, 100, &unconfirmed)), "unconfirmed ");
     // Its next container once its first holds a row, or while it is the pod being admitted.
-    assert_eq!(outcome(&scope.choose(&pods, &held(&[("x", "init")]), &none, 200, unconfirmed)), "x/a");
+    assert_eq!(outcome(&scope.choose(&pods, &held(&[("x", "init")]), &none, 200, &unconfirmed)), "x/a");
     let mut admitting = Admissions::default();
     admitting.apply(Step::Allocated { key: "k".into(), uid: "x".into() });
-    assert_eq!(outcome(&scope.choose(&pods, &[], &admitting, 100, unconfirmed)), "x/init");
+    assert_eq!(outcome(&scope.choose(&pods, &[], &admitting, 100, &unconfirmed)), "x/init");
+}
+
+#[test]
+fn the_kubelet_names_the_pod_among_look_alikes() {
+    let names = ResourceNames::gpushare();
+    let scope = Scope { node: "node-a", names: &names, unit: MemoryUnit::Mib };
+    let none = Admissions::default();
+    // Three look-alikes: x and z on GPU0, y (younger) on GPU1.
+    let pods = stored(&[
+        p("x", "2026-01-01", &[("a", APP, &[(0, 100)])]),
+        p("y", "2026-01-02", &[("a", APP, &[(1, 100)])]),
+        p("z", "2026-01-03", &[("a", APP, &[(0, 100)])]),
+    ]);
+    let asked = |pods: &[(&str, &[&str])]| {
+        let mut l = KubeletListing::default();
+        for (name, holding) in pods {
+            l.insert("default", name, holding.iter().map(|c| (*c).to_owned()));
+        }
+        Care { kubelet: KubeletSays::Listed(Arc::new(l)), ..Care::PATIENT }
+    };
+    // Not asked: only look-alikes on other GPUs are ambiguous, and the oldest of the same
+    // placement is taken.
+    let unasked =
+        scope.choose(&pods[..1].iter().chain(&pods[2..]).cloned().collect::<Vec<_>>(), &[], &none, 100, &Care::PATIENT);
+    assert_eq!(outcome(&unasked), "x/a");
+    assert_eq!(outcome(&scope.choose(&pods, &[], &none, 100, &Care::PATIENT)), "ambiguous default/pod-x default/pod-y");
+    // Askable: any two are, so that the caller asks.
+    let askable = Care { kubelet: KubeletSays::Askable, ..Care::PATIENT };
+    let same = [Arc::clone(&pods[0]), Arc::clone(&pods[2])];
+    assert_eq!(outcome(&scope.choose(&same, &[], &none, 100, &askable)), "ambiguous default/pod-x default/pod-z");
+    // Asked: the pod it lists without devices is the one, whatever the order says.
+    assert_eq!(outcome(&scope.choose(&pods, &[], &none, 100, &asked(&[("pod-y", &[])]))), "y/a");
+    assert_eq!(outcome(&scope.choose(&pods, &[], &none, 100, &asked(&[("pod-z", &[])]))), "z/a");
+    // A listed pod whose container already holds devices is not being admitted.
+    let got = scope.choose(&pods, &[], &none, 100, &asked(&[("pod-x", &["a"]), ("pod-z", &[])]));
+    assert_eq!(outcome(&got), "z/a");
+    // Two listed without devices (a kubelet before 1.34 lists the pods it rejected too): still
+    // ambiguous, whatever their placement.
+    let got = scope.choose(&pods, &[], &none, 100, &asked(&[("pod-x", &[]), ("pod-z", &[])]));
+    assert_eq!(outcome(&got), "ambiguous default/pod-x default/pod-z");
+    // None listed: the kubelet admits no pod this daemon knows to wait for that many.
+    assert!(outcome(&scope.choose(&pods, &[], &none, 100, &asked(&[("other", &[])]))).starts_with("no candidate"));
 }
 
 #[test]
@@ -311,7 +353,7 @@ fn no_candidate_says_what_waits_and_what_cannot_be_served() {
         p("x", "2026-01-01", &[("a", APP, &[(0, 100)])]),
         P { node: "node-b", ..p("y", "2026-01-01", &[("a", APP, &[(0, 100)])]) },
     ]);
-    let e = scope.choose(&pods, &[], &Admissions::default(), 300, Care::PATIENT).unwrap_err().to_string();
+    let e = scope.choose(&pods, &[], &Admissions::default(), 300, &Care::PATIENT).unwrap_err().to_string();
     assert!(e.contains("default/pod-x container \"a\" waits for 100 MiB"), "{e}");
     assert!(e.contains("default/pod-y is assigned to node node-b"), "{e}");
 }
