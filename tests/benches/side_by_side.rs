@@ -39,7 +39,10 @@
 //! 1024 MiB of its `gpu.nvidia.com` class; its figures are given as ratios to gpushare's DRA row.
 //! Needs root and Go, as the real-cluster tests do. `GPUSHARE_BOX_DIR` keeps each box's logs
 //! and state, in `<dir>/<system>-<round>`. `GPUSHARE_BENCH_SYSTEMS` (e.g. `gib,dra`) runs only
-//! the systems named (`mib`, `gib`, `dra`, `nvidia`, `alibaba`, `hami`, `nvidia-dra`). The kubelet's
+//! the systems named (`mib`, `gib`, `dra`, `nvidia`, `alibaba`, `hami`, `nvidia-dra`, `floor-mib`).
+//! `floor-mib` is the kubelet's own limit at MiB mode's device count: a plugin of as many devices
+//! (`example.com/mib`) that answers at once (`gpushare-box null-plugin`), pods of the same size
+//! placed by kube-scheduler alone; gpushare's MiB mode is given as a ratio to it. The kubelet's
 //! DRA histogram starts at 100 ms, too coarse for a prepare: the DRA rows' `Allocate` figures are
 //! left out (gpushare's prepare latency is `cargo bench -p gpushared --bench dra_prepare`'s).
 #![allow(
@@ -78,9 +81,12 @@ enum System {
     Alibaba,
     Hami,
     NvidiaDra,
+    /// A plugin that answers at once ([`gpushare_testkit::null_plugin`]) with as many devices as
+    /// gpushare's MiB mode: what the kubelet itself allows at that count.
+    FloorMib,
 }
 
-const SYSTEMS: [System; 7] = [
+const SYSTEMS: [System; 8] = [
     System::GpushareMib,
     System::GpushareGib,
     System::GpushareDra,
@@ -88,6 +94,7 @@ const SYSTEMS: [System; 7] = [
     System::Alibaba,
     System::Hami,
     System::NvidiaDra,
+    System::FloorMib,
 ];
 
 impl System {
@@ -101,9 +108,13 @@ impl System {
             System::Alibaba => "alibaba",
             System::Hami => "hami",
             System::NvidiaDra => "nvidia-dra",
+            System::FloorMib => "floor-mib",
         }
     }
 }
+
+/// The floor system's resource: kube-scheduler places its pods alone, as NVIDIA's.
+const FLOOR_RESOURCE: &str = "example.com/mib";
 
 /// One round's figures.
 #[derive(Clone, Copy, Debug)]
@@ -149,8 +160,8 @@ fn main() {
     let pods = env("GPUSHARE_BENCH_PODS", 500) as usize;
     let rounds = env("GPUSHARE_BENCH_ROUNDS", 2);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let chosen =
-        std::env::var("GPUSHARE_BENCH_SYSTEMS").unwrap_or_else(|_| "mib,gib,dra,nvidia,alibaba,hami,nvidia-dra".into());
+    let chosen = std::env::var("GPUSHARE_BENCH_SYSTEMS")
+        .unwrap_or_else(|_| "mib,gib,dra,nvidia,alibaba,hami,nvidia-dra,floor-mib".into());
     let mut chosen: Vec<&str> = chosen.split(',').map(str::trim).collect();
     if chosen.contains(&"alibaba")
         && let Err(why) = gpushare_testkit::peers::alibaba()
@@ -202,11 +213,12 @@ fn main() {
         }
     }
     let mean = |v: &[Figures], f: fn(&Figures) -> f64| v.iter().map(f).sum::<f64>() / v.len() as f64;
-    let (mib, gib, dra, nvidia, alibaba, hami, nvidia_dra) =
-        (&figures[0], &figures[1], &figures[2], &figures[3], &figures[4], &figures[5], &figures[6]);
+    let (mib, gib, dra, nvidia, alibaba, hami, nvidia_dra, floor) =
+        (&figures[0], &figures[1], &figures[2], &figures[3], &figures[4], &figures[5], &figures[6], &figures[7]);
     println!(
         "\nmeans of {rounds} rounds (NaN: not run); ratios to gpushare GiB mode (DRA's, NVIDIA's), \
-         Alibaba's and HAMi's to gpushare MiB mode, NVIDIA's DRA driver's to gpushare DRA:"
+         Alibaba's and HAMi's to gpushare MiB mode, NVIDIA's DRA driver's to gpushare DRA, gpushare MiB mode's \
+         to the floor at its device count:"
     );
     for (name, f) in [
         ("pods/s end to end", (|x: &Figures| x.pods_per_s) as fn(&Figures) -> f64),
@@ -215,15 +227,17 @@ fn main() {
         ("plugin RSS", |x| x.rss_mib),
     ] {
         let (a, g, d, n, l) = (mean(mib, f), mean(gib, f), mean(dra, f), mean(nvidia, f), mean(alibaba, f));
-        let (h, nd) = (mean(hami, f), mean(nvidia_dra, f));
+        let (h, nd, fl) = (mean(hami, f), mean(nvidia_dra, f), mean(floor, f));
         println!(
             "  {name}: gpushare MiB {a:.2}, GiB {g:.2}, DRA {d:.2}; NVIDIA {n:.2}; Alibaba MiB {l:.2}; HAMi {h:.2}; \
-             NVIDIA DRA {nd:.2}; ratio {:.2}, {:.2}; Alibaba {:.2}; HAMi {:.2}; NVIDIA DRA {:.2}",
+             NVIDIA DRA {nd:.2}; floor MiB {fl:.2}; ratio {:.2}, {:.2}; Alibaba {:.2}; HAMi {:.2}; NVIDIA DRA {:.2}; \
+             MiB to floor {:.2}",
             d / g,
             n / g,
             l / a,
             h / a,
-            nd / d
+            nd / d,
+            a / fl
         );
     }
     println!("\nstages per pod, means of {rounds} rounds (ms unless said; NaN: not reported):");
@@ -287,6 +301,11 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
             b.add_hami_node(NODE, &gpus(mib_gpu, "Tesla V100-SXM2-16GB"), split).unwrap();
             wait_hami_registered(&b).await;
             (HAMI_GPU, (split * GPUS).to_string(), mib_pod.as_str())
+        }
+        System::FloorMib => {
+            let devices = u32::try_from(mib_gpu * u64::from(GPUS)).unwrap();
+            b.add_null_plugin_node(NODE, FLOOR_RESOURCE, devices).unwrap();
+            (FLOOR_RESOURCE, devices.to_string(), mib_pod.as_str())
         }
         System::NvidiaDra => {
             b.plane.create(&nvidia_dra::device_class()).unwrap();

@@ -118,6 +118,24 @@ impl RealCluster {
         })
     }
 
+    /// Adds node `name` served by [`crate::null_plugin`]: `devices` devices of `resource`, each
+    /// call answered at once (`gpushare-box null-plugin`).
+    ///
+    /// # Errors
+    /// A component that does not start, with its log.
+    pub fn add_null_plugin_node(&mut self, name: &str, resource: &str, devices: u32) -> anyhow::Result<&mut RealNode> {
+        let program = crate::cluster::Binaries::beside_current_exe()?.stand_ins;
+        self.add_plugin_node(name, |plane, _, plugin_dir, _| {
+            let args = vec![
+                "null-plugin".to_owned(),
+                format!("--plugin-dir={}", plugin_dir.display()),
+                format!("--resource={resource}"),
+                format!("--devices={devices}"),
+            ];
+            plane.spawn(&format!("null-plugin-{name}"), &program, args, Vec::new())
+        })
+    }
+
     /// Adds node `name` whose device plugin `start` starts (given the control plane, the node's
     /// directory, its kubelet's device-plugin directory and the fake NVML event directive): the
     /// recording runtime, the real kubelet (registered and Ready), then the plugin as the node's

@@ -92,6 +92,19 @@ enum Cmd {
         #[arg(long)]
         resource_health_status: bool,
     },
+    /// A device plugin that answers every call at once and does nothing else: the kubelet's
+    /// own cost at a device count (the side-by-side bench's `floor-mib`).
+    NullPlugin {
+        /// The kubelet's device-plugin directory.
+        #[arg(long)]
+        plugin_dir: PathBuf,
+        /// The extended resource to serve.
+        #[arg(long)]
+        resource: String,
+        /// How many devices.
+        #[arg(long)]
+        devices: u32,
+    },
     /// The kube-scheduler stand-in, calling the extender as kube-scheduler does.
     Scheduler {
         /// The API server.
@@ -199,6 +212,10 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                 }
             }
         }
+        Cmd::NullPlugin { plugin_dir, resource, devices } => tokio::select! {
+            result = gpushare_testkit::null_plugin::run(&plugin_dir, &resource, devices) => result,
+            result = until_stopped() => result,
+        },
         Cmd::Scheduler { kubeconfig, extender, initial_backoff_ms } => {
             let client = client(&kubeconfig)?;
             let mut config = SchedulerConfig::gpushare(&extender);

@@ -1,0 +1,146 @@
+//! A device plugin that does nothing but answer: `devices` devices of one resource, every one
+//! healthy, `GetPreferredAllocation` answered with the first devices offered and `Allocate`
+//! with an empty response, each at once. Run on a real kubelet it measures what the kubelet
+//! itself spends admitting a pod with so many devices registered (its device manager's sets,
+//! the checkpoint it writes after every allocation): the floor under any plugin of that many
+//! devices (`gpushare-box null-plugin`, the side-by-side bench's `floor-mib` system).
+
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use gpushare_proto::DEVICE_PLUGIN_VERSION;
+use gpushare_proto::compact::DeviceSource;
+use gpushare_proto::deviceplugin::device_plugin_server::{DevicePlugin, DevicePluginServer};
+use gpushare_proto::deviceplugin::registration_client::RegistrationClient;
+use gpushare_proto::deviceplugin::{
+    AllocateRequest, AllocateResponse, ContainerAllocateResponse, ContainerPreferredAllocationResponse,
+    DevicePluginOptions, Empty, ListAndWatchResponse, PreStartContainerRequest, PreStartContainerResponse,
+    PreferredAllocationRequest, PreferredAllocationResponse, RegisterRequest,
+};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+/// `count` devices named `d0`, `d1`, ..., all healthy, without topology.
+#[derive(Debug, Clone, Copy)]
+struct Devices {
+    count: u32,
+}
+
+impl DeviceSource for Devices {
+    fn for_each_device(&self, f: &mut dyn FnMut(&str, bool, Option<i64>)) {
+        let mut id = String::with_capacity(8);
+        for k in 0..self.count {
+            id.clear();
+            id.push('d');
+            id.push_str(&k.to_string());
+            f(&id, true, None);
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct NullPlugin {
+    devices: Devices,
+}
+
+type DeviceStream = Pin<Box<dyn Stream<Item = Result<ListAndWatchResponse, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl DevicePlugin for NullPlugin {
+    async fn get_device_plugin_options(&self, _: Request<Empty>) -> Result<Response<DevicePluginOptions>, Status> {
+        Ok(Response::new(DevicePluginOptions { pre_start_required: false, get_preferred_allocation_available: true }))
+    }
+
+    type ListAndWatchStream = DeviceStream;
+
+    async fn list_and_watch(&self, _: Request<Empty>) -> Result<Response<Self::ListAndWatchStream>, Status> {
+        let list = ListAndWatchResponse::from_source(Arc::new(self.devices));
+        // The one list, then the stream stays open as long as the kubelet reads it.
+        let stream = futures::stream::once(async move { Ok(list) }).chain(futures::stream::pending());
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        request: Request<PreferredAllocationRequest>,
+    ) -> Result<Response<PreferredAllocationResponse>, Status> {
+        let container_responses = request
+            .into_inner()
+            .container_requests
+            .iter()
+            .map(|r| {
+                let size = usize::try_from(r.allocation_size).unwrap_or(0);
+                let mut ids: Vec<String> = r.must_include_device_i_ds.to_vec();
+                for id in r.available_device_i_ds.iter() {
+                    if ids.len() >= size {
+                        break;
+                    }
+                    if !ids.iter().any(|x| x == id) {
+                        ids.push(id.to_owned());
+                    }
+                }
+                ContainerPreferredAllocationResponse { device_i_ds: ids }
+            })
+            .collect();
+        Ok(Response::new(PreferredAllocationResponse { container_responses }))
+    }
+
+    async fn allocate(&self, request: Request<AllocateRequest>) -> Result<Response<AllocateResponse>, Status> {
+        let n = request.into_inner().container_requests.len();
+        Ok(Response::new(AllocateResponse { container_responses: vec![ContainerAllocateResponse::default(); n] }))
+    }
+
+    async fn pre_start_container(
+        &self,
+        _: Request<PreStartContainerRequest>,
+    ) -> Result<Response<PreStartContainerResponse>, Status> {
+        Ok(Response::new(PreStartContainerResponse {}))
+    }
+}
+
+use futures::StreamExt as _;
+
+/// Serves `devices` devices of `resource` from `<plugin_dir>/null-plugin.sock` and registers
+/// with the kubelet at `<plugin_dir>/kubelet.sock` (retried while the kubelet is not up), until
+/// the serving fails.
+///
+/// # Errors
+/// The socket cannot be bound, the kubelet refuses the registration, or serving fails.
+pub async fn run(plugin_dir: &Path, resource: &str, devices: u32) -> anyhow::Result<()> {
+    let socket: PathBuf = plugin_dir.join("null-plugin.sock");
+    let _ = std::fs::remove_file(&socket);
+    let listener = tokio::net::UnixListener::bind(&socket).with_context(|| format!("binding {}", socket.display()))?;
+    let plugin = NullPlugin { devices: Devices { count: devices } };
+    let serving = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(DevicePluginServer::new(plugin).max_encoding_message_size(usize::MAX))
+            .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
+    );
+    let kubelet = plugin_dir.join("kubelet.sock");
+    let request = RegisterRequest {
+        version: DEVICE_PLUGIN_VERSION.to_owned(),
+        endpoint: "null-plugin.sock".to_owned(),
+        resource_name: resource.to_owned(),
+        options: Some(DevicePluginOptions { pre_start_required: false, get_preferred_allocation_available: true }),
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let attempt = async {
+            let channel = gpushare_proto::uds::connect(&kubelet).await?;
+            RegistrationClient::new(channel).register(request.clone()).await.map_err(anyhow::Error::from)
+        };
+        match attempt.await {
+            Ok(_) => break,
+            Err(e) if tokio::time::Instant::now() < deadline => {
+                tracing::info!(error = %e, "waiting for the kubelet");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => return Err(e.context(format!("registering with {}", kubelet.display()))),
+        }
+    }
+    tracing::info!(%resource, devices, "registered with the kubelet");
+    serving.await.context("the plugin server task")?.context("serving the device plugin")
+}
