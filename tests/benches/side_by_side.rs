@@ -18,7 +18,8 @@
 //! 100 ms); the kubelet's own `Allocate` latency for the resource (its
 //! `kubelet_device_plugin_alloc_duration_seconds` histogram, p50 and p99 interpolated within
 //! its buckets: 5, 10, 25, 50, 100, 250 ms, ...); and the device plugin's resident memory
-//! (`VmRSS`) once every pod runs. Then each figure of NVIDIA's as a ratio to gpushare's. And where
+//! (`VmRSS`) once every pod runs; for gpushare's device plugin, how many containers were
+//! answered for another pod (their `GPUSHARE_POD`). Then each figure of NVIDIA's as a ratio to gpushare's. And where
 //! each round's time went, per pod, from the components' own metrics: kube-scheduler's attempts
 //! and scheduling cycles, gpushare-extender's binds (and how many waited behind a look-alike),
 //! the kubelet's admission of the pod's resources (its topology manager's admit, which runs the
@@ -123,6 +124,8 @@ struct Figures {
     alloc_p50_ms: f64,
     alloc_p99_ms: f64,
     rss_mib: f64,
+    /// Containers whose `GPUSHARE_POD` names another pod (NaN: not gpushared's device plugin).
+    wrong_pod: f64,
     stages: Stages,
 }
 
@@ -192,8 +195,8 @@ fn main() {
             let f = runtime.block_on(measure(system, pods, options));
             println!(
                 "round {round} {system:?}: {pods} pods in {:.1} pods/s; kubelet Allocate p50 {:.1} ms, p99 {:.1} ms; \
-                 plugin RSS {:.1} MiB",
-                f.pods_per_s, f.alloc_p50_ms, f.alloc_p99_ms, f.rss_mib
+                 plugin RSS {:.1} MiB; wrong-pod answers {}",
+                f.pods_per_s, f.alloc_p50_ms, f.alloc_p99_ms, f.rss_mib, f.wrong_pod
             );
             let st = f.stages;
             println!(
@@ -351,12 +354,28 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
         std::thread::sleep(Duration::from_millis(100));
     }
     let elapsed = started.elapsed().as_secs_f64();
+    // gpushared names the pod it served in each container's environment: one that names
+    // another pod is a wrong-pod answer.
+    let wrong_pod = if matches!(system, System::GpushareMib | System::GpushareGib) {
+        let running = node.runtime.running();
+        let wrong: Vec<String> = running
+            .iter()
+            .filter(|c| c.envs.get("GPUSHARE_POD") != Some(&format!("{}/{}", c.namespace, c.pod)))
+            .map(|c| format!("{}/{} got {:?}", c.namespace, c.pod, c.envs.get("GPUSHARE_POD")))
+            .collect();
+        if !wrong.is_empty() {
+            eprintln!("wrong-pod answers: {}", wrong.join("; "));
+        }
+        wrong.len() as f64
+    } else {
+        f64::NAN
+    };
     let rss_mib = rss_kib(node.daemon.pid().unwrap()) / 1024.0;
     let kubelet = kubelet_metrics(&b);
     let (alloc_p50_ms, alloc_p99_ms) = if dra { (f64::NAN, f64::NAN) } else { alloc_quantiles(&kubelet, resource) };
     let stages = stages(&b, &kubelet, resource, pods as f64).await;
     b.shutdown();
-    Figures { pods_per_s: pods as f64 / elapsed, alloc_p50_ms, alloc_p99_ms, rss_mib, stages }
+    Figures { pods_per_s: pods as f64 / elapsed, alloc_p50_ms, alloc_p99_ms, rss_mib, wrong_pod, stages }
 }
 
 /// The sum of a metric's series whose lines start with `name` (`name{` or `name `) and contain
