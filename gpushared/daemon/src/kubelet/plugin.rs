@@ -210,7 +210,7 @@ impl Plugin {
             let waiting = tokio::time::Instant::now() < deadline;
             let mut retry_in = None;
             match result {
-                Err(AllocError::Unconfirmed { .. }) => match self.confirm(&mut care, &mut asked).await {
+                Err(AllocError::Unconfirmed { pod }) => match self.confirm(&pod, &mut care, &mut asked).await {
                     Ok(made) => {
                         care.confirmed = true;
                         read = made;
@@ -264,11 +264,24 @@ impl Plugin {
     /// Reads consistently what the pod store may lack for this call. Asked first, the kubelet
     /// names the pods it may be admitting: reading those alone (a `GET` each) is cheaper than
     /// reading every pod of the node not running yet, which is what happens when it cannot be
-    /// asked or names many.
-    async fn confirm(&self, care: &mut Care, asked: &mut bool) -> Result<bool, String> {
+    /// asked or names many. `guess` (`namespace/name`), the pod the store would serve, is read
+    /// while the kubelet is asked: it is usually the one the kubelet names.
+    async fn confirm(&self, guess: &str, care: &mut Care, asked: &mut bool) -> Result<bool, String> {
+        let mut guessed = None;
         if care.kubelet == KubeletSays::Askable {
-            care.kubelet = self.ask_kubelet().await;
+            let guess = guess.split_once('/').map(|(ns, name)| (ns.to_owned(), name.to_owned()));
+            let read_guess = async {
+                match &guess {
+                    Some(g) => Some(self.alloc.pods().confirm_named(vec![g.clone()]).await),
+                    None => None,
+                }
+            };
+            let (kubelet, read) = tokio::join!(self.ask_kubelet(), read_guess);
+            care.kubelet = kubelet;
             *asked |= matches!(care.kubelet, KubeletSays::Listed(_));
+            if let Some(Ok(true)) = read {
+                guessed = guess;
+            }
         }
         if let KubeletSays::Listed(listing) = &care.kubelet {
             let store = self.alloc.pods().snapshot();
@@ -277,8 +290,17 @@ impl Plugin {
             let plain = |ns: &str, name: &str| {
                 store.iter().any(|p| p.view.pod.namespace == ns && p.view.pod.name == name && p.assignment.is_none())
             };
-            let to_read: Vec<(String, String)> =
-                listing.holding_nothing().into_iter().filter(|(ns, name)| !plain(ns, name)).collect();
+            let named = listing.holding_nothing();
+            let to_read: Vec<(String, String)> = named
+                .iter()
+                .filter(|(ns, name)| {
+                    !plain(ns, name) && guessed.as_ref().is_none_or(|g| g != &(ns.clone(), name.clone()))
+                })
+                .cloned()
+                .collect();
+            if to_read.is_empty() && guessed.as_ref().is_some_and(|g| named.contains(g)) {
+                return Ok(true);
+            }
             if !to_read.is_empty() && to_read.len() <= NAMED_READS {
                 return self.alloc.pods().confirm_named(to_read).await;
             }
