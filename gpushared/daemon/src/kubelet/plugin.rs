@@ -169,8 +169,8 @@ const READ_RETRY: Duration = Duration::from_millis(250);
 
 impl Plugin {
     /// Runs `call` on the blocking pool, first with the pod store as it stands. If that would
-    /// serve a pod whose admission has not started, or none at all, it reads the node's pods
-    /// consistently ([`crate::allocation::pods::PodStore::confirm`]) and runs it again: the
+    /// serve a pod whose admission has not started, or none at all, it reads consistently the
+    /// pods the kubelet names, or else the node's pods ([`Self::confirm`]), and runs it again: the
     /// pod watch may lag behind the kubelet's, which has already seen the pod it admits; a call
     /// for no pod the read found is refused at once. When several pods could still be the one,
     /// it asks the kubelet's PodResources which it is admitting ([`KubeletSays`]) and runs it
