@@ -432,7 +432,13 @@ impl Allocator {
     /// published with the node state.
     pub fn set_kubelet_answers(&self, answers: bool) {
         if self.kubelet_answers.swap(answers, std::sync::atomic::Ordering::Relaxed) != answers {
-            tracing::info!(answers, "the kubelet's PodResources tells look-alike pods apart");
+            if answers {
+                tracing::info!("the kubelet's PodResources answers: it is asked which look-alike pod it admits");
+            } else {
+                tracing::warn!(
+                    "the kubelet's PodResources does not answer: look-alike pods are bound to this node one at a time"
+                );
+            }
             self.activity.send_modify(|n| *n = n.wrapping_add(1));
         }
     }
