@@ -293,9 +293,13 @@ async fn higher_priority_pods_preempt_gpu_holders_under_real_kubelets() {
     let urgent = create(&b, &[with_priority("urgent", 8000, "high")]);
     wait_bound(&b, &urgent).await;
     wait_running(&b, &urgent);
+    // kube-scheduler picks its victims for the node's total (two are enough there), not per
+    // GPU; where its two sit on different GPUs, the extender adds the one more that makes room
+    // on one GPU (the daemon tells look-alikes apart, so the six were not bound beside one
+    // another one at a time, and their GPUs follow the order of binding).
     let left = live_named(&b, "low-");
-    assert_eq!(left.len(), 4, "two victims are enough, and needed: {left:?}");
+    assert!((3..=4).contains(&left.len()), "two victims, or three when two GPUs held them: {left:?}");
     let running = b.node(node).unwrap().runtime.running();
-    assert_eq!(running.len(), 5, "{running:?}");
+    assert_eq!(running.len(), left.len() + 1, "{running:?}");
     assert!(preempt_calls(&b).await >= 1, "the extender's preempt was never called");
 }
