@@ -278,7 +278,6 @@ async fn a_pod_watch_lagging_behind_the_kubelet_never_serves_the_wrong_pod() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lagging_watch_reads_the_pod_the_kubelet_names() {
-    use gpushare_testkit::kubelet::ContainerSpec;
     const LAG: Duration = Duration::from_millis(1500);
     let (c, daemon) = cluster_of(&[1000, 1000], "", Some(LAG), true).await;
     wait_telling_apart(&c, &daemon).await;
@@ -287,7 +286,14 @@ async fn a_lagging_watch_reads_the_pod_the_kubelet_names() {
     bound_pod(&c.api, "y", &[("main", ContainerRole::App, &[(0, 200)])]);
     tokio::time::sleep(LAG + Duration::from_secs(1)).await;
     bound_pod(&c.api, "x", &[("main", ContainerRole::App, &[(1, 200)])]);
-    for (name, gpu) in [("x", "GPU-static-1"), ("y", "GPU-static-0")] {
+    admit_named(&c, &daemon, &[("x", "GPU-static-1"), ("y", "GPU-static-0")]).await;
+}
+
+/// Has the kubelet admit each named pod (one container of 200 MiB) in turn, and checks that
+/// the daemon served it, on the GPU given.
+async fn admit_named(c: &Cluster, daemon: &Daemon, pods: &[(&str, &str)]) {
+    use gpushare_testkit::kubelet::ContainerSpec;
+    for &(name, gpu) in pods {
         let got = c
             .kubelet
             .admit_pod("default", name, &[ContainerSpec::app("main", 200)])
@@ -331,7 +337,6 @@ async fn look_alikes_created_in_one_second_are_served_in_the_order_they_were_bou
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_kubelet_says_which_look_alike_it_admits() {
-    use gpushare_testkit::kubelet::ContainerSpec;
     let (c, daemon) = cluster_of(&[1000, 1000], "", None, true).await;
     // The daemon says on its node that it tells look-alikes apart once the kubelet's
     // PodResources answered it.
@@ -345,15 +350,7 @@ async fn the_kubelet_says_which_look_alike_it_admits() {
     tokio::time::sleep(Duration::from_millis(1100)).await;
     bound_pod(&c.api, "z", &[("main", ContainerRole::App, &[(0, 200)])]);
     tokio::time::sleep(Duration::from_millis(300)).await;
-    for (name, gpu) in [("z", "GPU-static-0"), ("y", "GPU-static-0"), ("x", "GPU-static-1")] {
-        let got = c
-            .kubelet
-            .admit_pod("default", name, &[ContainerSpec::app("main", 200)])
-            .await
-            .unwrap_or_else(|e| panic!("{name}: {e}\n{}", daemon.log()));
-        assert_eq!(got[0].envs["GPUSHARE_POD"], format!("default/{name}"), "{}", daemon.log());
-        assert_eq!(got[0].envs["NVIDIA_VISIBLE_DEVICES"], gpu, "{name}");
-    }
+    admit_named(&c, &daemon, &[("z", "GPU-static-0"), ("y", "GPU-static-0"), ("x", "GPU-static-1")]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
