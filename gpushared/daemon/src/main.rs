@@ -370,6 +370,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
             Some(r) = async { match registration.as_mut() { Some(f) => Some(f.await), None => None } } => {
                 registration = None;
                 r.map_err(|s| anyhow::anyhow!("the kubelet refused the registration: {}", s.message()))?;
+                kubelet.registered();
                 registered.store(true, std::sync::atomic::Ordering::SeqCst);
                 status.changed();
                 reconcile_now.notify_one();
@@ -383,12 +384,12 @@ async fn run(config: Config) -> anyhow::Result<()> {
                     kubelet.acknowledge_plugin_socket();
                 }
                 if change.kubelet_restarted || change.plugin_socket_lost {
-                    if change.kubelet_restarted {
-                        // Once per new kubelet.sock (a restart often removes the plugin socket
-                        // first, in an event of its own): the new kubelet's own proposals stay.
-                        let forgotten = alloc.kubelet_restarted();
-                        tracing::warn!(kubelet = %config.kubelet_socket().display(), forgotten_proposals = forgotten, "the kubelet restarted; registering again");
-                    }
+                    // A starting kubelet removes the plugin socket, often seen before its new
+                    // kubelet.sock: either ends the calls of the kubelet before, which the new
+                    // one never recorded. Its own calls come only after the registration below,
+                    // which absorbs a kubelet.sock created meanwhile (no second restart).
+                    let forgotten = alloc.kubelet_restarted();
+                    tracing::warn!(kubelet = %config.kubelet_socket().display(), forgotten_proposals = forgotten, "the kubelet restarted; registering again");
                     kubelet.acknowledge_kubelet();
                     registered.store(false, std::sync::atomic::Ordering::SeqCst);
                     status.changed();

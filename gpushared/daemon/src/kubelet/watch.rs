@@ -7,6 +7,10 @@
 //! time is its creation, after the old one's. It is woken by inotify on the directory, with a
 //! polling fallback: every 250 ms when inotify is unavailable, every 5 s as a safety net when it
 //! is.
+//!
+//! What is acknowledged is what a change saw, never the directory read again later: the
+//! kubelet removes the sockets and listens anew within milliseconds, and a `kubelet.sock`
+//! created after the plugin socket's loss was seen must still count as a change of its own.
 
 use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
@@ -36,6 +40,8 @@ pub struct KubeletWatch {
     plugin_sock: PathBuf,
     kubelet: Option<Identity>,
     plugin: Option<Identity>,
+    /// `kubelet.sock` as the last change returned by [`Self::changed`] saw it.
+    seen_kubelet: Option<Identity>,
     events: Option<inotify::EventStream<Vec<u8>>>,
     tick: tokio::time::Interval,
 }
@@ -67,9 +73,11 @@ impl KubeletWatch {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let kubelet_sock = dir.join("kubelet.sock");
         let plugin_sock = plugin_socket.to_owned();
+        let kubelet = identity(&kubelet_sock);
         KubeletWatch {
-            kubelet: identity(&kubelet_sock),
+            kubelet,
             plugin: identity(&plugin_sock),
+            seen_kubelet: kubelet,
             kubelet_sock,
             plugin_sock,
             events,
@@ -108,14 +116,15 @@ impl KubeletWatch {
         self.events.is_some()
     }
 
-    /// The current state against the acknowledged one.
-    fn compare(&self) -> Change {
+    /// The current state against the acknowledged one, and `kubelet.sock` as it is now.
+    fn compare(&self) -> (Change, Option<Identity>) {
         let kubelet = identity(&self.kubelet_sock);
         let plugin = identity(&self.plugin_sock);
-        Change {
+        let change = Change {
             kubelet_restarted: kubelet.is_some() && kubelet != self.kubelet,
             plugin_socket_lost: plugin.is_none() || plugin != self.plugin,
-        }
+        };
+        (change, kubelet)
     }
 
     /// Takes the current identities as the new normal (after re-serving and registering).
@@ -129,8 +138,15 @@ impl KubeletWatch {
         self.plugin = identity(&self.plugin_sock);
     }
 
-    /// Takes `kubelet.sock`'s current identity as normal (the registration it needs is under way).
+    /// Takes `kubelet.sock` as the last change saw it as normal (the registration it needs is
+    /// under way). One that a starting kubelet created since is a change of its own.
     pub fn acknowledge_kubelet(&mut self) {
+        self.kubelet = self.seen_kubelet;
+    }
+
+    /// Takes `kubelet.sock`'s current identity as normal: a registration just reached the
+    /// kubelet listening on it, so a socket created while it was under way needs no other.
+    pub fn registered(&mut self) {
         self.kubelet = identity(&self.kubelet_sock);
     }
 
@@ -144,8 +160,9 @@ impl KubeletWatch {
     /// Waits until something changed, then says what.
     pub async fn changed(&mut self) -> Change {
         loop {
-            let change = self.compare();
+            let (change, kubelet) = self.compare();
             if change.kubelet_restarted || change.plugin_socket_lost {
+                self.seen_kubelet = kubelet;
                 return change;
             }
             match &mut self.events {
@@ -190,6 +207,7 @@ mod tests {
         assert!(change.plugin_socket_lost);
         let _p2 = std::os::unix::net::UnixListener::bind(&plugin).unwrap();
         w.acknowledge_plugin_socket();
+        w.acknowledge_kubelet();
         let _k2 = std::os::unix::net::UnixListener::bind(&kubelet).unwrap();
         let change = tokio::time::timeout(Duration::from_secs(2), w.changed()).await.unwrap();
         assert_eq!(change, Change { kubelet_restarted: true, plugin_socket_lost: false });
@@ -197,6 +215,45 @@ mod tests {
         w.acknowledge();
         let quiet = tokio::time::timeout(Duration::from_millis(400), w.changed()).await;
         assert!(quiet.is_err(), "acknowledged: {quiet:?}");
+    }
+
+    /// The plugin socket's loss is seen first, and the new kubelet listens before the daemon
+    /// gets round to acknowledging it (rebinding its socket takes a moment): the new
+    /// `kubelet.sock` is still a restart, once, and a registration that reached it is the end.
+    #[tokio::test]
+    async fn a_kubelet_socket_created_before_the_acknowledgement_is_still_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let kubelet = dir.path().join("kubelet.sock");
+        let plugin = dir.path().join("gpushared.sock");
+        let _k = std::os::unix::net::UnixListener::bind(&kubelet).unwrap();
+        let _p = std::os::unix::net::UnixListener::bind(&plugin).unwrap();
+        let mut w = KubeletWatch::new(dir.path(), &plugin);
+        std::fs::remove_file(&kubelet).unwrap();
+        std::fs::remove_file(&plugin).unwrap();
+        let change = tokio::time::timeout(Duration::from_secs(2), w.changed()).await.unwrap();
+        assert_eq!(change, Change { kubelet_restarted: false, plugin_socket_lost: true });
+        let _k2 = std::os::unix::net::UnixListener::bind(&kubelet).unwrap();
+        let _p2 = std::os::unix::net::UnixListener::bind(&plugin).unwrap();
+        w.acknowledge_plugin_socket();
+        w.acknowledge_kubelet();
+        let change = tokio::time::timeout(Duration::from_secs(2), w.changed()).await.unwrap();
+        assert_eq!(change, Change { kubelet_restarted: true, plugin_socket_lost: false });
+        w.acknowledge_kubelet();
+        let quiet = tokio::time::timeout(Duration::from_millis(400), w.changed()).await;
+        assert!(quiet.is_err(), "acknowledged: {quiet:?}");
+
+        // A registration that reached the new kubelet absorbs its socket: no second restart.
+        std::fs::remove_file(&kubelet).unwrap();
+        std::fs::remove_file(&plugin).unwrap();
+        let change = tokio::time::timeout(Duration::from_secs(2), w.changed()).await.unwrap();
+        assert!(change.plugin_socket_lost);
+        let _p3 = std::os::unix::net::UnixListener::bind(&plugin).unwrap();
+        w.acknowledge_plugin_socket();
+        w.acknowledge_kubelet();
+        let _k3 = std::os::unix::net::UnixListener::bind(&kubelet).unwrap();
+        w.registered();
+        let quiet = tokio::time::timeout(Duration::from_millis(400), w.changed()).await;
+        assert!(quiet.is_err(), "registered with the new kubelet: {quiet:?}");
     }
 
     #[tokio::test]

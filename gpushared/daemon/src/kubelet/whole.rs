@@ -241,6 +241,7 @@ pub async fn run(plugin: WholePlugin, at: Endpoint, shutdown: watch::Receiver<bo
             Some(r) = async { match registration.as_mut() { Some(f) => Some(f.await), None => None } } => {
                 registration = None;
                 r.map_err(|s| anyhow::anyhow!("the kubelet refused the whole-GPU registration: {}", s.message()))?;
+                kubelet.registered();
             }
             change = kubelet.changed() => {
                 if change.plugin_socket_lost {
