@@ -246,6 +246,7 @@ impl Allocator {
     {
         let mut state = self.lock();
         Self::rebuilding(&state)?;
+        Self::same_kubelet(&state, care)?;
         self.release_offered(&mut state, available.clone(), must_include)?;
         let pods = self.pods.snapshot();
         let cand = self.scope().choose(&pods, &state.held, &state.admissions, size, care)?;
@@ -283,6 +284,7 @@ impl Allocator {
         let key = request_key(device_ids);
         let mut state = self.lock();
         Self::rebuilding(&state)?;
+        Self::same_kubelet(&state, care)?;
         if let Some(answer) = self.repeated(&state, &key, device_ids.len())? {
             return Ok(answer);
         }
@@ -311,6 +313,23 @@ impl Allocator {
             "allocated"
         );
         Ok(self.environment().answer(&cand.view().pod, &cand.assignment, cand.container()))
+    }
+
+    /// Refuses a call the kubelet made before its last restart: served now, it would commit a
+    /// proposal or rows the new kubelet never recorded, taken for the pod's own when the new
+    /// kubelet admits it again (its devices offered as free would put the pod in doubt).
+    fn same_kubelet(state: &State, care: &Care) -> Result<(), AllocError> {
+        match care.generation {
+            Some(g) if g != state.admissions.kubelet_generation() => Err(AllocError::KubeletRestarted),
+            _ => Ok(()),
+        }
+    }
+
+    /// Which kubelet is running: it changes with each [`Self::kubelet_restarted`]. A call
+    /// records it as it comes ([`Care::generation`]).
+    #[must_use]
+    pub fn kubelet_generation(&self) -> u64 {
+        self.lock().admissions.kubelet_generation()
     }
 
     /// Refuses a call naming a device that is not this daemon's, or one device twice.

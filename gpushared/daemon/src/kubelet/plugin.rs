@@ -76,6 +76,7 @@ fn status(e: &AllocError) -> Status {
         AllocError::Ledger(_) => Status::internal(msg),
         AllocError::Rebuilding { .. } | AllocError::Unconfirmed { .. } => Status::unavailable(msg),
         AllocError::NoSuchGpu(_) => Status::not_found(msg),
+        AllocError::KubeletRestarted => Status::aborted(msg),
     }
 }
 
@@ -192,7 +193,8 @@ impl Plugin {
         let deadline = tokio::time::Instant::now() + CANDIDATE_WAIT;
         let askable = self.pod_resources.is_some() && self.alloc.kubelet_answers();
         let initial = if askable { KubeletSays::Askable } else { KubeletSays::Unasked };
-        let mut care = Care { patient: true, confirmed: false, kubelet: initial };
+        let generation = Some(self.alloc.kubelet_generation());
+        let mut care = Care { patient: true, confirmed: false, kubelet: initial, generation };
         // Whether the API server was read since the call came: then a pod not found is not
         // there (deleted, say, while the kubelet's watch lagged), and waiting would only hold
         // up the kubelet's next admissions.

@@ -4,11 +4,13 @@
 //! resolver only reads.
 //!
 //! A container's admission goes: proposed (`GetPreferredAllocation` named devices for it) →
-//! allocated (`Allocate` committed its rows; its pod is now the one being admitted). A pod
+//! allocated (`Allocate` committed its rows; its pod is now the one being admitted, until its
+//! rows go or the kubelet restarts). A pod
 //! whose rows the kubelet later offers as free is in doubt until it is allocated again or
 //! released; a kubelet restart drops the proposals it never followed, and explains the rows
 //! allocated before it that the new kubelet offers as free (it never recorded them): their pods
-//! are not in doubt.
+//! are not in doubt. Each restart starts a new kubelet generation: a call the dead kubelet made
+//! and the daemon finishes only after the restart commits nothing.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -69,6 +71,8 @@ pub(super) struct Admissions {
     admitting: Option<String>,
     /// When the kubelet last restarted, Unix milliseconds.
     kubelet_restarted_at: Option<i64>,
+    /// How many times the kubelet restarted: a call made by an earlier kubelet changes nothing.
+    generation: u64,
 }
 
 impl Admissions {
@@ -86,17 +90,30 @@ impl Admissions {
                 dropped
             }
             Step::Offered { uid } => {
+                self.not_admitting(&uid);
                 self.doubtful.insert(uid);
                 0
             }
             Step::Released { uid } => {
+                self.not_admitting(&uid);
                 self.doubtful.remove(&uid);
                 0
             }
             Step::KubeletRestarted { at_ms } => {
                 self.kubelet_restarted_at = Some(at_ms);
+                self.generation += 1;
+                self.admitting = None;
                 std::mem::take(&mut self.proposals).len()
             }
+        }
+    }
+
+    /// Pod `uid`, if it was the one being admitted, no longer is: its rows are gone, so its
+    /// admission failed or ended, and taken for the pod being admitted it would be served
+    /// before the pods the kubelet admits next.
+    fn not_admitting(&mut self, uid: &str) {
+        if self.admitting.as_deref() == Some(uid) {
+            self.admitting = None;
         }
     }
 
@@ -109,6 +126,11 @@ impl Admissions {
     /// new kubelet never recorded it, so its offering the row's devices as free is explained.
     pub(super) fn before_kubelet_restart(&self, allocated_at_ms: i64) -> bool {
         self.kubelet_restarted_at.is_some_and(|at| allocated_at_ms < at)
+    }
+
+    /// Which kubelet is running: how many times it restarted.
+    pub(super) fn kubelet_generation(&self) -> u64 {
+        self.generation
     }
 
     /// Whether pod `uid` is in doubt.
@@ -159,6 +181,13 @@ mod tests {
         a.apply(Step::Released { uid: "r".into() });
         assert!(!a.is_doubtful("r"));
         assert!(a.is_admitting("q"));
+
+        // The pod being admitted is no longer once its rows go, offered as free or released.
+        a.apply(Step::Offered { uid: "q".into() });
+        assert!(!a.is_admitting("q") && a.is_doubtful("q"));
+        a.apply(Step::Allocated { key: "k3".into(), uid: "s".into() });
+        a.apply(Step::Released { uid: "s".into() });
+        assert!(!a.is_admitting("s"));
     }
 
     #[test]
@@ -168,7 +197,12 @@ mod tests {
         a.apply(Step::Proposed { key: "k2".into(), owner: owner("q", "c") });
         a.apply(Step::Offered { uid: "q".into() });
         assert!(!a.before_kubelet_restart(1_000), "no restart yet");
+        a.apply(Step::Allocated { key: "k3".into(), uid: "p".into() });
+        assert_eq!(a.kubelet_generation(), 0);
         assert_eq!(a.apply(Step::KubeletRestarted { at_ms: 2_000 }), 2);
+        assert_eq!(a.kubelet_generation(), 1);
+        // The new kubelet admits in its own order: the pod the old one was admitting is not first.
+        assert!(!a.is_admitting("p"));
         assert!(a.proposed().is_empty());
         // Doubt survives: the pod watch, not the kubelet, settles it.
         assert!(a.is_doubtful("q"));

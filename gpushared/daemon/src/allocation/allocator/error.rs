@@ -117,6 +117,12 @@ pub enum AllocError {
         /// The unit.
         unit: MemoryUnit,
     },
+    /// The kubelet that made the call restarted while it was served.
+    #[error(
+        "the kubelet that made this call restarted while it was served; nothing was allocated: the new kubelet \
+         admits the pod again"
+    )]
+    KubeletRestarted,
     /// Pods the kubelet cannot tell apart wait: the same first request, other GPUs.
     #[error(
         "pods {first} and {other} both wait for {units} {unit} first but are assigned different GPUs; the kubelet's \

@@ -158,14 +158,18 @@ pub struct Care {
     pub confirmed: bool,
     /// What the kubelet said.
     pub kubelet: KubeletSays,
+    /// The kubelet that made the call: [`super::Allocator::kubelet_generation`] when it came. A
+    /// call whose kubelet has restarted since is [`AllocError::KubeletRestarted`]: the kubelet
+    /// that would record its answer is gone, and the new one admits the pod again.
+    pub generation: Option<u64>,
 }
 
 impl Care {
     /// The store as it stands is the truth, and the oldest look-alike is taken: a store that
     /// nothing else feeds (tests, tools).
-    pub const AS_IS: Care = Care { patient: false, confirmed: true, kubelet: KubeletSays::Unasked };
+    pub const AS_IS: Care = Care { patient: false, confirmed: true, kubelet: KubeletSays::Unasked, generation: None };
     /// The store is the truth; look-alikes are refused.
-    pub const PATIENT: Care = Care { patient: true, confirmed: true, kubelet: KubeletSays::Unasked };
+    pub const PATIENT: Care = Care { patient: true, confirmed: true, kubelet: KubeletSays::Unasked, generation: None };
 }
 
 /// Whether the kubelet has started admitting pod `uid`: it is the pod being admitted, or

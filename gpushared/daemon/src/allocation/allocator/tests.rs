@@ -194,15 +194,39 @@ fn a_pod_whose_allocation_a_kubelet_restart_lost_is_served_again() {
     f.alloc.allocate(&ids).unwrap();
     // The kubelet is killed before its checkpoint has a's devices; the new one admits a again
     // and offers a's devices as free. The restart explains it: a is served, not held back.
+    // (Nor is it the pod being admitted any more: to a patient call, a and b now look alike.)
     std::thread::sleep(std::time::Duration::from_millis(2));
     f.alloc.kubelet_restarted();
-    let again = f.alloc.preferred_with(all_devices(&f).iter().map(String::as_str), &[], 300, &Care::PATIENT).unwrap();
+    let patient = f.alloc.preferred_with(all_devices(&f).iter().map(String::as_str), &[], 300, &Care::PATIENT);
+    assert!(matches!(patient, Err(AllocError::Ambiguous { .. })), "{patient:?}");
+    let again = f.alloc.preferred_with(all_devices(&f).iter().map(String::as_str), &[], 300, &Care::AS_IS).unwrap();
     assert_eq!(gpus_of(&f, &again), BTreeSet::from([0]));
     let history = f.alloc.history(0).unwrap();
     assert!(history.iter().any(|(_, _, detail)| detail.contains("offers these devices as free")), "{history:?}");
     let answer = f.alloc.allocate(&again).unwrap();
     assert_eq!(answer.pod.uid, "a");
     assert_eq!(f.alloc.live().unwrap().len(), 1, "one row for a, its first released");
+}
+
+#[test]
+fn a_call_the_dead_kubelet_made_commits_nothing_after_the_restart() {
+    let f = fixture(Compatibility::Gpushare);
+    pod(&f, "a", "2026-01-01T00:00:01Z", &[("main", ContainerRole::App, &[(0, 300)])]);
+    // The old kubelet's calls came, then it was killed and the new one started while they
+    // were still served (waiting on the API server, say).
+    let old = Care { generation: Some(f.alloc.kubelet_generation()), ..Care::PATIENT };
+    let ids = f.alloc.preferred_with(all_devices(&f).iter().map(String::as_str), &[], 300, &old).unwrap();
+    f.alloc.kubelet_restarted();
+    let late = f.alloc.allocate_with(&ids, &old);
+    assert!(matches!(late, Err(AllocError::KubeletRestarted)), "{late:?}");
+    let late = f.alloc.preferred_with(all_devices(&f).iter().map(String::as_str), &[], 300, &old);
+    assert!(matches!(late, Err(AllocError::KubeletRestarted)), "{late:?}");
+    assert!(f.alloc.live().unwrap().is_empty(), "nothing committed for the dead kubelet");
+    // The new kubelet admits a again, and a is served at once, not held in doubt.
+    let new = Care { generation: Some(f.alloc.kubelet_generation()), ..Care::PATIENT };
+    let again = f.alloc.preferred_with(all_devices(&f).iter().map(String::as_str), &[], 300, &new).unwrap();
+    let answer = f.alloc.allocate_with(&again, &new).unwrap();
+    assert_eq!((answer.pod.uid.as_str(), answer.envs["NVIDIA_VISIBLE_DEVICES"].as_str()), ("a", "GPU-0"));
 }
 
 #[test]
