@@ -5,7 +5,8 @@
 //! registered through the kubelet's plugin watcher. The
 //! stand-in kubelet of the tests uses the same code from the other side. [`compact`] holds the
 //! hand-written messages for the two large device lists; [`uds`] dials gRPC servers on unix
-//! sockets.
+//! sockets; [`authority`] lets tonic serve the kubelet's plugin watcher, whose requests it would
+//! refuse.
 
 /// The device plugin API, package `v1beta1`.
 #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic)]
@@ -37,6 +38,7 @@ pub const DRA_PLUGIN_SERVICE: &str = "v1.DRAPlugin";
 /// `PluginInfo.type` of a DRA plugin.
 pub const DRA_PLUGIN_TYPE: &str = "DRAPlugin";
 
+pub mod authority;
 pub mod compact;
 pub mod uds;
 

@@ -14,7 +14,6 @@ use thiserror::Error;
 use crate::allocation::allocator::Allocator;
 use crate::config::DraConfig;
 
-pub mod authority;
 pub mod cdi;
 pub mod grpc;
 pub mod service;

@@ -120,10 +120,10 @@ pub async fn serve<S: ClaimSource>(
     let dra = tonic::transport::Server::builder()
         .add_service(DraPluginServer::new(PluginService(driver)))
         .serve_with_incoming_shutdown(incoming(plugin), shutdown.clone());
-    // The kubelet's plugin watcher sends the socket's path as `:authority` (authority.rs).
+    // The kubelet's plugin watcher sends the socket's path as `:authority` (gpushare_proto::authority).
     let reg = tonic::transport::Server::builder()
         .add_service(RegistrationServer::new(registration))
-        .serve_with_incoming_shutdown(crate::dra::authority::incoming(reg), shutdown);
+        .serve_with_incoming_shutdown(gpushare_proto::authority::incoming(reg), shutdown);
     let (a, b) = tokio::join!(dra, reg);
     a.and(b)
 }
