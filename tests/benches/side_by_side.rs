@@ -40,10 +40,14 @@
 //! 1024 MiB of its `gpu.nvidia.com` class; its figures are given as ratios to gpushare's DRA row.
 //! Needs root and Go, as the real-cluster tests do. `GPUSHARE_BOX_DIR` keeps each box's logs
 //! and state, in `<dir>/<system>-<round>`. `GPUSHARE_BENCH_SYSTEMS` (e.g. `gib,dra`) runs only
-//! the systems named (`mib`, `gib`, `dra`, `nvidia`, `alibaba`, `hami`, `nvidia-dra`, `floor-mib`).
+//! the systems named (`mib`, `gib`, `dra`, `nvidia`, `alibaba`, `hami`, `nvidia-dra`, `floor-mib`,
+//! `floor-dra`).
 //! `floor-mib` is the kubelet's own limit at MiB mode's device count: a plugin of as many devices
 //! (`example.com/mib`) that answers at once (`gpushare-box null-plugin`), pods of the same size
-//! placed by kube-scheduler alone; gpushare's MiB mode is given as a ratio to it. The kubelet's
+//! placed by kube-scheduler alone; gpushare's MiB mode is given as a ratio to it. `floor-dra` is
+//! Kubernetes' own limit for a pod with a claim: a DRA driver that prepares nothing and answers at
+//! once (`gpushare-box null-dra`) on a slice shaped as gpushared's (8 GPUs of 80 GiB of consumable
+//! memory), claims of the same 1024 MiB; gpushare's DRA path is given as a ratio to it. The kubelet's
 //! DRA histogram starts at 100 ms, too coarse for a prepare: the DRA rows' `Allocate` figures are
 //! left out (gpushare's prepare latency is `cargo bench -p gpushared --bench dra_prepare`'s).
 #![allow(
@@ -60,10 +64,10 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use gpushare_testkit::nvidia_dra;
 use gpushare_testkit::nvml::FakeGpu;
 use gpushare_testkit::peers::{self, ALIYUN_GPU_MEM, HAMI_GPU, HAMI_GPUMEM, NVIDIA_GPU, NvidiaSharing};
 use gpushare_testkit::realbox::{RealCluster, RealOptions, is_root};
+use gpushare_testkit::{null_dra, nvidia_dra};
 use serde_json::{Value, json};
 
 const NODE: &str = "bench-node";
@@ -85,9 +89,12 @@ enum System {
     /// A plugin that answers at once ([`gpushare_testkit::null_plugin`]) with as many devices as
     /// gpushare's MiB mode: what the kubelet itself allows at that count.
     FloorMib,
+    /// A DRA driver that answers at once ([`gpushare_testkit::null_dra`]) on a slice like
+    /// gpushared's: what Kubernetes itself allows for a pod with a claim.
+    FloorDra,
 }
 
-const SYSTEMS: [System; 8] = [
+const SYSTEMS: [System; 9] = [
     System::GpushareMib,
     System::GpushareGib,
     System::GpushareDra,
@@ -96,6 +103,7 @@ const SYSTEMS: [System; 8] = [
     System::Hami,
     System::NvidiaDra,
     System::FloorMib,
+    System::FloorDra,
 ];
 
 impl System {
@@ -110,6 +118,7 @@ impl System {
             System::Hami => "hami",
             System::NvidiaDra => "nvidia-dra",
             System::FloorMib => "floor-mib",
+            System::FloorDra => "floor-dra",
         }
     }
 }
@@ -164,7 +173,7 @@ fn main() {
     let rounds = env("GPUSHARE_BENCH_ROUNDS", 2);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let chosen = std::env::var("GPUSHARE_BENCH_SYSTEMS")
-        .unwrap_or_else(|_| "mib,gib,dra,nvidia,alibaba,hami,nvidia-dra,floor-mib".into());
+        .unwrap_or_else(|_| "mib,gib,dra,nvidia,alibaba,hami,nvidia-dra,floor-mib,floor-dra".into());
     let mut chosen: Vec<&str> = chosen.split(',').map(str::trim).collect();
     if chosen.contains(&"alibaba")
         && let Err(why) = gpushare_testkit::peers::alibaba()
@@ -218,10 +227,11 @@ fn main() {
     let mean = |v: &[Figures], f: fn(&Figures) -> f64| v.iter().map(f).sum::<f64>() / v.len() as f64;
     let (mib, gib, dra, nvidia, alibaba, hami, nvidia_dra, floor) =
         (&figures[0], &figures[1], &figures[2], &figures[3], &figures[4], &figures[5], &figures[6], &figures[7]);
+    let floor_dra = &figures[8];
     println!(
         "\nmeans of {rounds} rounds (NaN: not run); ratios to gpushare GiB mode (DRA's, NVIDIA's), \
          Alibaba's and HAMi's to gpushare MiB mode, NVIDIA's DRA driver's to gpushare DRA, gpushare MiB mode's \
-         to the floor at its device count:"
+         to the floor at its device count, gpushare DRA's to the DRA floor and the DRA floor's to NVIDIA:"
     );
     for (name, f) in [
         ("pods/s end to end", (|x: &Figures| x.pods_per_s) as fn(&Figures) -> f64),
@@ -230,17 +240,19 @@ fn main() {
         ("plugin RSS", |x| x.rss_mib),
     ] {
         let (a, g, d, n, l) = (mean(mib, f), mean(gib, f), mean(dra, f), mean(nvidia, f), mean(alibaba, f));
-        let (h, nd, fl) = (mean(hami, f), mean(nvidia_dra, f), mean(floor, f));
+        let (h, nd, fl, fd) = (mean(hami, f), mean(nvidia_dra, f), mean(floor, f), mean(floor_dra, f));
         println!(
             "  {name}: gpushare MiB {a:.2}, GiB {g:.2}, DRA {d:.2}; NVIDIA {n:.2}; Alibaba MiB {l:.2}; HAMi {h:.2}; \
-             NVIDIA DRA {nd:.2}; floor MiB {fl:.2}; ratio {:.2}, {:.2}; Alibaba {:.2}; HAMi {:.2}; NVIDIA DRA {:.2}; \
-             MiB to floor {:.2}",
+             NVIDIA DRA {nd:.2}; floor MiB {fl:.2}; floor DRA {fd:.2}; ratio {:.2}, {:.2}; Alibaba {:.2}; HAMi {:.2}; \
+             NVIDIA DRA {:.2}; MiB to floor {:.2}; DRA to its floor {:.2}; DRA floor to NVIDIA {:.2}",
             d / g,
             n / g,
             l / a,
             h / a,
             nd / d,
-            a / fl
+            a / fl,
+            d / fd,
+            fd / n
         );
     }
     println!("\nstages per pod, means of {rounds} rounds (ms unless said; NaN: not reported):");
@@ -310,6 +322,13 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
             b.add_null_plugin_node(NODE, FLOOR_RESOURCE, devices).unwrap();
             (FLOOR_RESOURCE, devices.to_string(), mib_pod.as_str())
         }
+        System::FloorDra => {
+            b.plane.create(&null_dra::device_class()).unwrap();
+            b.add_null_dra_node(NODE).unwrap();
+            b.plane.create(&null_dra::slice(NODE, GPUS, 81920)).unwrap();
+            wait_registered(&b);
+            ("", String::new(), "1024Mi")
+        }
         System::NvidiaDra => {
             b.plane.create(&nvidia_dra::device_class()).unwrap();
             let gpus: Vec<FakeGpu> =
@@ -318,8 +337,12 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
             ("", String::new(), "1024Mi")
         }
     };
-    let dra = matches!(system, System::GpushareDra | System::NvidiaDra);
-    let class = if system == System::NvidiaDra { nvidia_dra::DEVICE_CLASS } else { "gpushare-memory" };
+    let dra = matches!(system, System::GpushareDra | System::NvidiaDra | System::FloorDra);
+    let class = match system {
+        System::NvidiaDra => nvidia_dra::DEVICE_CLASS,
+        System::FloorDra => null_dra::DEVICE_CLASS,
+        _ => "gpushare-memory",
+    };
     if dra {
         wait_slice(&b, GPUS as usize);
     } else {
@@ -460,6 +483,16 @@ fn wait_slice(b: &RealCluster, devices: usize) {
         }
         assert!(Instant::now() < deadline, "the node's ResourceSlice has {n} devices, not {devices}");
         std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// Waits until the node's kubelet has registered the null DRA driver (its log says so).
+fn wait_registered(b: &RealCluster) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let node = b.node(NODE).unwrap();
+    while !node.daemon.log().contains("the kubelet registered the null DRA driver") {
+        assert!(Instant::now() < deadline, "the kubelet has not registered the null DRA driver after 60 s");
+        std::thread::sleep(Duration::from_millis(100));
     }
 }
 

@@ -26,6 +26,7 @@ pub mod kubelet;
 pub mod lag;
 pub mod node;
 pub mod notify;
+pub mod null_dra;
 pub mod null_plugin;
 pub mod nvidia_dra;
 pub mod nvml;

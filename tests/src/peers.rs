@@ -17,7 +17,7 @@ use anyhow::Context as _;
 use crate::cluster::Proc;
 use crate::nvml::{self, FakeGpu};
 use crate::realbox::{RealCluster, RealNode};
-use crate::realkubelet::{DEFAULT_GATES, RealKubelet, with_device_plugin_dir};
+use crate::realkubelet::{DEFAULT_GATES, KubeletDirs, RealKubelet, with_device_plugin_dir};
 
 /// NVIDIA's resource name for a GPU (or a time-slicing replica of one).
 pub const NVIDIA_GPU: &str = "nvidia.com/gpu";
@@ -133,6 +133,24 @@ impl RealCluster {
                 format!("--devices={devices}"),
             ];
             plane.spawn(&format!("null-plugin-{name}"), &program, args, Vec::new())
+        })
+    }
+
+    /// Adds node `name` served by [`crate::null_dra`]: a DRA driver that answers every call at
+    /// once (`gpushare-box null-dra`), registered with the node's kubelet. The node's
+    /// ResourceSlice is the caller's to create ([`crate::null_dra::slice`]).
+    ///
+    /// # Errors
+    /// A component that does not start, with its log.
+    pub fn add_null_dra_node(&mut self, name: &str) -> anyhow::Result<&mut RealNode> {
+        let program = crate::cluster::Binaries::beside_current_exe()?.stand_ins;
+        self.add_plugin_node(name, |plane, host, _, _| {
+            let args = vec![
+                "null-dra".to_owned(),
+                format!("--registry-dir={}", KubeletDirs::under(host).root.join("plugins_registry").display()),
+                format!("--plugin-dir={}", host.join("null-dra").display()),
+            ];
+            plane.spawn(&format!("null-dra-{name}"), &program, args, Vec::new())
         })
     }
 

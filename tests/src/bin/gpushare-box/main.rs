@@ -105,6 +105,16 @@ enum Cmd {
         #[arg(long)]
         devices: u32,
     },
+    /// A DRA driver that answers every call at once and prepares nothing: Kubernetes' own cost
+    /// of a pod with a claim (the side-by-side bench's `floor-dra`).
+    NullDra {
+        /// The kubelet's plugin-registration directory.
+        #[arg(long)]
+        registry_dir: PathBuf,
+        /// The directory for the driver's own socket.
+        #[arg(long)]
+        plugin_dir: PathBuf,
+    },
     /// The kube-scheduler stand-in, calling the extender as kube-scheduler does.
     Scheduler {
         /// The API server.
@@ -214,6 +224,10 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
         }
         Cmd::NullPlugin { plugin_dir, resource, devices } => tokio::select! {
             result = gpushare_testkit::null_plugin::run(&plugin_dir, &resource, devices) => result,
+            result = until_stopped() => result,
+        },
+        Cmd::NullDra { registry_dir, plugin_dir } => tokio::select! {
+            result = gpushare_testkit::null_dra::run(&registry_dir, &plugin_dir) => result,
             result = until_stopped() => result,
         },
         Cmd::Scheduler { kubeconfig, extender, initial_backoff_ms } => {
