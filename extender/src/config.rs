@@ -152,6 +152,14 @@ pub struct SchedulingConfig {
     /// once. Below `server.request_timeout_seconds`.
     #[serde(default = "default_lookalike_wait")]
     pub lookalike_wait_ms: u64,
+    /// The kube-scheduler profiles (`schedulerName`) whose pods the extender binds; a bind for
+    /// a pod of any other scheduler is refused.
+    #[serde(default = "default_scheduler_names")]
+    pub scheduler_names: Vec<String>,
+}
+
+fn default_scheduler_names() -> Vec<String> {
+    vec![crate::objects::DEFAULT_SCHEDULER.to_owned()]
 }
 
 fn default_assume() -> u64 {
@@ -170,6 +178,7 @@ impl Default for SchedulingConfig {
             assume_timeout_seconds: default_assume(),
             busy_weight: 0,
             lookalike_wait_ms: default_lookalike_wait(),
+            scheduler_names: default_scheduler_names(),
         }
     }
 }
@@ -246,6 +255,15 @@ impl Config {
                 config.scheduling.lookalike_wait_ms, config.server.request_timeout_seconds
             )));
         }
+        if config.scheduling.scheduler_names.is_empty()
+            || config.scheduling.scheduler_names.iter().any(String::is_empty)
+        {
+            return Err(invalid(
+                "scheduling.scheduler_names must name at least one scheduler profile, none empty; the default is \
+                 [\"default-scheduler\"]"
+                    .to_owned(),
+            ));
+        }
         if config.scheduling.assume_timeout_seconds == 0 {
             return Err(invalid("scheduling.assume_timeout_seconds must be above 0; the default is 300".to_owned()));
         }
@@ -309,6 +327,11 @@ mod tests {
         .unwrap();
         assert_eq!(c.scheduling.busy_weight, 30);
         assert_eq!(c.scheduling.lookalike_wait(), Duration::from_secs(8));
+        let e = parse("[scheduling]\nscheduler_names = []\n").unwrap_err();
+        assert!(e.contains("scheduler_names"), "{e}");
+        let names = parse("[scheduling]\nscheduler_names = [\"gpu-scheduler\"]\n").unwrap();
+        assert_eq!(names.scheduling.scheduler_names, ["gpu-scheduler"]);
+        assert_eq!(parse("").unwrap().scheduling.scheduler_names, ["default-scheduler"]);
         let e = parse("[scheduling]\nlookalike_wait_ms = 5000\n").unwrap_err();
         assert!(e.contains("must be below server.request_timeout_seconds (5 s)"), "{e}");
         assert!(parse("[scheduling]\nbusy_weight = 101\n").unwrap_err().contains("from 0 (off, the default) to 100"));

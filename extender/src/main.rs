@@ -105,7 +105,8 @@ async fn serve_scheduler(config: Config) -> anyhow::Result<()> {
     let extender = Arc::new(
         Extender::new(view, KubeCluster::new(client.clone()), config.scheduling.policies())
             .with_busy_weight(config.scheduling.busy_weight)
-            .with_lookalike_wait(config.scheduling.lookalike_wait()),
+            .with_lookalike_wait(config.scheduling.lookalike_wait())
+            .with_scheduler_names(config.scheduling.scheduler_names.clone()),
     );
     let listen = config.server.listen;
     let listener = tokio::net::TcpListener::bind(listen)

@@ -13,6 +13,9 @@ use serde::{Deserialize, Serialize};
 
 use gpushare_core::request::null_as_default;
 
+/// The scheduler name the API server gives a pod that names none.
+pub const DEFAULT_SCHEDULER: &str = "default-scheduler";
+
 /// A Pod, reduced to what placement needs.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct PodObject {
@@ -43,6 +46,10 @@ pub struct PodObjectSpec {
     /// `spec.priority`, resolved by the API server from the priority class.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<i32>,
+    /// `spec.schedulerName`: the scheduler profile that places the pod (the API server
+    /// defaults it to `default-scheduler`).
+    #[serde(default, deserialize_with = "null_as_default", skip_serializing_if = "String::is_empty")]
+    pub scheduler_name: String,
 }
 
 /// `status` of a [`PodObject`].
@@ -54,6 +61,12 @@ pub struct PodObjectStatus {
 }
 
 impl PodObject {
+    /// The scheduler that places the pod: `spec.schedulerName`, or the API server's default.
+    #[must_use]
+    pub fn scheduler(&self) -> &str {
+        if self.spec.scheduler_name.is_empty() { DEFAULT_SCHEDULER } else { &self.spec.scheduler_name }
+    }
+
     /// `namespace/name`.
     #[must_use]
     pub fn key(&self) -> String {

@@ -114,6 +114,8 @@ pub struct Extender<C> {
     changed: tokio::sync::Notify,
     /// How long a bind waits for a look-alike's admission to be reported before it refuses.
     lookalike_wait: Duration,
+    /// The schedulers whose pods it binds ([`Self::with_scheduler_names`]).
+    scheduler_names: Vec<String>,
 }
 
 impl<C> std::fmt::Debug for Extender<C> {
@@ -139,7 +141,17 @@ impl<C: Cluster> Extender<C> {
             node_locks: Mutex::new(HashMap::new()),
             changed: tokio::sync::Notify::new(),
             lookalike_wait: Duration::ZERO,
+            scheduler_names: vec![crate::objects::DEFAULT_SCHEDULER.to_owned()],
         }
+    }
+
+    /// The same extender binding only pods whose `spec.schedulerName` is one of `names` (the
+    /// profiles of the kube-scheduler that calls it): a pod of another scheduler is that
+    /// scheduler's to place, and a bind for it is refused.
+    #[must_use]
+    pub fn with_scheduler_names(mut self, names: Vec<String>) -> Self {
+        self.scheduler_names = names;
+        self
     }
 
     /// The same extender letting a bind wait up to `wait` for the node to report a look-alike
@@ -392,9 +404,12 @@ impl<C: Cluster> Extender<C> {
             } else {
                 s.view.pod(&args.pod_uid)
             };
-            entry.map(|p| (p.uid.clone(), p.node.clone(), p.request.clone(), matches!(p.holding, Holding::Assigned(_))))
+            entry.map(|p| {
+                let assigned = matches!(p.holding, Holding::Assigned(_));
+                (p.uid.clone(), p.node.clone(), p.request.clone(), assigned, p.scheduler.clone())
+            })
         };
-        let (uid, bound_to, request, assigned) = match known {
+        let (uid, bound_to, request, assigned, scheduler) = match known {
             Some(k) => k,
             None => {
                 let pod = self.cluster.get_pod(namespace, &args.pod_name).await.map_err(|e| match e {
@@ -410,13 +425,25 @@ impl<C: Cluster> Extender<C> {
                 }
                 let holding = pod.annotations().contains_key(ASSIGNMENT_KEY);
                 let request = self.state().view.request_of(&pod);
-                (pod.uid().to_owned(), pod.node().map(str::to_owned), request, holding)
+                (pod.uid().to_owned(), pod.node().map(str::to_owned), request, holding, pod.scheduler().to_owned())
             }
         };
+        // Only what kube-scheduler sends: its own pods, and only those it asked us to place.
+        if !self.scheduler_names.contains(&scheduler) {
+            return Err(invalid(format!(
+                "pod {key} is placed by scheduler {scheduler:?}, not by one this extender serves ({}); add it to \
+                 [scheduling] scheduler_names if its kube-scheduler profile calls this extender",
+                self.scheduler_names.join(", ")
+            )));
+        }
+        if request.as_ref().is_ok_and(PodRequest::is_empty) {
+            return Err(invalid(format!(
+                "pod {key} asks for no GPU memory of this extender's resources: it binds only the pods it places, and \
+                 kube-scheduler binds the others itself"
+            )));
+        }
         match bound_to.as_deref() {
-            Some(n) if n == args.node && (assigned || request.as_ref().is_ok_and(PodRequest::is_empty)) => {
-                return Ok(());
-            }
+            Some(n) if n == args.node && assigned => return Ok(()),
             Some(n) => return Err(invalid(format!("pod {key} is already bound to {n}"))),
             None => {}
         }

@@ -425,6 +425,8 @@ pub struct PodEntry {
     pub node: Option<String>,
     /// Scheduling priority.
     pub priority: i32,
+    /// The scheduler that places it (`spec.schedulerName`).
+    pub scheduler: String,
     /// Succeeded or Failed.
     pub terminal: bool,
     /// Its request, or why it is invalid.

@@ -56,7 +56,24 @@ async fn kube_scheduler_json_in_one_binding_out() {
     assert_eq!(scores.len(), 2);
     assert!(scores.iter().all(|s| s["Score"].as_i64().unwrap() <= 10 && s["Host"].is_string()));
 
+    // The bind route binds only what kube-scheduler would send it: not a pod that asks for no
+    // GPU memory, not one of another scheduler.
+    let plain = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "plain", "namespace": "default"},
+        "spec": {"containers": [{"name": "main", "image": "x"}]}});
+    let plain = h.api.create_pod("default", plain).unwrap();
+    let mut theirs = pod_object("theirs", 3500);
+    theirs["spec"]["schedulerName"] = json!("other-scheduler");
+    let theirs = h.api.create_pod("default", theirs).unwrap();
     h.api.clear_requests();
+    for (pod, why) in [(&plain, "asks for no GPU memory"), (&theirs, "not by one this extender serves")] {
+        let bind = json!({"PodName": pod["metadata"]["name"], "PodNamespace": "default",
+            "PodUID": pod["metadata"]["uid"], "Node": "gpu-a"});
+        let (status, body) = http(h.addr, "POST", "/gpushare-scheduler/bind", &bind.to_string()).await;
+        assert_eq!(status, 200, "{body}");
+        assert!(body.contains(why), "{body}");
+    }
+    assert!(h.api.requests().iter().all(|(m, _)| m == "GET"), "{:?}", h.api.requests());
+
     let bind = json!({"PodName": "infer", "PodNamespace": "default", "PodUID": uid, "Node": "gpu-a"}).to_string();
     let (status, body) = http(h.addr, "POST", "/gpushare-scheduler/bind", &bind).await;
     assert_eq!((status, body.as_str()), (200, r#"{"Error":""}"#));

@@ -270,6 +270,39 @@ async fn bind_refuses_clearly() {
     assert!(ext.cluster.bindings().is_empty());
 }
 
+/// Whoever reaches the bind route gets only what kube-scheduler would ask: a pod of another
+/// scheduler, a pod that asks for none of our resources, and a node that is not ours are each
+/// refused, and nothing is bound.
+#[tokio::test]
+async fn bind_refuses_what_kube_scheduler_would_never_send() {
+    let mut plain = pod("plain", 0, None, "Pending");
+    plain.spec.containers[0].resources = Default::default();
+    let mut theirs = pod("theirs", 500, None, "Pending");
+    theirs.spec.scheduler_name = "other-scheduler".into();
+    let ours = pod("ours", 500, None, "Pending");
+    let ext = extender(&[node("n1", 1, 1000, 1, vec![])], &[plain, theirs, ours]);
+    let e = ext.bind(&bind_args("plain", "n1")).await.error;
+    assert!(e.contains("asks for no GPU memory"), "{e}");
+    let e = ext.bind(&bind_args("theirs", "n1")).await.error;
+    assert!(e.contains("placed by scheduler \"other-scheduler\"") && e.contains("scheduler_names"), "{e}");
+    let e = ext.bind(&bind_args("ours", "nowhere")).await.error;
+    assert!(e.contains("nowhere"), "{e}");
+    assert!(ext.cluster.bindings().is_empty(), "{:?}", ext.cluster.bindings());
+    assert_eq!(ext.metrics().binds(BindOutcome::Invalid), 2);
+
+    // A profile named in the configuration is served.
+    let mut theirs = pod("theirs", 500, None, "Pending");
+    theirs.spec.scheduler_name = "gpu-scheduler".into();
+    let (mut view, cluster) = (ClusterView::new(config(false)), FakeCluster::default());
+    view.apply_node(&node("n1", 1, 1000, 1, vec![]));
+    view.apply_pod(&theirs);
+    cluster.put(theirs);
+    let names = vec!["default-scheduler".into(), "gpu-scheduler".into()];
+    let ext = Extender::new(view, cluster, Policies::default()).with_scheduler_names(names);
+    ext.set_ready(true);
+    assert_eq!(ext.bind(&bind_args("theirs", "n1")).await.error, "");
+}
+
 #[test]
 fn preemption_keeps_the_schedulers_victims_and_adds_what_the_gpus_need() {
     let on = |name: &str, gpu: u32, mib: u64, prio: i32| {

@@ -32,6 +32,7 @@ impl ClusterView {
             uid: uid.clone(),
             node: node.clone(),
             priority: pod.spec.priority.unwrap_or(0),
+            scheduler: pod.scheduler().to_owned(),
             terminal: pod.is_terminal(),
             request: self.request_of(pod),
             holding,
