@@ -79,6 +79,14 @@ pub struct ServerConfig {
     /// TLS private key (PEM).
     #[serde(default)]
     pub tls_key: Option<PathBuf>,
+    /// CA bundle (PEM) that callers' client certificates must chain to; with it, a caller
+    /// without one is refused in the TLS handshake. Needs `tls_cert` and `tls_key`.
+    #[serde(default)]
+    pub client_ca: Option<PathBuf>,
+    /// Serve a `listen` address beyond loopback without TLS client authentication: anyone who
+    /// reaches it can then bind pods. Off by default.
+    #[serde(default)]
+    pub allow_unauthenticated: bool,
 }
 
 fn default_listen() -> SocketAddr {
@@ -103,6 +111,8 @@ impl Default for ServerConfig {
             request_timeout_seconds: default_timeout(),
             tls_cert: None,
             tls_key: None,
+            client_ca: None,
+            allow_unauthenticated: false,
         }
     }
 }
@@ -234,6 +244,27 @@ impl Config {
             }
             _ => {}
         }
+        match &s.client_ca {
+            Some(_) if s.tls().is_none() => {
+                return Err(invalid(
+                    "server.client_ca needs tls_cert and tls_key: client certificates are checked in the TLS handshake"
+                        .to_owned(),
+                ));
+            }
+            Some(ca) if !ca.is_absolute() => {
+                return Err(invalid("server.client_ca must be an absolute path".to_owned()));
+            }
+            _ => {}
+        }
+        if !s.listen.ip().is_loopback() && s.client_ca.is_none() && !s.allow_unauthenticated {
+            return Err(invalid(format!(
+                "server.listen = {} is reachable beyond this host, but no caller would be authenticated: anyone \
+                 who reaches it could bind pods to any node. Set tls_cert, tls_key and client_ca (kube-scheduler's \
+                 extender tlsConfig sends its client certificate), listen on 127.0.0.1, or set \
+                 allow_unauthenticated = true to accept that risk",
+                s.listen
+            )));
+        }
         if let Some(k) = &config.kubernetes.kubeconfig
             && !k.is_absolute()
         {
@@ -320,13 +351,23 @@ mod tests {
     fn every_key_can_be_set() {
         let c = parse(
             "[server]\nlisten = \"0.0.0.0:12345\"\nprefix = \"/x\"\nmax_body_bytes = 4096\nrequest_timeout_seconds = 9\n\
-             tls_cert = \"/c.pem\"\ntls_key = \"/k.pem\"\n[kubernetes]\nkubeconfig = \"/etc/kubernetes/scheduler.conf\"\n\
+             tls_cert = \"/c.pem\"\ntls_key = \"/k.pem\"\nclient_ca = \"/ca.pem\"\nallow_unauthenticated = true\n[kubernetes]\nkubeconfig = \"/etc/kubernetes/scheduler.conf\"\n\
              [resources]\nunit = \"GiB\"\ncompatibility = \"alibaba\"\n[scheduling]\nnode_policy = \"spread\"\n\
              gpu_policy = \"spread\"\nassume_timeout_seconds = 60\nbusy_weight = 30\nlookalike_wait_ms = 8000\n",
         )
         .unwrap();
         assert_eq!(c.scheduling.busy_weight, 30);
         assert_eq!(c.scheduling.lookalike_wait(), Duration::from_secs(8));
+        // Beyond loopback only with client authentication, or the explicit opt-out.
+        let e = parse("[server]\nlisten = \"0.0.0.0:39999\"\n").unwrap_err();
+        assert!(e.contains("reachable beyond this host") && e.contains("allow_unauthenticated"), "{e}");
+        let e =
+            parse("[server]\nlisten = \"10.0.0.5:39999\"\ntls_cert = \"/c.pem\"\ntls_key = \"/k.pem\"\n").unwrap_err();
+        assert!(e.contains("client_ca"), "{e}");
+        assert!(parse("[server]\nlisten = \"0.0.0.0:39999\"\nallow_unauthenticated = true\n").is_ok());
+        assert!(parse("[server]\nlisten = \"[::1]:39999\"\n").is_ok());
+        let e = parse("[server]\nclient_ca = \"/ca.pem\"\n").unwrap_err();
+        assert!(e.contains("client_ca needs tls_cert and tls_key"), "{e}");
         let e = parse("[scheduling]\nscheduler_names = []\n").unwrap_err();
         assert!(e.contains("scheduler_names"), "{e}");
         let names = parse("[scheduling]\nscheduler_names = [\"gpu-scheduler\"]\n").unwrap();

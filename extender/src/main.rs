@@ -89,7 +89,7 @@ async fn terminated() {
 
 async fn serve_scheduler(config: Config) -> anyhow::Result<()> {
     let tls = match config.server.tls() {
-        Some((cert, key)) => Some(tls_acceptor(cert, key)?),
+        Some((cert, key)) => Some(tls_acceptor(cert, key, config.server.client_ca.as_deref())?),
         None => None,
     };
     let client = client(config.kubernetes.kubeconfig.as_deref())
@@ -120,8 +120,14 @@ async fn serve_scheduler(config: Config) -> anyhow::Result<()> {
     let app = router(extender.clone(), &options);
     let watcher = tokio::spawn(watch(client, extender.clone()));
     let addr = listener.local_addr()?;
-    tracing::info!(listen = %addr, prefix = %options.prefix, tls = tls.is_some(),
+    let client_auth = config.server.client_ca.is_some();
+    tracing::info!(listen = %addr, prefix = %options.prefix, tls = tls.is_some(), client_auth,
         unit = %config.resources.unit, "serving kube-scheduler");
+    if !addr.ip().is_loopback() && !client_auth {
+        tracing::warn!(listen = %addr,
+            "serving beyond loopback without client authentication (allow_unauthenticated): anyone who reaches \
+             this address can bind pods to any node");
+    }
     // Type=notify: ready once kube-scheduler can connect (healthz answers); the status line
     // follows the view's sync, and the watchdog is earned by the view's lock answering.
     let notifier = Notifier::from_env();

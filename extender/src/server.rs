@@ -277,11 +277,12 @@ async fn metrics<C: Cluster>(State(app): State<App<C>>) -> Response {
     .await
 }
 
-/// A TLS acceptor from PEM files.
+/// A TLS acceptor from PEM files; with `client_ca`, every caller must present a client
+/// certificate that chains to it.
 ///
 /// # Errors
 /// [`TlsError`] naming the file that cannot be used.
-pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<tokio_rustls::TlsAcceptor, TlsError> {
+pub fn tls_acceptor(cert: &Path, key: &Path, client_ca: Option<&Path>) -> Result<tokio_rustls::TlsAcceptor, TlsError> {
     use rustls::pki_types::pem::PemObject as _;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
     let bad = |path: &Path, reason: String| TlsError { path: path.display().to_string(), reason };
@@ -292,10 +293,30 @@ pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<tokio_rustls::TlsAcceptor
         return Err(bad(cert, "holds no certificate".to_owned()));
     }
     let key = PrivateKeyDer::from_pem_file(key).map_err(|e| bad(key, format!("cannot read a PEM private key: {e}")))?;
-    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ServerConfig::builder_with_provider(Arc::clone(&provider))
         .with_safe_default_protocol_versions()
-        .map_err(|e| bad(cert, e.to_string()))?
-        .with_no_client_auth()
+        .map_err(|e| bad(cert, e.to_string()))?;
+    let builder = match client_ca {
+        None => builder.with_no_client_auth(),
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for c in
+                CertificateDer::pem_file_iter(ca).map_err(|e| bad(ca, format!("cannot read PEM certificates: {e}")))?
+            {
+                let c = c.map_err(|e| bad(ca, format!("cannot read PEM certificates: {e}")))?;
+                roots.add(c).map_err(|e| bad(ca, format!("not a usable CA certificate: {e}")))?;
+            }
+            if roots.is_empty() {
+                return Err(bad(ca, "holds no certificate".to_owned()));
+            }
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .build()
+                .map_err(|e| bad(ca, format!("cannot check client certificates against it: {e}")))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let mut config = builder
         .with_single_cert(certs, key)
         .map_err(|e| bad(cert, format!("certificate and key do not go together: {e}")))?;
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];

@@ -226,6 +226,13 @@ async fn the_binaries_serve_check_configs_and_inspect() {
     let out = Command::new(extender).args(["--check-config"]).arg(&bad).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("server.prefix"), "{}", String::from_utf8_lossy(&out.stderr));
+    // An open listener with nobody authenticated is refused before it serves anything.
+    std::fs::write(&bad, "[server]\nlisten = \"0.0.0.0:39999\"\n").unwrap();
+    let out = Command::new(extender).args(["--check-config"]).arg(&bad).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("reachable beyond this host") && err.contains("client_ca"), "{err}");
+    let out = Command::new(extender).arg("--config").arg(&bad).output().unwrap();
+    assert!(!out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 
     // The server, over TLS, with a CA and a server certificate made here.
     let (ca, ca_key) = (dir.path().join("ca.crt"), dir.path().join("ca.key"));
@@ -284,42 +291,97 @@ async fn the_binaries_serve_check_configs_and_inspect() {
         os("-out"),
         cert.as_os_str(),
     ]);
+    // kube-scheduler's client certificate, from the same CA (its extender tlsConfig).
+    let (client_cert, client_key, client_csr) =
+        (dir.path().join("client.crt"), dir.path().join("client.key"), dir.path().join("client.csr"));
+    let client_ext = dir.path().join("client.cnf");
+    std::fs::write(&client_ext, "extendedKeyUsage=clientAuth\nbasicConstraints=CA:FALSE\n").unwrap();
+    openssl(
+        &[
+            &[os("req")],
+            &ec[..],
+            &[
+                os("-subj"),
+                os("/CN=system:kube-scheduler"),
+                os("-keyout"),
+                client_key.as_os_str(),
+                os("-out"),
+                client_csr.as_os_str(),
+            ],
+        ]
+        .concat(),
+    );
+    openssl(&[
+        os("x509"),
+        os("-req"),
+        os("-in"),
+        client_csr.as_os_str(),
+        os("-CA"),
+        ca.as_os_str(),
+        os("-CAkey"),
+        ca_key.as_os_str(),
+        os("-CAcreateserial"),
+        os("-days"),
+        os("1"),
+        os("-extfile"),
+        client_ext.as_os_str(),
+        os("-out"),
+        client_cert.as_os_str(),
+    ]);
     let port = free_port();
     let config = dir.path().join("extender.toml");
     std::fs::write(
         &config,
         format!(
-            "[server]\nlisten = \"127.0.0.1:{port}\"\ntls_cert = \"{}\"\ntls_key = \"{}\"\n[kubernetes]\nkubeconfig = \"{}\"\n",
+            "[server]\nlisten = \"127.0.0.1:{port}\"\ntls_cert = \"{}\"\ntls_key = \"{}\"\nclient_ca = \"{}\"\n\
+             [kubernetes]\nkubeconfig = \"{}\"\n",
             cert.display(),
             key.display(),
+            ca.display(),
             kubeconfig.display()
         ),
     )
     .unwrap();
     let _child = Child(Command::new(extender).arg("--config").arg(&config).stderr(Stdio::null()).spawn().unwrap());
-    let tls = tls_client(&ca);
+    let tls = tls_client(&ca, Some((&client_cert, &client_key)));
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     until("the TLS server ready", async || tls_get(&tls, addr, "/readyz").await.is_some_and(|(s, _)| s == 200)).await;
     let (status, body) = tls_get(&tls, addr, "/gpushare-scheduler/inspect").await.unwrap();
     assert_eq!(status, 200);
     assert!(body.contains("\"name\":\"gpu-b\""), "{body}");
+    // A caller without a client certificate gets no answer at all, bind included.
+    let anonymous = tls_client(&ca, None);
+    for path in ["/healthz", "/gpushare-scheduler/inspect"] {
+        let answer = tls_get(&anonymous, addr, path).await;
+        assert!(matches!(answer, None | Some((0, _))), "{path}: {answer:?}");
+    }
     // Plain HTTP to the TLS port gets nothing useful.
     let plain = tokio::time::timeout(Duration::from_secs(5), http(addr, "GET", "/healthz", "")).await;
     assert!(plain.is_err() || plain.is_ok_and(|(s, _)| s != 200));
 }
 
-fn tls_client(ca: &std::path::Path) -> tokio_rustls::TlsConnector {
-    use rustls::pki_types::CertificateDer;
+/// A TLS client trusting `ca`, presenting `identity` (certificate, key) when given.
+fn tls_client(
+    ca: &std::path::Path,
+    identity: Option<(&std::path::Path, &std::path::Path)>,
+) -> tokio_rustls::TlsConnector {
     use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
     let mut roots = rustls::RootCertStore::empty();
     for c in CertificateDer::pem_file_iter(ca).unwrap() {
         roots.add(c.unwrap()).unwrap();
     }
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+    let builder = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
         .with_safe_default_protocol_versions()
         .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+        .with_root_certificates(roots);
+    let config = match identity {
+        None => builder.with_no_client_auth(),
+        Some((cert, key)) => {
+            let chain = CertificateDer::pem_file_iter(cert).unwrap().collect::<Result<Vec<_>, _>>().unwrap();
+            builder.with_client_auth_cert(chain, PrivateKeyDer::from_pem_file(key).unwrap()).unwrap()
+        }
+    };
     tokio_rustls::TlsConnector::from(Arc::new(config))
 }
 

@@ -250,7 +250,7 @@ It keeps nothing on disk: after a restart its view is rebuilt from the API serve
 .PP
 The configuration is read from \fI/etc/gpushare/gpushare\-extender.toml\fR, or from the file \fB\-\-config\fR names:
 the listening address (default \fB127.0.0.1:39999\fR), the URL prefix of the verbs (default \fB/gpushare\-scheduler\fR),
-TLS, the credentials, the resource names and unit, and the placement policies.
+TLS and the client CA (an address beyond loopback is refused without one), the credentials, the resource names and unit, the scheduler profiles it binds for, and the placement policies.
 A missing file at the default path means every default; a file named with \fB\-\-config\fR must exist.
 Unknown keys and bad values are refused with the file, the line and what to write instead;
 \fB\-\-check\-config\fR checks a file without starting.
