@@ -26,7 +26,7 @@ Exit status:
   1   gpushared refused the request (an unknown GPU, a malformed pod name, a ledger it cannot read)
   2   usage error
   69  gpushared cannot be reached: it is not running, its D-Bus API is off, or the bus is down (EX_UNAVAILABLE)
-  77  the bus's policy denied the call, e.g. cordon by a user other than root (EX_NOPERM)";
+  77  the bus's policy or gpushared denied the call, e.g. cordon by a user other than root (EX_NOPERM)";
 
 /// gpusharectl's command line.
 #[derive(Parser, Debug, Clone, PartialEq, Eq)]
@@ -255,7 +255,7 @@ A usage error.
 gpushared cannot be reached: it is not running, its D\-Bus API is off ([dbus] enabled = false), or the bus is down.
 .TP
 \fB77\fR (EX_NOPERM)
-The bus's policy denied the call, e.g. \fBcordon\fR by a user other than root.
+The bus's policy or gpushared denied the call, e.g. \fBcordon\fR by a user other than root.
 .SH ENVIRONMENT
 .TP
 \fBDBUS_SYSTEM_BUS_ADDRESS\fR

@@ -105,7 +105,7 @@ impl Failure {
                 format!("gpushared did not answer {} in time ({d}); check: journalctl -u gpushared", request.name())
             }
             (Failure::PermissionDenied(_), _) if request.changes() => format!(
-                "permission denied: {} needs root (the D-Bus policy lets only root change gpushared)",
+                "permission denied: {} needs root (the D-Bus policy and gpushared itself let only root change gpushared)",
                 request.name()
             ),
             (Failure::PermissionDenied(d), _) => format!("permission denied: the bus refused {} ({d})", request.name()),

@@ -312,7 +312,7 @@ fn classifies_access_denied() {
     assert_eq!(f.exit_code(), 77);
     assert_eq!(
         f.message(&Bus::System, &Request::Cordon { gpu: "1".into() }),
-        "permission denied: cordon needs root (the D-Bus policy lets only root change gpushared)"
+        "permission denied: cordon needs root (the D-Bus policy and gpushared itself let only root change gpushared)"
     );
     assert!(f.message(&Bus::System, &Request::Status).contains("status"));
     let e = zbus::Error::InputOutput(Arc::new(std::io::ErrorKind::PermissionDenied.into()));

@@ -40,6 +40,24 @@ impl StatusApi {
     }
 }
 
+/// Refuses a call that changes state unless its sender is root, asking the bus who sent it: a
+/// `[dbus] address` of the operator's own may have no policy file that says so.
+async fn root_only(bus: &zbus::Connection, header: &zbus::message::Header<'_>, method: &str) -> fdo::Result<()> {
+    let sender = header
+        .sender()
+        .ok_or_else(|| fdo::Error::AccessDenied(format!("{method} needs root; the call names no sender")))?;
+    let driver = fdo::DBusProxy::new(bus).await.map_err(|e| fdo::Error::Failed(e.to_string()))?;
+    let uid = driver.get_connection_unix_user(zbus::names::BusName::Unique(sender.to_owned())).await.map_err(|e| {
+        fdo::Error::AccessDenied(format!("{method} needs root; the bus cannot say who {sender} is: {e}"))
+    })?;
+    if uid == 0 {
+        Ok(())
+    } else {
+        tracing::warn!(method, uid, sender = %sender, "refused a state change from a user other than root");
+        Err(fdo::Error::AccessDenied(format!("{method} needs root; the caller is uid {uid}")))
+    }
+}
+
 fn failed(e: &AllocError) -> fdo::Error {
     match e {
         AllocError::NoSuchGpu(_) => fdo::Error::InvalidArgs(e.to_string()),
@@ -207,13 +225,25 @@ impl StatusApi {
     }
 
     /// Cordons a GPU (index or UUID): it keeps its allocations and takes no new ones. Returns
-    /// whether anything changed. Root only (the bus policy).
-    async fn cordon(&self, gpu: &str) -> fdo::Result<bool> {
+    /// whether anything changed. Root only: the bus policy says so, and the daemon checks.
+    async fn cordon(
+        &self,
+        gpu: &str,
+        #[zbus(header)] header: zbus::message::Header<'_>,
+        #[zbus(connection)] bus: &zbus::Connection,
+    ) -> fdo::Result<bool> {
+        root_only(bus, &header, "Cordon").await?;
         self.alloc.set_cordon(gpu, true).map(|(_, changed)| changed).map_err(|e| failed(&e))
     }
 
     /// Uncordons a GPU (index or UUID). Returns whether anything changed. Root only.
-    async fn uncordon(&self, gpu: &str) -> fdo::Result<bool> {
+    async fn uncordon(
+        &self,
+        gpu: &str,
+        #[zbus(header)] header: zbus::message::Header<'_>,
+        #[zbus(connection)] bus: &zbus::Connection,
+    ) -> fdo::Result<bool> {
+        root_only(bus, &header, "Uncordon").await?;
         self.alloc.set_cordon(gpu, false).map(|(_, changed)| changed).map_err(|e| failed(&e))
     }
 }

@@ -52,21 +52,8 @@ struct Bus {
     socket: PathBuf,
 }
 
-impl Bus {
-    fn start(dir: &Path) -> Bus {
-        let socket = dir.join("system_bus_socket");
-        let _ = std::fs::remove_file(&socket);
-        let config = dir.join("system.conf");
-        std::fs::write(
-            &config,
-            format!(
-                r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Configuration 1.0//EN"
- "https://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <type>system</type>
-  <auth>EXTERNAL</auth>
-  <listen>unix:path={}</listen>
-  <policy context="default">
+/// The default policy of [`Bus::start`]: Debian's system bus, less four rules.
+const SYSTEM_POLICY: &str = r#"<policy context="default">
     <allow user="*"/>
     <deny own="*"/>
     <deny send_type="method_call"/>
@@ -80,8 +67,43 @@ impl Bus {
     <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus"/>
     <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Introspectable"/>
     <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Properties"/>
-  </policy>
-  <include>{POLICY}</include>
+  </policy>"#;
+
+/// A bus of an operator's own with no policy to speak of: anyone owns any name and calls any
+/// method (the project's policy file is not included).
+const OPEN_POLICY: &str = r#"<policy context="default">
+    <allow user="*"/>
+    <allow own="*"/>
+    <allow send_type="method_call"/>
+    <allow send_type="signal"/>
+    <allow send_requested_reply="true" send_type="method_return"/>
+    <allow send_requested_reply="true" send_type="error"/>
+    <allow receive_type="method_call"/>
+    <allow receive_type="method_return"/>
+    <allow receive_type="error"/>
+    <allow receive_type="signal"/>
+  </policy>"#;
+
+impl Bus {
+    fn start(dir: &Path) -> Bus {
+        Self::start_with(dir, &format!("{SYSTEM_POLICY}\n  <include>{POLICY}</include>"))
+    }
+
+    /// A bus whose configuration holds `policy` as its policy section.
+    fn start_with(dir: &Path, policy: &str) -> Bus {
+        let socket = dir.join("system_bus_socket");
+        let _ = std::fs::remove_file(&socket);
+        let config = dir.join("system.conf");
+        std::fs::write(
+            &config,
+            format!(
+                r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Configuration 1.0//EN"
+ "https://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig>
+  <type>system</type>
+  <auth>EXTERNAL</auth>
+  <listen>unix:path={}</listen>
+  {policy}
 </busconfig>
 "#,
                 socket.display()
@@ -597,5 +619,31 @@ async fn the_status_api_reads_for_everyone_and_cordons_for_root_only() {
     assert!(!gpus[0].cordoned && gpus[1].cordoned, "{gpus:?}");
 
     bus_up_daemon_down(&node, daemon).await;
+    bus.stop();
+}
+
+/// On a bus of the operator's own (`[dbus] address`) with no policy file, the daemon itself
+/// still lets only root cordon: nobody's `gpusharectl cordon` reaches it and is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_bus_without_the_policy_the_daemon_still_cordons_for_root_only() {
+    if !is_root() {
+        gpushare_testkit::skip_unless_ci("the D-Bus policy test runs as root (to own the name and use runuser)");
+        return;
+    }
+    let node = Node::start().await;
+    let mut bus = Bus::start_with(&node.bus_dir, OPEN_POLICY);
+    let daemon = Daemon::start(&node.config, node.host.path("daemon.log"));
+    wait_for_name(&node.address, &daemon, Duration::from_secs(20)).await;
+    for verb in ["cordon", "uncordon"] {
+        let (code, out) = ctl(Some("nobody"), &node.address, &[verb, "0"]).await;
+        assert_eq!(code, 77, "{verb} as nobody: {out}");
+        assert!(out.contains("permission denied") && out.contains("needs root"), "{out}");
+    }
+    let p = proxy(&bus.address).await;
+    assert!(!p.gpus().await.unwrap()[0].cordoned, "nobody's cordon changed nothing");
+    let (code, out) = ctl(None, &node.address, &["cordon", "0"]).await;
+    assert_eq!(code, 0, "{out}");
+    assert!(p.gpus().await.unwrap()[0].cordoned);
+    drop(daemon);
     bus.stop();
 }
