@@ -143,14 +143,15 @@ impl Metrics {
         BindOutcome::ALL.iter().position(|o| *o == outcome).map_or(0, |i| self.binds[i].load(Ordering::Relaxed))
     }
 
-    /// The exposition text; `gpus`, `disagreements` and `view` (nodes, pods, in-flight binds)
-    /// come from the view at scrape time.
+    /// The exposition text; `gpus`, `view_checks` (disagreements with the daemons, pods whose
+    /// placement annotation is not counted) and `view` (nodes, pods, in-flight binds) come from
+    /// the view at scrape time.
     #[must_use]
     pub fn render(
         &self,
         nodes: &[NodeSample],
         gpus: &[GpuSample],
-        disagreements: u64,
+        (disagreements, invalid): (u64, usize),
         view: (usize, usize, usize),
         ready: bool,
     ) -> String {
@@ -193,6 +194,11 @@ impl Metrics {
         );
         out.push_str("# TYPE gpushare_extender_view_disagreements_total counter\n");
         let _ = writeln!(out, "gpushare_extender_view_disagreements_total {disagreements}");
+        out.push_str(
+            "# HELP gpushare_extender_invalid_assignments Pods whose placement annotation is not counted: unreadable, or not matching the pod's spec.\n",
+        );
+        out.push_str("# TYPE gpushare_extender_invalid_assignments gauge\n");
+        let _ = writeln!(out, "gpushare_extender_invalid_assignments {invalid}");
         out.push_str("# HELP gpushare_extender_ready Whether the cluster view has synced.\n");
         out.push_str("# TYPE gpushare_extender_ready gauge\n");
         let _ = writeln!(out, "gpushare_extender_ready {}", u8::from(ready));
@@ -330,7 +336,8 @@ mod tests {
             NodeSample { node: "n\"1".into(), heartbeat_age_seconds: Some(75), stale: true },
             NodeSample { node: "old".into(), heartbeat_age_seconds: None, stale: false },
         ];
-        let text = m.render(&nodes, &[gpu], 2, (1, 2, 0), true);
+        let text = m.render(&nodes, &[gpu], (2, 1), (1, 2, 0), true);
+        assert!(text.contains("gpushare_extender_invalid_assignments 1\n"), "{text}");
         assert!(text.contains("gpushare_node_heartbeat_age_seconds{node=\"n\\\"1\"} 75\n"), "{text}");
         assert!(!text.contains("gpushare_node_heartbeat_age_seconds{node=\"old\"}"), "{text}");
         assert!(

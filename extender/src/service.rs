@@ -223,11 +223,13 @@ impl<C: Cluster> Extender<C> {
 
     /// The Prometheus exposition text.
     pub fn render_metrics(&self) -> String {
-        let (report, disagreements, counts) = {
+        let (report, disagreements, invalid, counts) = {
             let mut s = self.state();
-            (ClusterReport::from_view(&mut s.view), s.view.disagreements(), s.view.counts())
+            let invalid = s.view.invalid_assignments();
+            (ClusterReport::from_view(&mut s.view), s.view.disagreements(), invalid, s.view.counts())
         };
-        self.metrics.render(&report.node_samples(), &report.gpu_samples(), disagreements, counts, self.is_ready())
+        let samples = (report.node_samples(), report.gpu_samples());
+        self.metrics.render(&samples.0, &samples.1, (disagreements, invalid), counts, self.is_ready())
     }
 
     fn not_ready() -> String {

@@ -164,7 +164,16 @@ impl ClusterView {
         let annotations = pod.annotations();
         if let Some(value) = annotations.get(ASSIGNMENT_KEY) {
             return match Assignment::decode(value) {
-                Ok(a) => Holding::Assigned(Box::new(a)),
+                // Whoever may write the pod may write its annotation: a grant wider than the
+                // spec asks for is not counted (gpushared refuses to serve it).
+                Ok(a) => match self.request_of(pod).and_then(|r| a.check_against(&r)) {
+                    Ok(()) => Holding::Assigned(Box::new(a)),
+                    Err(why) => {
+                        tracing::warn!(pod = %pod.key(), reason = %why,
+                            "ignoring an assignment that does not match the pod's spec (not written by the extender?)");
+                        Holding::Invalid(format!("its {ASSIGNMENT_KEY} annotation does not match its spec: {why}"))
+                    }
+                },
                 Err(e) => Holding::Invalid(e.to_string()),
             };
         }
@@ -270,6 +279,13 @@ impl ClusterView {
     #[must_use]
     pub fn disagreements(&self) -> u64 {
         self.disagreements
+    }
+
+    /// Pods whose placement annotation is not counted: it cannot be read, or it does not match
+    /// the pod's spec.
+    #[must_use]
+    pub fn invalid_assignments(&self) -> usize {
+        self.pods.values().filter(|p| matches!(p.holding, Holding::Invalid(_))).count()
     }
 
     /// How fresh `node`'s published state is, when its daemon renews a heartbeat.

@@ -141,6 +141,23 @@ fn bound_pods_count_by_their_assignment_until_the_daemon_reports_them() {
 }
 
 #[test]
+fn a_grant_wider_than_the_spec_is_not_counted() {
+    let mut v = ClusterView::new(config(false));
+    v.apply_node(&node("n1", 2, 1000, 1, vec![]));
+    // The spec asks for 300 MiB on one GPU; the annotation its owner wrote fills both GPUs.
+    v.apply_pod(&pod("greedy", 300, Some(("n1", assignment("n1", &[("main", &[(0, 1000), (1, 1000)])]))), "Running"));
+    v.apply_pod(&pod("honest", 300, Some(("n1", assignment("n1", &[("main", &[(1, 300)])]))), "Running"));
+    assert_eq!(used(&mut v, "n1"), [0, 300]);
+    assert_eq!(v.invalid_assignments(), 1);
+    let greedy = v.pod("uid-greedy").unwrap();
+    assert!(
+        matches!(&greedy.holding, Holding::Invalid(why) if why.contains("does not match its spec")),
+        "{:?}",
+        greedy.holding
+    );
+}
+
+#[test]
 fn the_daemon_wins_a_disagreement_and_it_is_counted() {
     let mut v = ClusterView::new(config(false));
     v.apply_node(&node("n1", 2, 1000, 1, vec![]));
@@ -484,7 +501,13 @@ fn a_node_admitting_a_pod_of_a_request_of_the_same_size_is_left_to_the_long_way(
     // Any of its requests counts, not only the first: the daemon serves the next container
     // without a row, whichever it is.
     let two = assignment("n1", &[("fetch", &[(0, 100)]), ("main", &[(0, 250)])]);
-    v.apply_pod(&pod("d", 350, Some(("n1", two)), "Pending"));
+    let mut d = pod("d", 350, Some(("n1", two)), "Pending");
+    d.spec.containers = serde_json::from_value(json!([
+        {"name": "fetch", "resources": {"limits": {"gpushare.io/gpu-mem": "100"}}},
+        {"name": "main", "resources": {"limits": {"gpushare.io/gpu-mem": "250"}}}
+    ]))
+    .unwrap();
+    v.apply_pod(&d);
     v.refresh();
     let later = Shape::of(&v.request_of(&pod("e", 250, None, "Pending")).unwrap()).unwrap();
     assert!(!v.passes_at_a_glance("n1", &later, &none));

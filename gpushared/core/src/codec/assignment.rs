@@ -181,9 +181,12 @@ impl Assignment {
     }
 
     /// Checks the assignment against the pod it is on: every container it places is one of the
-    /// pod's, with the same role and the memory the container asks for, and every container
-    /// that asks for memory is placed. The kubelet admits the pod's containers by their spec,
-    /// so an assignment that disagrees with it would book memory under the wrong container.
+    /// pod's, with the same role and the memory the container asks for, on as many GPUs as it
+    /// asks for with an equal share on each (the request's rule), and every container that asks
+    /// for memory is placed. The kubelet admits the pod's containers by their spec, so an
+    /// assignment that disagrees with it would book memory under the wrong container; and since
+    /// anyone who may write the pod may write the annotation, one that grants more GPUs or
+    /// another split than the spec asks for is a grant the pod's owner widened.
     ///
     /// # Errors
     /// The first disagreement, as a sentence naming the container.
@@ -209,6 +212,25 @@ impl Assignment {
                 return Err(format!(
                     "the assignment gives container {:?} {placed}, it asks for {}",
                     c.name, want.memory
+                ));
+            }
+            if c.gpus.len() != usize::try_from(want.gpus).unwrap_or(usize::MAX) {
+                return Err(format!(
+                    "the assignment spreads container {:?} over {} GPU(s), it asks for {}",
+                    c.name,
+                    c.gpus.len(),
+                    want.gpus
+                ));
+            }
+            if let Some(g) = c.gpus.iter().find(|g| g.mib != want.per_gpu()) {
+                return Err(format!(
+                    "the assignment gives container {:?} {} on GPU {}, its request is an equal {} on each of its {} \
+                     GPU(s)",
+                    c.name,
+                    g.mib,
+                    g.uuid,
+                    want.per_gpu(),
+                    want.gpus
                 ));
             }
         }
@@ -388,11 +410,42 @@ mod tests {
                 ]),
                 "container \"extra\" asks for 100 MiB but the assignment does not place it",
             ),
+            // A grant its owner widened: the same memory, on more GPUs than asked for.
+            (
+                req(&[
+                    ("fetch", ContainerRole::Init, 5000, 1),
+                    ("proxy", ContainerRole::Sidecar, 500, 1),
+                    ("main", ContainerRole::App, 4000, 1),
+                ]),
+                "spreads container \"main\" over 2 GPU(s), it asks for 1",
+            ),
         ];
         for (pod, want) in cases {
             let err = sample().check_against(pod).unwrap_err();
             assert!(err.contains(want), "{err}");
         }
+    }
+
+    #[test]
+    fn an_uneven_split_of_an_even_request_is_refused() {
+        use crate::request::ContainerRequest;
+        let main = |k| ContainerRequest::new("main", ContainerRole::App, Mib::new(4000), k, MemoryUnit::Mib).unwrap();
+        let pod = PodRequest::new(
+            MemoryUnit::Mib,
+            vec![
+                ContainerRequest::new("fetch", ContainerRole::Init, Mib::new(5000), 1, MemoryUnit::Mib).unwrap(),
+                ContainerRequest::new("proxy", ContainerRole::Sidecar, Mib::new(500), 1, MemoryUnit::Mib).unwrap(),
+                main(2),
+            ],
+        );
+        let mut sliver = sample();
+        sliver.containers[2].gpus = vec![share(0, 100), share(1, 3900)];
+        let err = sliver.check_against(&pod).unwrap_err();
+        assert!(
+            err.contains("gives container \"main\" 100 MiB on GPU GPU-0, its request is an equal 2000 MiB"),
+            "{err}"
+        );
+        assert_eq!(sample().check_against(&pod), Ok(()));
     }
 
     #[test]

@@ -54,6 +54,17 @@ pub(crate) type ContainerSpec<'a> = (&'a str, ContainerRole, &'a [(u32, u64)]);
 
 /// A pod bound to node-a with an assignment.
 pub(crate) fn pod(f: &Fixture, uid: &str, created: &str, containers: &[ContainerSpec<'_>]) {
+    pod_asking(f, uid, created, containers, containers);
+}
+
+/// A pod bound to node-a whose annotation assigns `containers` while its spec asks for `asks`.
+pub(crate) fn pod_asking(
+    f: &Fixture,
+    uid: &str,
+    created: &str,
+    containers: &[ContainerSpec<'_>],
+    asks: &[ContainerSpec<'_>],
+) {
     let assignment = Assignment {
         node: "node-a".into(),
         unit: MemoryUnit::Mib,
@@ -72,7 +83,7 @@ pub(crate) fn pod(f: &Fixture, uid: &str, created: &str, containers: &[Container
         created: created.into(),
         version: 0,
         terminal: false,
-        spec: spec_of(&f.names, containers),
+        spec: spec_of(&f.names, asks),
         annotations: BTreeMap::from([(ASSIGNMENT_KEY.to_owned(), assignment.encode().unwrap())]),
         container_ids: Vec::new(),
     });
@@ -206,6 +217,25 @@ fn a_pod_whose_allocation_a_kubelet_restart_lost_is_served_again() {
     let answer = f.alloc.allocate(&again).unwrap();
     assert_eq!(answer.pod.uid, "a");
     assert_eq!(f.alloc.live().unwrap().len(), 1, "one row for a, its first released");
+}
+
+#[test]
+fn a_grant_its_owner_widened_is_refused_and_nothing_is_allocated() {
+    let f = fixture(Compatibility::Gpushare);
+    // The spec asks for 400 MiB on one GPU; the annotation, which the pod's owner may write,
+    // spreads it over two (both would be visible to the container).
+    let one_gpu: &[ContainerSpec<'_>] = &[("main", ContainerRole::App, &[(0, 400)])];
+    pod_asking(&f, "wide", "2026-01-01T00:00:01Z", &[("main", ContainerRole::App, &[(0, 200), (1, 200)])], one_gpu);
+    let e = admit(&f, 400).unwrap_err();
+    assert!(matches!(e, AllocError::BadAssignment { .. }), "{e}");
+    assert!(e.to_string().contains("over 2 GPU(s), it asks for 1"), "{e}");
+    // Two GPUs asked for, split 100 / 300 instead of the request's equal 200 each.
+    let f = fixture(Compatibility::Gpushare);
+    let two_gpus: &[ContainerSpec<'_>] = &[("main", ContainerRole::App, &[(0, 200), (1, 200)])];
+    pod_asking(&f, "split", "2026-01-01T00:00:01Z", &[("main", ContainerRole::App, &[(0, 100), (1, 300)])], two_gpus);
+    let e = admit(&f, 400).unwrap_err();
+    assert!(e.to_string().contains("its request is an equal 200 MiB on each of its 2 GPU(s)"), "{e}");
+    assert!(f.alloc.live().unwrap().is_empty(), "nothing allocated");
 }
 
 #[test]
