@@ -179,7 +179,14 @@ impl ClusterView {
         }
         if self.config.alibaba {
             return match AlibabaAnnotations::decode(&annotations) {
-                Ok(Some(a)) => Holding::Alibaba(a),
+                Ok(Some(a)) => match self.request_of(pod).and_then(|r| a.check_against(&r)) {
+                    Ok(()) => Holding::Alibaba(a),
+                    Err(why) => {
+                        tracing::warn!(pod = %pod.key(), reason = %why,
+                            "ignoring Alibaba placement annotations that do not match the pod's spec");
+                        Holding::Invalid(format!("its Alibaba placement annotations do not match its spec: {why}"))
+                    }
+                },
                 Ok(None) => Holding::Nothing,
                 Err(e) => Holding::Invalid(e.to_string()),
             };

@@ -257,6 +257,13 @@ fn pods_placed_by_alibabas_extender_count_with_compatibility_on() {
     off.apply_node(&node("n1", 2, 1000, 1, vec![]));
     off.apply_pod(&alibaba_pod("old"));
     assert_eq!(used(&mut off, "n1"), [0, 0]);
+    // A tenant's own annotations claiming more than its spec asks for make no node look full.
+    let mut inflated = alibaba_pod("inflated");
+    inflated.metadata.annotations.get_or_insert_default().insert("ALIYUN_COM_GPU_MEM_POD".into(), "1000".into());
+    on.apply_node(&node("n1", 2, 1000, 2, vec![]));
+    on.apply_pod(&inflated);
+    assert_eq!(used(&mut on, "n1"), [0, 250]);
+    assert_eq!(on.invalid_assignments(), 1);
 }
 
 #[test]

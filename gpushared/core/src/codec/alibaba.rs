@@ -120,6 +120,32 @@ impl AlibabaAnnotations {
         })
     }
 
+    /// Checks the annotations against the pod they are on: anyone who may write the pod may
+    /// write them, so they count only as what Alibaba's extender would have written for its
+    /// spec: a pod that asks for GPU memory, every container on one GPU (Alibaba places a pod
+    /// on one), and no more units in `ALIYUN_COM_GPU_MEM_POD` than the pod's containers ask for
+    /// in all.
+    ///
+    /// # Errors
+    /// The first disagreement, as a sentence.
+    pub fn check_against(&self, request: &PodRequest) -> Result<(), String> {
+        if request.is_empty() {
+            return Err("the pod asks for no GPU memory, yet carries Alibaba's placement annotations".to_owned());
+        }
+        if let Some(c) = request.containers().iter().find(|c| c.gpus != 1) {
+            return Err(format!(
+                "container {:?} asks for {} GPUs; Alibaba's extender places a pod on one GPU",
+                c.name, c.gpus
+            ));
+        }
+        let asked = request.containers().iter().fold(Mib::ZERO, |m, c| m.saturating_add(c.memory));
+        let asked = request.unit().whole_units(asked);
+        if self.pod > asked {
+            return Err(format!("{POD} says {} units, the pod's containers ask for {asked} in all", self.pod));
+        }
+        Ok(())
+    }
+
     /// Where a pod Alibaba's extender placed sits on `inventory`, and how much it holds: the
     /// GPU position whose minor number is `idx` (or whose index is, when the node reports no
     /// minor numbers) and `pod` units. `None` if no such GPU is on the node.
@@ -222,5 +248,22 @@ mod tests {
         a.containers[1].gpus = vec![share(0, 1024)];
         assert_eq!(AlibabaAnnotations::from_assignment(&a, &inv, &pod, 42), None);
         assert_eq!(AlibabaAnnotations::from_assignment(&a, &inventory(false), &pod, 42), None);
+    }
+
+    #[test]
+    fn annotations_count_only_as_what_the_spec_asks_for() {
+        let request = |mib: u64, gpus: u32| {
+            let c = ContainerRequest::new("main", ContainerRole::App, Mib::new(mib), gpus, MemoryUnit::Mib).unwrap();
+            PodRequest::new(MemoryUnit::Mib, vec![c])
+        };
+        let a = |pod| AlibabaAnnotations { idx: 0, dev: 16384, pod, assigned: true, assume_time_ns: 1 };
+        assert_eq!(a(3000).check_against(&request(3000, 1)), Ok(()));
+        assert_eq!(a(2000).check_against(&request(3000, 1)), Ok(()));
+        let e = a(16384).check_against(&request(3000, 1)).unwrap_err();
+        assert!(e.contains("ALIYUN_COM_GPU_MEM_POD says 16384 units, the pod's containers ask for 3000"), "{e}");
+        let e = a(3000).check_against(&request(3000, 2)).unwrap_err();
+        assert!(e.contains("asks for 2 GPUs"), "{e}");
+        let e = a(3000).check_against(&PodRequest::new(MemoryUnit::Mib, vec![])).unwrap_err();
+        assert!(e.contains("asks for no GPU memory"), "{e}");
     }
 }
