@@ -40,6 +40,7 @@ pub const DRA_PLUGIN_TYPE: &str = "DRAPlugin";
 
 pub mod authority;
 pub mod compact;
+pub mod registration;
 pub mod uds;
 
 /// `Device.health` of a healthy device.

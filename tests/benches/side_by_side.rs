@@ -490,7 +490,7 @@ fn wait_slice(b: &RealCluster, devices: usize) {
 fn wait_registered(b: &RealCluster) {
     let deadline = Instant::now() + Duration::from_secs(60);
     let node = b.node(NODE).unwrap();
-    while !node.daemon.log().contains("the kubelet registered the null DRA driver") {
+    while !node.daemon.log().contains("the kubelet registered the DRA plugin") {
         assert!(Instant::now() < deadline, "the kubelet has not registered the null DRA driver after 60 s");
         std::thread::sleep(Duration::from_millis(100));
     }

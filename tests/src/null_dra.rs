@@ -15,8 +15,8 @@ use gpushare_proto::dra::{
     NodePrepareResourceResponse, NodePrepareResourcesRequest, NodePrepareResourcesResponse,
     NodeUnprepareResourceResponse, NodeUnprepareResourcesRequest, NodeUnprepareResourcesResponse,
 };
-use gpushare_proto::pluginregistration::registration_server::{Registration, RegistrationServer};
-use gpushare_proto::pluginregistration::{InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse};
+use gpushare_proto::pluginregistration::registration_server::RegistrationServer;
+use gpushare_proto::registration::DraRegistration;
 use serde_json::{Value, json};
 use tonic::{Request, Response, Status};
 
@@ -57,36 +57,6 @@ impl DraPlugin for NullDriver {
     }
 }
 
-#[derive(Debug, Clone)]
-struct Registrar {
-    endpoint: String,
-}
-
-#[tonic::async_trait]
-impl Registration for Registrar {
-    async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<PluginInfo>, Status> {
-        Ok(Response::new(PluginInfo {
-            r#type: gpushare_proto::DRA_PLUGIN_TYPE.to_owned(),
-            name: DRIVER.to_owned(),
-            endpoint: self.endpoint.clone(),
-            supported_versions: vec![gpushare_proto::DRA_PLUGIN_SERVICE.to_owned()],
-        }))
-    }
-
-    async fn notify_registration_status(
-        &self,
-        request: Request<RegistrationStatus>,
-    ) -> Result<Response<RegistrationStatusResponse>, Status> {
-        let status = request.into_inner();
-        if status.plugin_registered {
-            tracing::info!(driver = DRIVER, "the kubelet registered the null DRA driver");
-        } else {
-            tracing::error!(driver = DRIVER, error = %status.error, "the kubelet refused the null DRA driver");
-        }
-        Ok(Response::new(RegistrationStatusResponse {}))
-    }
-}
-
 /// Serves the driver on `<plugin_dir>/dra.sock` and its registration on
 /// `<registry_dir>/null.gpushare.io-reg.sock`, where the kubelet's plugin watcher finds it,
 /// until serving fails.
@@ -103,7 +73,7 @@ pub async fn run(registry_dir: &Path, plugin_dir: &Path) -> anyhow::Result<()> {
         tokio::net::UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))
     };
     let (dra_listener, reg_listener) = (bind(&dra)?, bind(&reg)?);
-    let registrar = Registrar { endpoint: dra.display().to_string() };
+    let registrar = DraRegistration { driver: DRIVER.to_owned(), endpoint: dra.display().to_string() };
     let serving = tonic::transport::Server::builder()
         .add_service(DraPluginServer::new(NullDriver))
         .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(dra_listener));

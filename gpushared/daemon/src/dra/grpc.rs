@@ -11,8 +11,7 @@ use gpushare_proto::dra::{
     Device, NodePrepareResourceResponse, NodePrepareResourcesRequest, NodePrepareResourcesResponse,
     NodeUnprepareResourceResponse, NodeUnprepareResourcesRequest, NodeUnprepareResourcesResponse,
 };
-use gpushare_proto::pluginregistration::registration_server::{Registration, RegistrationServer};
-use gpushare_proto::pluginregistration::{InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse};
+use gpushare_proto::pluginregistration::registration_server::RegistrationServer;
 use tonic::{Request, Response, Status};
 
 use crate::allocation::allocator::ClaimRef;
@@ -72,38 +71,7 @@ impl<S: ClaimSource> DraPlugin for PluginService<S> {
 }
 
 /// The registration service: what the kubelet's plugin watcher asks of the plugin.
-#[derive(Clone, Debug)]
-pub struct RegistrationService {
-    /// The driver's name.
-    pub driver: String,
-    /// The DRA socket's absolute path.
-    pub endpoint: String,
-}
-
-#[tonic::async_trait]
-impl Registration for RegistrationService {
-    async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<PluginInfo>, Status> {
-        Ok(Response::new(PluginInfo {
-            r#type: gpushare_proto::DRA_PLUGIN_TYPE.to_owned(),
-            name: self.driver.clone(),
-            endpoint: self.endpoint.clone(),
-            supported_versions: vec![gpushare_proto::DRA_PLUGIN_SERVICE.to_owned()],
-        }))
-    }
-
-    async fn notify_registration_status(
-        &self,
-        request: Request<RegistrationStatus>,
-    ) -> Result<Response<RegistrationStatusResponse>, Status> {
-        let status = request.into_inner();
-        if status.plugin_registered {
-            tracing::info!(driver = %self.driver, "the kubelet registered the DRA plugin");
-        } else {
-            tracing::error!(driver = %self.driver, error = %status.error, "the kubelet refused the DRA plugin");
-        }
-        Ok(Response::new(RegistrationStatusResponse {}))
-    }
-}
+pub use gpushare_proto::registration::DraRegistration as RegistrationService;
 
 /// Serves the DRA plugin on `plugin` and the registration service on `registration` until
 /// `shutdown` resolves.
