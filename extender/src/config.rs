@@ -343,7 +343,7 @@ mod tests {
         assert_eq!(c.scheduling.lookalike_wait(), Duration::from_secs(2));
         assert!(c.server.tls().is_none());
         // The one key set to other than its default: the packaged service needs credentials.
-        assert_eq!(c.kubernetes.kubeconfig.as_deref(), Some(Path::new("/etc/kubernetes/scheduler.conf")));
+        assert_eq!(c.kubernetes.kubeconfig.as_deref(), Some(Path::new("/etc/gpushare/gpushare-extender.kubeconfig")));
         assert!(d.kubernetes.kubeconfig.is_none());
     }
 

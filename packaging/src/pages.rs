@@ -286,7 +286,9 @@ Which log lines are written, such as \fBdebug\fR (default \fBinfo\fR).
 .TP
 \fI/etc/gpushare/gpushare\-extender.toml\fR
 The configuration file; the shipped one lists every key at its default, but sets
-\fB[kubernetes] kubeconfig\fR to kubeadm's \fI/etc/kubernetes/scheduler.conf\fR.
+\fB[kubernetes] kubeconfig\fR to \fI/etc/gpushare/gpushare\-extender.kubeconfig\fR: the extender's
+own identity, the user gpushare\-extender, bound to the ClusterRole of
+\fI/usr/share/gpushare\-extender/gpushare\-extender\-rbac.yaml\fR.
 .TP
 \fI/etc/gpushare/kube\-scheduler\-config.yaml\fR
 The KubeSchedulerConfiguration that wires the extender into kube\-scheduler (its \fB\-\-config\fR);
