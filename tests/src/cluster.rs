@@ -996,6 +996,12 @@ pub fn pod_key(pod: &Pod) -> String {
     )
 }
 
+/// `namespace/name` of a pod manifest (namespace `default` where it names none).
+pub fn pod_json_key(pod: &Value) -> String {
+    let meta = |k: &str| pod.pointer(&format!("/metadata/{k}")).and_then(Value::as_str).map(str::to_owned);
+    format!("{}/{}", meta("namespace").unwrap_or_else(|| "default".into()), meta("name").unwrap_or_default())
+}
+
 /// A kube client for the API-server stand-in a kubeconfig written by `gpushare-box apiserver`
 /// names, and its URL.
 ///

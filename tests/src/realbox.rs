@@ -86,9 +86,10 @@ pub struct RealCluster {
 }
 
 impl RealCluster {
-    /// Starts the control plane, applies `etc/kubernetes/gpushare-extender-rbac.yaml`, starts
-    /// the extender as `gpushare-extender` and kube-scheduler with `options.scheduler_config`
-    /// calling it. No node yet.
+    /// Starts the control plane, applies `etc/kubernetes/gpushare-extender-rbac.yaml` and the
+    /// admission policy ([`apply_admission_policy`]), starts the extender as
+    /// `gpushare-extender` and kube-scheduler with `options.scheduler_config` calling it. No node
+    /// yet.
     ///
     /// # Errors
     /// A component that cannot be built or started, or does not get ready, with its log.
@@ -107,6 +108,7 @@ impl RealCluster {
         let mut plane = ControlPlane::start(&dir, &bin)?;
         // The shipped RBAC: the extender's identity may read Nodes and Pods and bind Pods.
         plane.apply(&repo().join("etc/kubernetes/gpushare-extender-rbac.yaml"))?;
+        apply_admission_policy(&plane)?;
         let (mut extender, addr) = start_extender(&plane, &options.extender_extra, "info")?;
         let deadline = Instant::now() + Duration::from_secs(30);
         while http_get(addr, "/readyz").await.is_none_or(|(s, _)| s != 200) {
@@ -361,6 +363,31 @@ impl RealCluster {
         }
         self.plane.apiserver.stop(Duration::from_secs(5));
         self.plane.etcd.stop(Duration::from_secs(5));
+    }
+}
+
+/// Applies the shipped `etc/kubernetes/gpushare-admission-policy.yaml` and waits until the API
+/// server enforces it (it loads policies asynchronously): until a server-side dry run of a pod
+/// with a GPU count and no memory is refused.
+///
+/// # Errors
+/// If it cannot be applied, or is not in force after 60 s.
+pub fn apply_admission_policy(plane: &ControlPlane) -> anyhow::Result<()> {
+    plane.apply(&repo().join("etc/kubernetes/gpushare-admission-policy.yaml"))?;
+    let probe = serde_json::json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "gpushare-admission-probe", "namespace": "default"},
+        "spec": {"containers": [{"name": "probe", "image": "registry.example/probe:1",
+                                 "resources": {"limits": {"gpushare.io/gpu-count": "1"}}}]}});
+    let file = plane.dir.join("gpushare-admission-probe.json");
+    std::fs::write(&file, probe.to_string())?;
+    let file = file.display().to_string();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match plane.kubectl(&["create", "--dry-run=server", "-f", &file]) {
+            Err(e) if format!("{e:#}").contains("gpushare-requests") => return Ok(()),
+            _ if Instant::now() > deadline => bail!("the admission policy is not in force after 60 s"),
+            _ => std::thread::sleep(Duration::from_millis(200)),
+        }
     }
 }
 

@@ -33,10 +33,13 @@ fn sample_demo(extra: &[&str]) -> String {
     assert!(stdout.contains("NVIDIA_VISIBLE_DEVICES=GPU-fake-"), "{stdout}");
     // The pods that cannot fit wait, each with the scheduler's reason.
     let waiting = stdout.split("Waiting").nth(1).unwrap_or_else(|| panic!("nothing waits: {stdout}"));
-    for pod in ["team-nlp/big-model", "default/wrong-unit"] {
-        let line = waiting.lines().find(|l| l.contains(pod)).unwrap_or_else(|| panic!("{pod}: {stdout}"));
-        assert!(line.contains("nodes are available"), "{line}");
-    }
+    let line = waiting.lines().find(|l| l.contains("team-nlp/big-model")).unwrap_or_else(|| panic!("{stdout}"));
+    assert!(line.contains("nodes are available"), "{line}");
+    // The pod that asks for "4Gi" is refused at apply, with the number that was meant.
+    let refused = stdout.split("Refused at apply").nth(1).unwrap_or_else(|| panic!("nothing refused: {stdout}"));
+    let line = refused.lines().find(|l| l.contains("default/wrong-unit")).unwrap_or_else(|| panic!("{stdout}"));
+    assert!(line.contains(r#"write "4096""#), "{line}");
+    assert!(!waiting.contains("default/wrong-unit"), "{stdout}");
     assert!(stdout.contains("export KUBECONFIG="), "{stdout}");
     // Every process it started is gone: none has the state directory on its command line.
     let needle = dir.path().to_string_lossy().into_owned();

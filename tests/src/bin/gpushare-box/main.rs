@@ -283,6 +283,13 @@ async fn demo(
     println!("Ready in {:.1} s ({}).", started.elapsed().as_secs_f64(), cluster.dir.display());
     let applied = Instant::now();
     println!("Applying {} ({} pods)...", workload_file.display(), pods.len());
+    // The stand-in API server runs no admission policy: what the shipped one
+    // (etc/kubernetes/gpushare-admission-policy.yaml) refuses is refused here by the core's rule,
+    // which the admission_policy suite proves it agrees with on the real API server.
+    let (pods, refused): (Vec<_>, Vec<_>) = pods.into_iter().partition(|p| refusal(p, spec.unit).is_none());
+    let refused: Vec<(String, String)> =
+        refused.iter().filter_map(|p| Some((cluster::pod_json_key(p), refusal(p, spec.unit)?))).collect();
+    print_refused(&refused);
     cluster.apply(&pods).await?;
     let settled = match cluster.settle(Duration::from_secs(60)).await {
         Ok(pods) => {
@@ -314,6 +321,26 @@ async fn demo(
     println!("Stopping...");
     cluster.shutdown();
     Ok(())
+}
+
+/// Why the shipped admission policy refuses `pod` at apply, by the core's rule for a cluster
+/// counting `unit`; `None` if it is admitted.
+fn refusal(pod: &serde_json::Value, unit: gpushare_core::MemoryUnit) -> Option<String> {
+    let spec: gpushare_core::PodSpec = serde_json::from_value(pod.get("spec")?.clone()).ok()?;
+    gpushare_core::PodRequest::from_spec(&spec, &gpushare_core::ResourceNames::gpushare(), unit)
+        .err()
+        .map(|e| e.to_string())
+}
+
+/// Prints the pods the API server refused at apply, each with its reason.
+fn print_refused(refused: &[(String, String)]) {
+    if refused.is_empty() {
+        return;
+    }
+    println!("Refused at apply (gpushare's admission policy, as kubectl apply shows it):");
+    for (pod, reason) in refused {
+        println!("  {pod:<22} {reason}");
+    }
 }
 
 /// What one container was given, as the demo shows it.

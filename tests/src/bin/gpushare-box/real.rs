@@ -17,7 +17,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::ListParams;
 
-use super::{Received, print_pods, until_stopped};
+use super::{Received, print_pods, print_refused, until_stopped};
 
 pub(crate) async fn demo(
     cluster_file: &Path,
@@ -78,9 +78,16 @@ pub(crate) async fn demo(
     }
     let applied = Instant::now();
     println!("Applying {} ({} pods)...", workload_file.display(), pods.len());
+    // The shipped admission policy is in force (RealCluster::up): what it refuses is shown.
+    let mut refused = Vec::new();
     for pod in &pods {
-        cluster.plane.create(pod)?;
+        if let Err(e) = cluster.plane.create(pod) {
+            let e = format!("{e:#}");
+            let Some((_, reason)) = e.split_once("denied request: ") else { return Err(anyhow::anyhow!(e)) };
+            refused.push((cluster::pod_json_key(pod), reason.trim().to_owned()));
+        }
     }
+    print_refused(&refused);
     let client = cluster.plane.admin_client().await?;
     let settled = match cluster::settle(&client, Duration::from_secs(90)).await {
         Ok(pods) => {
