@@ -420,3 +420,64 @@ async fn gpushared_points_out_a_kubelet_reporting_per_mib_device_health() {
         std::thread::sleep(Duration::from_millis(500));
     }
 }
+
+/// A pod created with its grant already written and its node already set, as a pod owner could
+/// where gpushare's admission policy is not installed (here its bindings are deleted): the
+/// kubelet asks gpushared, which holds the grant to the pod's own requests and refuses it, so
+/// the pod fails admission with gpushared's reason and nothing is allocated or created. Both
+/// widenings: a container asking memory on one GPU granted two, and one asking an even share
+/// of two granted a sliver on one and nearly all on the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_its_owner_forged_is_refused_by_gpushared_without_the_admission_policy() {
+    let Some(mut b) = real_box().await else { return };
+    start_node(&mut b);
+    b.plane
+        .kubectl(&["delete", "validatingadmissionpolicybinding", "gpushare-assignment", "gpushare-requests"])
+        .unwrap();
+    let share = |index: u32, mib: u64| serde_json::json!({"index": index, "uuid": format!("GPU-fake-{NODE}-{index}"), "mib": mib});
+    let forged = |name: &str, limits: serde_json::Value, gpus: Vec<serde_json::Value>| {
+        let grant = serde_json::json!({"v": 1, "node": NODE, "unit": "MiB",
+            "containers": [{"name": "main", "gpus": gpus}]});
+        serde_json::json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default", "annotations": {ASSIGNMENT_KEY: grant.to_string()}},
+            "spec": {"nodeName": NODE, "automountServiceAccountToken": false,
+                     "containers": [{"name": "main", "image": "registry.example/app:1",
+                                     "resources": {"limits": limits}}]}})
+    };
+    let cases = [
+        (
+            "forged-two-gpus",
+            serde_json::json!({"gpushare.io/gpu-mem": "8000"}),
+            vec![share(0, 4000), share(1, 4000)],
+            "over 2 GPU(s), it asks for 1",
+        ),
+        (
+            "forged-uneven",
+            serde_json::json!({"gpushare.io/gpu-mem": "8000", "gpushare.io/gpu-count": "2"}),
+            vec![share(0, 100), share(1, 7900)],
+            "its request is an equal 4000 MiB on each of its 2 GPU(s)",
+        ),
+    ];
+    for (name, limits, gpus, reason) in cases {
+        b.plane.create(&forged(name, limits, gpus)).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            let p = get(&b.plane, &["get", "pod", name, "-n", "default"]);
+            if p["status"]["phase"] == "Failed" {
+                break p["status"].clone();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{name} not refused after 60 s: {}\ngpushared:\n{}",
+                p["status"],
+                the_node(&b).daemon.log_tail(30)
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        };
+        let message = status["message"].as_str().unwrap_or_default();
+        assert_eq!(status["reason"], "UnexpectedAdmissionError", "{name}: {status}");
+        assert!(message.contains(reason), "{name}: {message}");
+        assert!(the_node(&b).runtime.created().iter().all(|c| c.pod != name), "{name} was created");
+    }
+    assert!(published(&b).is_empty(), "gpushared holds memory for {:?}", published(&b));
+}
