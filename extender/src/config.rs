@@ -61,9 +61,13 @@ pub struct Config {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServerConfig {
-    /// Address and port.
+    /// Address and port of kube-scheduler's verbs.
     #[serde(default = "default_listen")]
     pub listen: SocketAddr,
+    /// Address and port of `/metrics` and `<prefix>/inspect`, which name every tenant's pods:
+    /// a listener of their own, so that reaching the scheduler's port does not show them.
+    #[serde(default = "default_observe_listen")]
+    pub observe_listen: SocketAddr,
     /// URL prefix of the verbs.
     #[serde(default = "default_prefix")]
     pub prefix: String,
@@ -83,14 +87,18 @@ pub struct ServerConfig {
     /// without one is refused in the TLS handshake. Needs `tls_cert` and `tls_key`.
     #[serde(default)]
     pub client_ca: Option<PathBuf>,
-    /// Serve a `listen` address beyond loopback without TLS client authentication: anyone who
-    /// reaches it can then bind pods. Off by default.
+    /// Serve a `listen` (or `observe_listen`) address beyond loopback without TLS client
+    /// authentication: anyone who reaches it can then bind pods (or read every pod's GPU
+    /// memory). Off by default.
     #[serde(default)]
     pub allow_unauthenticated: bool,
 }
 
 fn default_listen() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 39999))
+}
+fn default_observe_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 39998))
 }
 fn default_prefix() -> String {
     "/gpushare-scheduler".to_owned()
@@ -106,6 +114,7 @@ impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
             listen: default_listen(),
+            observe_listen: default_observe_listen(),
             prefix: default_prefix(),
             max_body_bytes: default_max_body(),
             request_timeout_seconds: default_timeout(),
@@ -265,6 +274,21 @@ impl Config {
                 s.listen
             )));
         }
+        if !s.observe_listen.ip().is_loopback() && s.client_ca.is_none() && !s.allow_unauthenticated {
+            return Err(invalid(format!(
+                "server.observe_listen = {} is reachable beyond this host, but no caller would be authenticated: \
+                 /metrics and /inspect name every tenant's pods. Set tls_cert, tls_key and client_ca (the scraper \
+                 then presents a client certificate), listen on 127.0.0.1, or set allow_unauthenticated = true to \
+                 accept that risk",
+                s.observe_listen
+            )));
+        }
+        if s.observe_listen == s.listen && s.listen.port() != 0 {
+            return Err(invalid(format!(
+                "server.observe_listen and server.listen are both {}: /metrics and /inspect need a port of their own",
+                s.listen
+            )));
+        }
         if let Some(k) = &config.kubernetes.kubeconfig
             && !k.is_absolute()
         {
@@ -350,7 +374,7 @@ mod tests {
     #[test]
     fn every_key_can_be_set() {
         let c = parse(
-            "[server]\nlisten = \"0.0.0.0:12345\"\nprefix = \"/x\"\nmax_body_bytes = 4096\nrequest_timeout_seconds = 9\n\
+            "[server]\nlisten = \"0.0.0.0:12345\"\nobserve_listen = \"0.0.0.0:12346\"\nprefix = \"/x\"\nmax_body_bytes = 4096\nrequest_timeout_seconds = 9\n\
              tls_cert = \"/c.pem\"\ntls_key = \"/k.pem\"\nclient_ca = \"/ca.pem\"\nallow_unauthenticated = true\n[kubernetes]\nkubeconfig = \"/etc/kubernetes/scheduler.conf\"\n\
              [resources]\nunit = \"GiB\"\ncompatibility = \"alibaba\"\n[scheduling]\nnode_policy = \"spread\"\n\
              gpu_policy = \"spread\"\nassume_timeout_seconds = 60\nbusy_weight = 30\nlookalike_wait_ms = 8000\n",
@@ -365,6 +389,11 @@ mod tests {
             parse("[server]\nlisten = \"10.0.0.5:39999\"\ntls_cert = \"/c.pem\"\ntls_key = \"/k.pem\"\n").unwrap_err();
         assert!(e.contains("client_ca"), "{e}");
         assert!(parse("[server]\nlisten = \"0.0.0.0:39999\"\nallow_unauthenticated = true\n").is_ok());
+        // The same for the listener of /metrics and /inspect, which must be a port of its own.
+        let e = parse("[server]\nobserve_listen = \"0.0.0.0:39998\"\n").unwrap_err();
+        assert!(e.contains("observe_listen") && e.contains("every tenant's pods"), "{e}");
+        let e = parse("[server]\nobserve_listen = \"127.0.0.1:39999\"\n").unwrap_err();
+        assert!(e.contains("a port of their own"), "{e}");
         assert!(parse("[server]\nlisten = \"[::1]:39999\"\n").is_ok());
         let e = parse("[server]\nclient_ca = \"/ca.pem\"\n").unwrap_err();
         assert!(e.contains("client_ca needs tls_cert and tls_key"), "{e}");

@@ -14,7 +14,7 @@ use gpushare_core::schedule::Policies;
 use gpushare_extender::cli::{ExtenderCli, ExtenderCommand, print_stdout};
 use gpushare_extender::config::{Compatibility, Config, DEFAULT_PATH};
 use gpushare_extender::kube::{KubeCluster, client, watch};
-use gpushare_extender::server::{ServerOptions, router, serve, tls_acceptor};
+use gpushare_extender::server::{ServerOptions, observe_router, router, serve, tls_acceptor};
 use gpushare_extender::service::Extender;
 use gpushare_extender::simulate::{Simulation, parse_cluster, parse_workload, run};
 use gpushare_extender::view::{ClusterView, ViewConfig};
@@ -118,11 +118,17 @@ async fn serve_scheduler(config: Config) -> anyhow::Result<()> {
         timeout: config.server.request_timeout(),
     };
     let app = router(extender.clone(), &options);
+    let observe = config.server.observe_listen;
+    let observe_listener = tokio::net::TcpListener::bind(observe)
+        .await
+        .with_context(|| format!("cannot listen on {observe} (set [server] observe_listen)"))?;
+    let observe_app = observe_router(extender.clone(), &options);
     let watcher = tokio::spawn(watch(client, extender.clone()));
     let addr = listener.local_addr()?;
     let client_auth = config.server.client_ca.is_some();
-    tracing::info!(listen = %addr, prefix = %options.prefix, tls = tls.is_some(), client_auth,
-        unit = %config.resources.unit, "serving kube-scheduler");
+    let observe_addr = observe_listener.local_addr()?;
+    tracing::info!(listen = %addr, observe_listen = %observe_addr, prefix = %options.prefix, tls = tls.is_some(),
+        client_auth, unit = %config.resources.unit, "serving kube-scheduler");
     if !addr.ip().is_loopback() && !client_auth {
         tracing::warn!(listen = %addr,
             "serving beyond loopback without client authentication (allow_unauthenticated): anyone who reaches \
@@ -144,7 +150,16 @@ async fn serve_scheduler(config: Config) -> anyhow::Result<()> {
             notifier.stopping("stopping: finishing the requests in flight");
         }
     };
+    // /metrics and /inspect on their own listener, with the same TLS; stopped with the other.
+    let (stop_observe, observe_stopped) = tokio::sync::oneshot::channel::<()>();
+    let observer = tokio::spawn(serve(observe_listener, observe_app, tls.clone(), async {
+        let _ = observe_stopped.await;
+    }));
     serve(listener, app, tls, shutdown).await.context("serving")?;
+    let _ = stop_observe.send(());
+    if let Ok(Err(e)) = observer.await {
+        tracing::warn!(error = %e, "serving /metrics and /inspect");
+    }
     watcher.abort();
     status.abort();
     if let Some(w) = watchdog {

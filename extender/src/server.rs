@@ -1,14 +1,16 @@
-//! The HTTP adapter: kube-scheduler's verbs under the configured prefix, health, readiness,
-//! metrics and the inspect view. Handlers only translate between JSON and [`Extender`] calls.
+//! The HTTP adapter: kube-scheduler's verbs under the configured prefix ([`router`]), and on a
+//! listener of their own ([`observe_router`]) the metrics and the inspect view, which name every
+//! tenant's pods; health, readiness and the version on both. Handlers only translate between
+//! JSON and [`Extender`] calls.
 //!
-//! | method | path | answer |
-//! |---|---|---|
-//! | POST | `<prefix>/filter`, `/prioritize`, `/bind`, `/preempt` | the extender JSON of `docs/extender.md`; a malformed body is HTTP 400 with the reason |
-//! | GET | `<prefix>/inspect`, `<prefix>/inspect/{node}` | the cluster view as JSON; an unknown node is 404 |
-//! | GET | `/healthz` | 200 while the process serves |
-//! | GET | `/readyz` | 200 once the view has synced, else 503 with the reason |
-//! | GET | `/metrics` | Prometheus text |
-//! | GET | `/version` | the version |
+//! | listener | method | path | answer |
+//! |---|---|---|---|
+//! | scheduler | POST | `<prefix>/filter`, `/prioritize`, `/bind`, `/preempt` | the extender JSON of `docs/extender.md`; a malformed body is HTTP 400 with the reason |
+//! | observe | GET | `<prefix>/inspect`, `<prefix>/inspect/{node}` | the cluster view as JSON; an unknown node is 404 |
+//! | observe | GET | `/metrics` | Prometheus text |
+//! | both | GET | `/healthz` | 200 while the process serves |
+//! | both | GET | `/readyz` | 200 once the view has synced, else 503 with the reason |
+//! | both | GET | `/version` | the version |
 //!
 //! Bodies over the configured limit get 413; a request not answered in time gets 503.
 //!
@@ -101,20 +103,35 @@ fn parse<'de, C: Cluster, T: Deserialize<'de>>(app: &App<C>, verb: &str, body: &
     })
 }
 
-/// The router.
+/// The scheduler's router: kube-scheduler's verbs, health, readiness and the version.
 pub fn router<C: Cluster>(ext: Arc<Extender<C>>, options: &ServerOptions) -> Router {
     let p = options.prefix.trim_end_matches('/');
-    let timeout = options.timeout;
-    Router::new()
+    let routes = Router::new()
         .route(&format!("{p}/filter"), post(filter::<C>))
         .route(&format!("{p}/prioritize"), post(prioritize::<C>))
         .route(&format!("{p}/bind"), post(bind::<C>))
-        .route(&format!("{p}/preempt"), post(preempt::<C>))
+        .route(&format!("{p}/preempt"), post(preempt::<C>));
+    finish(routes, ext, options)
+}
+
+/// The observer's router, for `[server] observe_listen`: the metrics and the inspect view,
+/// health, readiness and the version.
+pub fn observe_router<C: Cluster>(ext: Arc<Extender<C>>, options: &ServerOptions) -> Router {
+    let p = options.prefix.trim_end_matches('/');
+    let routes = Router::new()
         .route(&format!("{p}/inspect"), get(inspect::<C>))
         .route(&format!("{p}/inspect/{{node}}"), get(inspect_node::<C>))
+        .route("/metrics", get(metrics::<C>));
+    finish(routes, ext, options)
+}
+
+/// Adds what both routers serve: health, readiness, the version, the body limit and the
+/// timeout.
+fn finish<C: Cluster>(routes: Router<App<C>>, ext: Arc<Extender<C>>, options: &ServerOptions) -> Router {
+    let timeout = options.timeout;
+    routes
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz::<C>))
-        .route("/metrics", get(metrics::<C>))
         .route("/version", get(|| async { concat!(env!("CARGO_PKG_VERSION"), "\n") }))
         .layer(DefaultBodyLimit::max(options.max_body_bytes))
         .layer(axum::middleware::from_fn(move |req: Request, next: Next| async move {

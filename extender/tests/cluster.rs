@@ -274,7 +274,7 @@ async fn whole_and_dra_gpus_take_no_share_and_their_holders_are_reported() {
     let a = Assignment::decode(stored["metadata"]["annotations"][ASSIGNMENT_KEY].as_str().unwrap()).unwrap();
     assert_eq!(a.containers[0].gpus[0].index, 0, "never on the whole GPU");
 
-    let (_, body) = http(h.addr, "GET", "/gpushare-scheduler/inspect/gpu-w", "").await;
+    let (_, body) = http(h.observe, "GET", "/gpushare-scheduler/inspect/gpu-w", "").await;
     let report: Value = serde_json::from_str(&body).unwrap();
     let gpus = report["nodes"][0]["gpus"].as_array().unwrap();
     assert_eq!((gpus[1]["mode"].as_str(), gpus[1]["totalMiB"].as_u64()), (Some("whole"), Some(0)), "{body}");
@@ -290,7 +290,7 @@ async fn whole_and_dra_gpus_take_no_share_and_their_holders_are_reported() {
         "{body}"
     );
     assert!(gpus[0].get("claims").is_none(), "{body}");
-    let (_, metrics) = http(h.addr, "GET", "/metrics", "").await;
+    let (_, metrics) = http(h.observe, "GET", "/metrics", "").await;
     assert!(
         metrics.contains("gpushare_gpu_containers_over_budget{node=\"gpu-w\",gpu=\"0\",uuid=\"GPU-w-0\"} 1\n"),
         "{metrics}"
@@ -354,12 +354,12 @@ async fn an_init_container_is_not_added_to_the_app_containers() {
         )
         .unwrap();
     until("the daemon's report in the view", async || h.ext.report().nodes[0].gpus[0].in_use_mib == Some(9000)).await;
-    let (status, body) = http(h.addr, "GET", "/gpushare-scheduler/inspect/gpu-a", "").await;
+    let (status, body) = http(h.observe, "GET", "/gpushare-scheduler/inspect/gpu-a", "").await;
     assert_eq!(status, 200, "{body}");
     let inspect: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(inspect["nodes"][0]["gpus"][0]["usedMiB"], 10_000, "{body}");
     assert_eq!(inspect["nodes"][0]["gpus"][0]["pods"][0]["mib"], 10_000, "{body}");
-    let (_, metrics) = http(h.addr, "GET", "/metrics", "").await;
+    let (_, metrics) = http(h.observe, "GET", "/metrics", "").await;
     assert!(metrics.contains("gpushare_gpu_memory_used_mib{node=\"gpu-a\",gpu=\"0\",uuid=\"GPU-gpu-a-0\"} 10000\n"));
     // 5 360 MiB are free: a 5 000 MiB pod fits.
     let q = h.api.create_pod("default", pod_object("q", 5000)).unwrap();
@@ -391,7 +391,7 @@ async fn a_starting_extender_finds_no_disagreement_with_an_agreeing_daemon() {
             h.ext.is_ready() && h.ext.with_view(|v| v.counts().0 == 1 && v.counts().1 == 20)
         })
         .await;
-        let (_, metrics) = http(h.addr, "GET", "/metrics", "").await;
+        let (_, metrics) = http(h.observe, "GET", "/metrics", "").await;
         assert!(metrics.contains("gpushare_extender_view_disagreements_total 0\n"), "{metrics}");
     }
 }

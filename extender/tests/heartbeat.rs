@@ -61,10 +61,10 @@ async fn a_node_whose_daemon_stopped_renewing_its_heartbeat_takes_no_new_pod() {
             && why.contains("(stale after 3 s)"),
         "{why}"
     );
-    let (_, inspect) = http(h.addr, "GET", "/gpushare-scheduler/inspect/dead", "").await;
+    let (_, inspect) = http(h.observe, "GET", "/gpushare-scheduler/inspect/dead", "").await;
     let inspect: Value = serde_json::from_str(&inspect).unwrap();
     assert_eq!(inspect["nodes"][0]["stale"], true, "{inspect}");
-    let (_, metrics) = http(h.addr, "GET", "/metrics", "").await;
+    let (_, metrics) = http(h.observe, "GET", "/metrics", "").await;
     assert!(metrics.contains("gpushare_node_stale{node=\"dead\"} 1\n"), "{metrics}");
     assert!(metrics.contains("gpushare_node_stale{node=\"alive\"} 0\n"), "{metrics}");
     assert!(metrics.contains("gpushare_gpu_schedulable{node=\"dead\",gpu=\"0\",uuid=\"GPU-dead-0\"} 0\n"), "{metrics}");

@@ -95,15 +95,22 @@ async fn kube_scheduler_json_in_one_binding_out() {
         h.ext.with_view(|v| v.pod(&uid).is_some_and(|p| p.node.as_deref() == Some("gpu-a")))
     })
     .await;
-    let (status, body) = http(h.addr, "GET", "/gpushare-scheduler/inspect/gpu-a", "").await;
+    let (status, body) = http(h.observe, "GET", "/gpushare-scheduler/inspect/gpu-a", "").await;
     assert_eq!(status, 200, "{body}");
     let report: Value = serde_json::from_str(&body).unwrap();
     let gpus = report["nodes"][0]["gpus"].as_array().unwrap();
     assert_eq!(gpus.iter().map(|g| g["usedMiB"].as_u64().unwrap()).sum::<u64>(), 3500);
-    let (status, body) = http(h.addr, "GET", "/gpushare-scheduler/inspect/nowhere", "").await;
+    let (status, body) = http(h.observe, "GET", "/gpushare-scheduler/inspect/nowhere", "").await;
     assert_eq!(status, 404, "{body}");
-    let (_, metrics) = http(h.addr, "GET", "/metrics", "").await;
+    let (_, metrics) = http(h.observe, "GET", "/metrics", "").await;
     assert!(metrics.contains("gpushare_extender_binds_total{outcome=\"bound\"} 2"), "{metrics}");
+    // Each listener serves only its own: no metrics or pods on the scheduler's port, no verbs
+    // on the observer's; health on both.
+    for path in ["/metrics", "/gpushare-scheduler/inspect", "/gpushare-scheduler/inspect/gpu-a"] {
+        assert_eq!(http(h.addr, "GET", path, "").await.0, 404, "{path} on the scheduler's port");
+    }
+    assert_eq!(http(h.observe, "POST", "/gpushare-scheduler/bind", &bind).await.0, 404);
+    assert_eq!(http(h.observe, "GET", "/readyz", "").await.0, 200);
     assert!(metrics.contains("gpushare_gpu_memory_total_mib{node=\"gpu-a\",gpu=\"0\",uuid=\"GPU-gpu-a-0\"} 15360"));
     assert!(metrics.contains("gpushare_extender_request_duration_seconds_count{verb=\"filter\"} 2"));
     assert_eq!(http(h.addr, "GET", "/healthz", "").await.0, 200);
@@ -125,7 +132,7 @@ async fn malformed_and_oversized_requests_get_a_reason_not_a_panic() {
     }
     let huge = format!(r#"{{"Pod": {{}}, "NodeNames": ["{}"]}}"#, "x".repeat(10_000));
     assert_eq!(http(h.addr, "POST", "/gpushare-scheduler/filter", &huge).await.0, 413);
-    let (_, metrics) = http(h.addr, "GET", "/metrics", "").await;
+    let (_, metrics) = http(h.observe, "GET", "/metrics", "").await;
     assert!(metrics.contains("gpushare_extender_bad_requests_total 5"), "{metrics}");
     // A bind when the API server refuses: the error says so and nothing stays assumed.
     h.api.create_node(node_object("gpu-a", 1, 1000)).unwrap();
@@ -328,13 +335,13 @@ async fn the_binaries_serve_check_configs_and_inspect() {
         os("-out"),
         client_cert.as_os_str(),
     ]);
-    let port = free_port();
+    let (port, observe_port) = (free_port(), free_port());
     let config = dir.path().join("extender.toml");
     std::fs::write(
         &config,
         format!(
-            "[server]\nlisten = \"127.0.0.1:{port}\"\ntls_cert = \"{}\"\ntls_key = \"{}\"\nclient_ca = \"{}\"\n\
-             [kubernetes]\nkubeconfig = \"{}\"\n",
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nobserve_listen = \"127.0.0.1:{observe_port}\"\n\
+             tls_cert = \"{}\"\ntls_key = \"{}\"\nclient_ca = \"{}\"\n[kubernetes]\nkubeconfig = \"{}\"\n",
             cert.display(),
             key.display(),
             ca.display(),
@@ -346,13 +353,17 @@ async fn the_binaries_serve_check_configs_and_inspect() {
     let tls = tls_client(&ca, Some((&client_cert, &client_key)));
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     until("the TLS server ready", async || tls_get(&tls, addr, "/readyz").await.is_some_and(|(s, _)| s == 200)).await;
-    let (status, body) = tls_get(&tls, addr, "/gpushare-scheduler/inspect").await.unwrap();
+    // The inspect view on the observer's listener, with the same TLS and client authentication.
+    let observe = SocketAddr::from(([127, 0, 0, 1], observe_port));
+    let (status, body) = tls_get(&tls, observe, "/gpushare-scheduler/inspect").await.unwrap();
     assert_eq!(status, 200);
     assert!(body.contains("\"name\":\"gpu-b\""), "{body}");
-    // A caller without a client certificate gets no answer at all, bind included.
+    assert_eq!(tls_get(&tls, addr, "/gpushare-scheduler/inspect").await.unwrap().0, 404);
+    // A caller without a client certificate gets no answer at all, bind included, on either.
     let anonymous = tls_client(&ca, None);
-    for path in ["/healthz", "/gpushare-scheduler/inspect"] {
-        let answer = tls_get(&anonymous, addr, path).await;
+    for (at, path) in [(addr, "/healthz"), (addr, "/gpushare-scheduler/bind"), (observe, "/gpushare-scheduler/inspect")]
+    {
+        let answer = tls_get(&anonymous, at, path).await;
         assert!(matches!(answer, None | Some((0, _))), "{path}: {answer:?}");
     }
     // Plain HTTP to the TLS port gets nothing useful.

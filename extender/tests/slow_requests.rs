@@ -32,13 +32,13 @@ async fn a_request_stuck_behind_the_view_gets_503_at_the_timeout_and_health_stil
         });
     });
     tokio::task::spawn_blocking(move || held_rx.recv().unwrap()).await.unwrap();
-    let addr = h.addr;
+    let (addr, observe) = (h.addr, h.observe);
     let body = json!({"Pod": pod, "Nodes": null, "NodeNames": ["gpu-a"]}).to_string();
     let start = Instant::now();
     let filter = tokio::spawn(async move { http(addr, "POST", "/gpushare-scheduler/filter", &body).await });
     // Two more verbs wait for the view too; health answers meanwhile.
     let more: Vec<_> = (0..2)
-        .map(|_| tokio::spawn(async move { http(addr, "GET", "/gpushare-scheduler/inspect", "").await }))
+        .map(|_| tokio::spawn(async move { http(observe, "GET", "/gpushare-scheduler/inspect", "").await }))
         .collect();
     let (status, _) = tokio::time::timeout(Duration::from_millis(500), http(addr, "GET", "/healthz", ""))
         .await

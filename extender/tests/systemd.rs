@@ -30,7 +30,11 @@ async fn ready_once_listening_status_follows_the_view_watchdog_and_stopping() {
     let config = dir.path().join("extender.toml");
     std::fs::write(
         &config,
-        format!("[server]\nlisten = \"{addr}\"\n[kubernetes]\nkubeconfig = \"{}\"\n", kubeconfig.display()),
+        format!(
+            "[server]\nlisten = \"{addr}\"\nobserve_listen = \"127.0.0.1:{}\"\n[kubernetes]\nkubeconfig = \"{}\"\n",
+            free_port(),
+            kubeconfig.display()
+        ),
     )
     .unwrap();
     let notify = dir.path().join("notify.sock");

@@ -244,12 +244,13 @@ publishes), and answers kube\-scheduler's extender calls over HTTP:
 which nodes can take a pod's GPU memory (filter), how good each is (prioritize),
 which victims really free a GPU (preempt);
 and it binds the pod itself, with one Binding that carries the GPU assignment (bind).
-It also serves \fB/healthz\fR, \fB/readyz\fR (200 once the first lists of Nodes and Pods are in),
-\fB/metrics\fR (Prometheus) and \fB/version\fR.
+It also serves \fB/healthz\fR, \fB/readyz\fR (200 once the first lists of Nodes and Pods are in)
+and \fB/version\fR; \fB/metrics\fR (Prometheus) and the inspect view, which name every tenant's pods,
+are served on a listener of their own (default \fB127.0.0.1:39998\fR).
 It keeps nothing on disk: after a restart its view is rebuilt from the API server.
 .PP
 The configuration is read from \fI/etc/gpushare/gpushare\-extender.toml\fR, or from the file \fB\-\-config\fR names:
-the listening address (default \fB127.0.0.1:39999\fR), the URL prefix of the verbs (default \fB/gpushare\-scheduler\fR),
+the listening addresses (default \fB127.0.0.1:39999\fR for kube\-scheduler, \fB127.0.0.1:39998\fR for metrics), the URL prefix of the verbs (default \fB/gpushare\-scheduler\fR),
 TLS and the client CA (an address beyond loopback is refused without one), the credentials, the resource names and unit, the scheduler profiles it binds for, and the placement policies.
 A missing file at the default path means every default; a file named with \fB\-\-config\fR must exist.
 Unknown keys and bad values are refused with the file, the line and what to write instead;

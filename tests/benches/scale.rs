@@ -215,7 +215,7 @@ async fn run() {
     add_nodes(&client, nodes, hami_built).await;
 
     // (a) The extender, under its shipped RBAC, and the shipped scheduler configuration.
-    let (mut extender, addr) = realbox::start_extender(&plane, "", "warn").unwrap();
+    let (mut extender, addr, observe) = realbox::start_extender(&plane, "", "warn").unwrap();
     let deadline = Instant::now() + Duration::from_secs(120);
     while http_get(addr, "/readyz").await.is_none_or(|(s, _)| s != 200) {
         assert!(extender.exited().is_none(), "the extender exited:\n{}", extender.log_tail(20));
@@ -229,7 +229,7 @@ async fn run() {
         )
         .unwrap();
     let with_extender = place(&client, "ext", "gpushare.io/gpu-mem", pods).await;
-    let (_, metrics) = http_get(addr, "/metrics").await.unwrap();
+    let (_, metrics) = http_get(observe, "/metrics").await.unwrap();
     let (p50, p99) = (quantile_ms(&metrics, "filter", 0.5), quantile_ms(&metrics, "filter", 0.99));
     let ours_rss = extender.pid().map(rss_mib);
     drop(extender);

@@ -312,7 +312,7 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
             // Its scheduler takes the place of our extender; its webhook sends the pods to it.
             let split = (pods as u32).div_ceil(GPUS);
             let (scheduler, metrics) = peers::start_hami_scheduler(&mut b.plane, split).unwrap();
-            (b.extender, b.addr) = (scheduler, metrics);
+            (b.extender, b.observe) = (scheduler, metrics);
             b.add_hami_node(NODE, &gpus(mib_gpu, "Tesla V100-SXM2-16GB"), split).unwrap();
             wait_hami_registered(&b).await;
             (HAMI_GPU, (split * GPUS).to_string(), mib_pod.as_str())
@@ -427,7 +427,7 @@ fn go_seconds(text: &str) -> Option<f64> {
 async fn stages(b: &RealCluster, kubelet: &str, resource: &str, pods: f64) -> Stages {
     let scheduler = b.plane.scheduler_port;
     let scheduler = if scheduler == 0 { String::new() } else { secure_metrics(b, scheduler) };
-    let extender = gpushare_testkit::cluster::http_get(b.addr, "/metrics").await.map(|(_, m)| m).unwrap_or_default();
+    let extender = gpushare_testkit::cluster::http_get(b.observe, "/metrics").await.map(|(_, m)| m).unwrap_or_default();
     let throttled: f64 = b
         .plane
         .scheduler
@@ -460,7 +460,8 @@ async fn stages(b: &RealCluster, kubelet: &str, resource: &str, pods: f64) -> St
 async fn wait_hami_registered(b: &RealCluster) {
     let registered = format!("node=\"{NODE}\"");
     let deadline = Instant::now() + Duration::from_secs(60);
-    while gpushare_testkit::cluster::http_get(b.addr, "/metrics").await.is_none_or(|(_, m)| !m.contains(&registered)) {
+    while gpushare_testkit::cluster::http_get(b.observe, "/metrics").await.is_none_or(|(_, m)| !m.contains(&registered))
+    {
         assert!(Instant::now() < deadline, "HAMi's scheduler has not registered {NODE} after 60 s");
         tokio::time::sleep(Duration::from_millis(500)).await;
     }

@@ -351,8 +351,10 @@ pub struct Cluster {
     pub nodes: Vec<BoxNode>,
     /// The extender.
     pub extender: Proc,
-    /// The extender's address.
+    /// The extender's address (kube-scheduler's verbs).
     pub extender_addr: SocketAddr,
+    /// The extender's `/metrics` and `/inspect` (`[server] observe_listen`).
+    pub extender_observe: SocketAddr,
     /// The scheduler stand-in.
     pub scheduler: Proc,
     /// The cluster unit.
@@ -436,11 +438,12 @@ impl Cluster {
         // The extender and the scheduler.
         let port = free_port()?;
         let extender_addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let extender_observe = SocketAddr::from(([127, 0, 0, 1], free_port()?));
         let extender_config = dir.join("gpushare-extender.toml");
         std::fs::write(
             &extender_config,
             format!(
-                "[server]\nlisten = \"{extender_addr}\"\n[kubernetes]\nkubeconfig = \"{}\"\n[resources]\nunit = \"{}\"\n",
+                "[server]\nlisten = \"{extender_addr}\"\nobserve_listen = \"{extender_observe}\"\n[kubernetes]\nkubeconfig = \"{}\"\n[resources]\nunit = \"{}\"\n",
                 kubeconfig.display(),
                 spec.unit
             ),
@@ -477,6 +480,7 @@ impl Cluster {
             nodes,
             extender,
             extender_addr,
+            extender_observe,
             scheduler,
             unit: spec.unit.to_string(),
             client,

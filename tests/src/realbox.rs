@@ -80,6 +80,8 @@ pub struct RealCluster {
     pub extender: Proc,
     /// The extender's address.
     pub addr: SocketAddr,
+    /// The extender's `/metrics` and `/inspect` (`[server] observe_listen`).
+    pub observe: SocketAddr,
     /// The nodes, as [`Self::add_node`] added them.
     pub nodes: Vec<RealNode>,
     _temp: Option<tempfile::TempDir>,
@@ -109,7 +111,7 @@ impl RealCluster {
         // The shipped RBAC: the extender's identity may read Nodes and Pods and bind Pods.
         plane.apply(&repo().join("etc/kubernetes/gpushare-extender-rbac.yaml"))?;
         apply_admission_policy(&plane)?;
-        let (mut extender, addr) = start_extender(&plane, &options.extender_extra, "info")?;
+        let (mut extender, addr, observe) = start_extender(&plane, &options.extender_extra, "info")?;
         let deadline = Instant::now() + Duration::from_secs(30);
         while http_get(addr, "/readyz").await.is_none_or(|(s, _)| s != 200) {
             if let Some(status) = extender.exited() {
@@ -124,7 +126,7 @@ impl RealCluster {
             &repo().join("etc/kube-scheduler").join(&options.scheduler_config),
             &format!("http://{addr}/gpushare-scheduler"),
         )?;
-        Ok(RealCluster { plane, extender, addr, nodes: Vec::new(), _temp: temp })
+        Ok(RealCluster { plane, extender, addr, observe, nodes: Vec::new(), _temp: temp })
     }
 
     /// The real-cluster box for a cluster file ([`crate::cluster::read_cluster`]): [`Self::up`]
@@ -397,12 +399,20 @@ pub fn apply_admission_policy(plane: &ControlPlane) -> anyhow::Result<()> {
 ///
 /// # Errors
 /// If its certificate or configuration cannot be written, or it cannot be started.
-pub fn start_extender(plane: &ControlPlane, extra: &str, log_filter: &str) -> anyhow::Result<(Proc, SocketAddr)> {
+pub fn start_extender(
+    plane: &ControlPlane,
+    extra: &str,
+    log_filter: &str,
+) -> anyhow::Result<(Proc, SocketAddr, SocketAddr)> {
     let ours = Binaries::beside_current_exe()?;
     let kubeconfig = plane.pki.kubeconfig(&plane.server, "gpushare-extender", &[])?;
     let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+    let observe = SocketAddr::from(([127, 0, 0, 1], free_port()?));
     let config = plane.dir.join("gpushare-extender.toml");
-    let base = format!("[server]\nlisten = \"{addr}\"\n[kubernetes]\nkubeconfig = \"{}\"\n", kubeconfig.display());
+    let base = format!(
+        "[server]\nlisten = \"{addr}\"\nobserve_listen = \"{observe}\"\n[kubernetes]\nkubeconfig = \"{}\"\n",
+        kubeconfig.display()
+    );
     std::fs::write(&config, merge_toml(&base, extra)?).with_context(|| format!("writing {}", config.display()))?;
     let extender = plane.spawn(
         "extender",
@@ -410,7 +420,7 @@ pub fn start_extender(plane: &ControlPlane, extra: &str, log_filter: &str) -> an
         vec!["--config".into(), config.display().to_string()],
         vec![("RUST_LOG".into(), log_filter.into())],
     )?;
-    Ok((extender, addr))
+    Ok((extender, addr, observe))
 }
 
 /// Starts gpushared as `node` (its own `system:node:` certificate) on fake GPUs, against the

@@ -202,7 +202,7 @@ async fn the_extender_killed_and_the_control_plane_down_lose_nothing_on_real_kub
 
 /// Whether the extender's metrics call `node` stale.
 async fn stale(b: &RealBox, node: &str) -> bool {
-    let (_, metrics) = http_get(b.addr, "/metrics").await.unwrap_or_default();
+    let (_, metrics) = http_get(b.observe, "/metrics").await.unwrap_or_default();
     metrics.contains(&format!("gpushare_node_stale{{node=\"{node}\"}} 1"))
 }
 

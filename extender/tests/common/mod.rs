@@ -10,7 +10,7 @@ use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory, ResourceNames};
 use gpushare_extender::clock::{Clock, SystemClock};
 use gpushare_extender::kube::{KubeCluster, client, watch};
-use gpushare_extender::server::{ServerOptions, router, serve};
+use gpushare_extender::server::{ServerOptions, observe_router, router, serve};
 use gpushare_extender::service::Extender;
 use gpushare_extender::view::{ClusterView, ViewConfig};
 use gpushare_testkit::apiserver::ApiServer;
@@ -91,7 +91,10 @@ pub fn split_response(raw: &[u8]) -> (u16, String) {
 
 pub struct Harness {
     pub api: ApiServer,
+    /// kube-scheduler's verbs.
     pub addr: SocketAddr,
+    /// `/metrics` and `/inspect` (`[server] observe_listen`).
+    pub observe: SocketAddr,
     pub ext: Arc<Extender<KubeCluster>>,
     pub dir: tempfile::TempDir,
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -109,9 +112,9 @@ impl Harness {
     pub async fn restart(&mut self, alibaba: bool) {
         self.stop();
         let kubeconfig = self.dir.path().join("kubeconfig");
-        let (addr, ext, tasks) =
+        let ((addr, observe), ext, tasks) =
             serve_extender(&kubeconfig, alibaba, 1 << 20, Duration::from_secs(5), Arc::new(SystemClock)).await;
-        (self.addr, self.ext, self.tasks) = (addr, ext, tasks);
+        (self.addr, self.observe, self.ext, self.tasks) = (addr, observe, ext, tasks);
     }
 }
 
@@ -137,7 +140,7 @@ async fn serve_extender(
     max_body_bytes: usize,
     timeout: Duration,
     clock: Arc<dyn Clock>,
-) -> (SocketAddr, Arc<Extender<KubeCluster>>, Vec<tokio::task::JoinHandle<()>>) {
+) -> ((SocketAddr, SocketAddr), Arc<Extender<KubeCluster>>, Vec<tokio::task::JoinHandle<()>>) {
     let client = client(Some(kubeconfig)).await.unwrap();
     let view = ClusterView::new(view_config(alibaba)).with_clock(clock);
     let ext = Arc::new(Extender::new(view, KubeCluster::new(client.clone()), Default::default()));
@@ -148,8 +151,14 @@ async fn serve_extender(
     let server = tokio::spawn(async move {
         let _ = serve(listener, app, None, std::future::pending()).await;
     });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let observe = listener.local_addr().unwrap();
+    let app = observe_router(ext.clone(), &options);
+    let observer = tokio::spawn(async move {
+        let _ = serve(listener, app, None, std::future::pending()).await;
+    });
     let watcher = tokio::spawn(watch(client, ext.clone()));
-    (addr, ext, vec![server, watcher])
+    ((addr, observe), ext, vec![server, observer, watcher])
 }
 
 pub async fn start(max_body_bytes: usize) -> Harness {
@@ -176,8 +185,8 @@ async fn start_full(alibaba: bool, max_body_bytes: usize, timeout: Duration, clo
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
     api.write_kubeconfig(&kubeconfig).unwrap();
-    let (addr, ext, tasks) = serve_extender(&kubeconfig, alibaba, max_body_bytes, timeout, clock).await;
-    Harness { api, addr, ext, dir, tasks }
+    let ((addr, observe), ext, tasks) = serve_extender(&kubeconfig, alibaba, max_body_bytes, timeout, clock).await;
+    Harness { api, addr, observe, ext, dir, tasks }
 }
 
 pub async fn until(what: &str, mut f: impl AsyncFnMut() -> bool) {

@@ -121,7 +121,7 @@ pub(crate) fn priority_classes(b: &RealBox) {
 
 /// How many times kube-scheduler called the extender's `preempt`, from its metrics.
 pub(crate) async fn preempt_calls(b: &RealBox) -> u64 {
-    let (_, metrics) = gpushare_testkit::cluster::http_get(b.addr, "/metrics").await.unwrap_or_default();
+    let (_, metrics) = gpushare_testkit::cluster::http_get(b.observe, "/metrics").await.unwrap_or_default();
     metrics
         .lines()
         .find_map(|l| l.strip_prefix("gpushare_extender_request_duration_seconds_count{verb=\"preempt\"} "))

@@ -114,7 +114,7 @@ impl System {
                 // in a cluster that happens long before pods arrive.
                 let registered = format!("node=\"{NODE}\"");
                 let deadline = Instant::now() + Duration::from_secs(60);
-                while gpushare_testkit::cluster::http_get(b.addr, "/metrics")
+                while gpushare_testkit::cluster::http_get(b.observe, "/metrics")
                     .await
                     .is_none_or(|(_, body)| !body.contains(&registered))
                 {
@@ -143,9 +143,9 @@ impl System {
                 .map(|extender| b.extender = extender)
                 .and_then(|()| b.add_alibaba_node(NODE, gpus, "MiB").map(|_| ())),
             // HAMi's scheduler takes the place of our extender; its webhook sends the pods to it.
-            // b.addr: its metrics, which say when it has registered the node.
+            // b.observe: its metrics, which say when it has registered the node.
             System::Hami => peers::start_hami_scheduler(&mut b.plane, HAMI_SPLIT)
-                .map(|(scheduler, metrics)| (b.extender, b.addr) = (scheduler, metrics))
+                .map(|(scheduler, metrics)| (b.extender, b.observe) = (scheduler, metrics))
                 .and_then(|()| b.add_hami_node(NODE, gpus, HAMI_SPLIT).map(|_| ())),
         }
         .unwrap_or_else(|e| panic!("{e:#}"));
