@@ -35,6 +35,9 @@ pub use since::parse_since;
 /// How long one call may wait for gpushared's answer.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Lines asked for per `HistoryPage` call.
+const HISTORY_PAGE: u32 = 2000;
+
 /// How far back `history` looks without `--since`, in ms.
 pub const DEFAULT_HISTORY_MS: i64 = 3_600_000;
 
@@ -104,7 +107,17 @@ pub async fn execute(proxy: &Gpushare1Proxy<'_>, request: &Request, json: bool, 
         }
         Request::History { since } => {
             let since = since.unwrap_or_else(|| now_ms.saturating_sub(DEFAULT_HISTORY_MS));
-            let rows = proxy.history(since).await?;
+            // Page by page: the daemon answers at most a page per call.
+            let mut rows = Vec::new();
+            let mut cursor = String::new();
+            loop {
+                let (page, next) = proxy.history_page(since, &cursor, HISTORY_PAGE).await?;
+                rows.extend(page);
+                if next.is_empty() {
+                    break;
+                }
+                cursor = next;
+            }
             if json { pretty(&history_json(&rows)) } else { history_text(&rows, since) }
         }
         Request::OverBudget => {

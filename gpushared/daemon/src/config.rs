@@ -600,11 +600,38 @@ pub struct LedgerConfig {
     /// The SQLite file.
     #[serde(default = "default_ledger")]
     pub path: AbsPath,
+    /// History older than this many days (events, released allocations and claims) is
+    /// deleted; 0 keeps it.
+    #[serde(default = "default_history_days")]
+    pub history_days: u32,
+    /// At most this many events, and released rows of each table, are kept; 0 keeps all.
+    #[serde(default = "default_history_max_rows")]
+    pub history_max_rows: u64,
 }
 
 impl Default for LedgerConfig {
     fn default() -> Self {
-        LedgerConfig { path: default_ledger() }
+        LedgerConfig {
+            path: default_ledger(),
+            history_days: default_history_days(),
+            history_max_rows: default_history_max_rows(),
+        }
+    }
+}
+
+fn default_history_days() -> u32 {
+    90
+}
+
+fn default_history_max_rows() -> u64 {
+    200_000
+}
+
+impl LedgerConfig {
+    /// How much history the ledger keeps.
+    #[must_use]
+    pub fn retention(&self) -> crate::allocation::ledger::Retention {
+        crate::allocation::ledger::Retention { days: self.history_days, max_rows: self.history_max_rows }
     }
 }
 
@@ -934,6 +961,7 @@ mod tests {
         assert_eq!(c.overuse.action, OveruseAction::Warn);
         assert_eq!(c.overuse.evict_after_seconds.duration().as_secs(), 60);
         assert_eq!(c.overuse.proc_directory.path(), Path::new("/proc"));
+        assert_eq!(c.ledger.retention(), crate::allocation::ledger::Retention { days: 90, max_rows: 200_000 });
     }
 
     #[test]
@@ -956,6 +984,8 @@ recovery_seconds = 0
 kubeconfig = "/tmp/kubeconfig"
 [ledger]
 path = "/tmp/ledger.db"
+history_days = 30
+history_max_rows = 1000
 [resources]
 unit = "GiB"
 compatibility = "alibaba"
@@ -982,6 +1012,7 @@ numa_node = 1
         )
         .unwrap();
         assert_eq!(c.node_name.as_deref(), Some("gpu-node-a"));
+        assert_eq!(c.ledger.retention(), crate::allocation::ledger::Retention { days: 30, max_rows: 1000 });
         assert_eq!(c.socket_path(), Path::new("/tmp/dp/x.sock"));
         assert_eq!(c.resources.names().memory.as_str(), "aliyun.com/gpu-mem");
         assert_eq!(c.resources.names().count.as_str(), "example.com/gpus");

@@ -13,6 +13,7 @@ use std::time::Duration;
 use zbus::fdo;
 
 use crate::allocation::allocator::{AllocError, Allocator};
+use crate::allocation::ledger::{Cursor, MAX_PAGE};
 use crate::config::Bus;
 
 /// The well-known bus name.
@@ -37,6 +38,24 @@ impl StatusApi {
     #[must_use]
     pub fn new(alloc: Arc<Allocator>) -> Self {
         StatusApi { alloc }
+    }
+
+    /// A page of the history, read on the blocking pool (a long read holds no executor thread
+    /// and, on the history's own connection, no allocation either), with the next cursor.
+    async fn page(
+        &self,
+        since_ms: i64,
+        after: Option<Cursor>,
+        max: usize,
+    ) -> fdo::Result<(Vec<HistoryRecord>, String)> {
+        let alloc = Arc::clone(&self.alloc);
+        let page = tokio::task::spawn_blocking(move || alloc.history_page(since_ms, after, max))
+            .await
+            .map_err(|e| fdo::Error::Failed(format!("reading the history: {e}")))?
+            .map_err(|e| failed(&e))?;
+        let lines =
+            page.lines.into_iter().map(|l| HistoryRecord { at_ms: l.at_ms, kind: l.kind, detail: l.detail }).collect();
+        Ok((lines, page.next.map(|c| c.to_string()).unwrap_or_default()))
     }
 }
 
@@ -218,10 +237,25 @@ impl StatusApi {
         self.alloc.explain(ns, name).map_err(|e| failed(&e))
     }
 
-    /// The history since `since_ms` (Unix ms), oldest first.
+    /// The history since `since_ms` (Unix ms), oldest first: its first page, at most
+    /// [`MAX_PAGE`] lines (`HistoryPage` reads on from there).
     async fn history(&self, since_ms: i64) -> fdo::Result<Vec<HistoryRecord>> {
-        let rows = self.alloc.history(since_ms).map_err(|e| failed(&e))?;
-        Ok(rows.into_iter().map(|(at_ms, kind, detail)| HistoryRecord { at_ms, kind, detail }).collect())
+        Ok(self.page(since_ms, None, MAX_PAGE).await?.0)
+    }
+
+    /// A page of the history since `since_ms`, oldest first, of at most `max` lines (0 or more
+    /// than [`MAX_PAGE`]: [`MAX_PAGE`]), starting after `cursor` (empty: at the start). Returns
+    /// the lines and the cursor of the next page, empty once there is no more.
+    async fn history_page(&self, since_ms: i64, cursor: &str, max: u32) -> fdo::Result<(Vec<HistoryRecord>, String)> {
+        let after = match cursor {
+            "" => None,
+            c => Some(c.parse::<Cursor>().map_err(|e| fdo::Error::InvalidArgs(e.to_string()))?),
+        };
+        let max = match usize::try_from(max) {
+            Ok(0) | Err(_) => MAX_PAGE,
+            Ok(n) => n,
+        };
+        self.page(since_ms, after, max).await
     }
 
     /// Cordons a GPU (index or UUID): it keeps its allocations and takes no new ones. Returns
@@ -282,8 +316,10 @@ pub trait Gpushare1 {
     fn list_claims(&self) -> zbus::Result<Vec<ClaimRecord>>;
     /// Where a pod is and why.
     fn explain(&self, pod: &str) -> zbus::Result<String>;
-    /// The history since a time.
+    /// The history since a time (its first page).
     fn history(&self, since_ms: i64) -> zbus::Result<Vec<HistoryRecord>>;
+    /// A page of the history since a time, after a cursor; the next page's cursor.
+    fn history_page(&self, since_ms: i64, cursor: &str, max: u32) -> zbus::Result<(Vec<HistoryRecord>, String)>;
     /// Cordons a GPU.
     fn cordon(&self, gpu: &str) -> zbus::Result<bool>;
     /// Uncordons a GPU.

@@ -189,6 +189,13 @@ async fn run(config: Config) -> anyhow::Result<()> {
         .with_mps(config.mps.clone()),
     );
     tracing::info!(live = alloc.summary().allocations, ledger = %config.ledger.path.path().display(), "ledger restored");
+    // The history kept to `[ledger] history_days` and `history_max_rows`: at start, then hourly.
+    gpushared::allocation::allocator::spawn_history_pruning(
+        Arc::clone(&alloc),
+        config.ledger.retention(),
+        Duration::from_secs(3600),
+    )
+    .context("starting the ledger pruning thread")?;
 
     // Pods the over-use detector evicts (`[overuse] action = "evict"`), to the API-server side.
     let (evict_tx, evict_rx) = tokio::sync::mpsc::unbounded_channel();

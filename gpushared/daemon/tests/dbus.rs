@@ -432,6 +432,20 @@ async fn root_reads_everything(node: &Node, p: &Gpushare1Proxy<'_>) {
     assert!(p.explain("default/ghost").await.unwrap().contains("not bound to node node-a"));
     let history = p.history(0).await.unwrap();
     assert!(history.iter().any(|h| h.kind == "allocated" && h.detail.contains("default/infer-1")), "{history:?}");
+    // Page by page, a line at a time, the same lines; a cursor the daemon did not hand out is refused.
+    let (mut paged, mut cursor) = (Vec::new(), String::new());
+    loop {
+        let (page, next) = p.history_page(0, &cursor, 1).await.unwrap();
+        assert!(page.len() <= 1, "{page:?}");
+        paged.extend(page);
+        if next.is_empty() {
+            break;
+        }
+        cursor = next;
+    }
+    assert_eq!(paged, history);
+    let err = p.history_page(0, "not-a-cursor", 10).await.unwrap_err().to_string();
+    assert!(err.contains("InvalidArgs") && err.contains("not one gpushared handed out"), "{err}");
 
     let (code, out) = ctl(None, &node.address, &["status"]).await;
     assert_eq!(code, 0, "{out}");

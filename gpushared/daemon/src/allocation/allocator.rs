@@ -21,7 +21,7 @@ use gpushare_core::devices::DeviceMap;
 use gpushare_core::{ContainerRole, Health, NodeInventory, ResourceNames};
 use tokio::sync::watch;
 
-use crate::allocation::ledger::{ClaimRow, Ledger, LedgerError, NewRow, Row, request_key};
+use crate::allocation::ledger::{ClaimRow, HistoryReader, Ledger, LedgerError, NewRow, Row, request_key};
 use crate::allocation::pods::PodStore;
 use crate::config::{Compatibility, MpsConfig};
 
@@ -32,6 +32,7 @@ mod error;
 mod gpus;
 mod propose;
 mod queries;
+pub use queries::spawn_history_pruning;
 mod rebuild;
 mod repair;
 mod resolve;
@@ -73,6 +74,8 @@ pub struct Allocator {
     devices: DeviceMap,
     pods: PodStore,
     state: Mutex<State>,
+    /// The ledger's history, read on a connection of its own: never under `state`'s lock.
+    history: Mutex<HistoryReader>,
     /// Bumped after every change of the ledger's live rows or of a GPU's health, so the
     /// node annotation and the systemd status follow.
     changes: watch::Sender<u64>,
@@ -114,6 +117,7 @@ impl Allocator {
         }
         let held = ledger.live()?.iter().map(|r| Arc::new(Held::from(r))).collect();
         let claims = ledger.live_claims()?;
+        let history = Mutex::new(ledger.history_reader()?);
         Ok(Allocator {
             node,
             names,
@@ -130,6 +134,7 @@ impl Allocator {
                 rebuilding: None,
                 claims,
             }),
+            history,
             changes: watch::Sender::new(0),
             activity: watch::Sender::new(0),
             admission: watch::Sender::new(false),

@@ -2,8 +2,9 @@
 //! allocation the daemon ever answered, live or released, and an event history.
 //!
 //! - Each `Allocate` is one transaction, committed (and so fsynced) before the reply.
-//! - Rows are never deleted: a release sets `released_at` and a reason, so the ledger is also
-//!   the who-had-which-slice-when history.
+//! - A release sets `released_at` and a reason rather than delete the row, so the ledger is
+//!   also the who-had-which-slice-when history; that history is read in pages on a connection
+//!   of its own and pruned by age and count (`history.rs`).
 //! - The schema is versioned with `PRAGMA user_version`; [`MIGRATIONS`] bring any older file up
 //!   to date at open.
 //! - The GPUs last seen answering are remembered (`gpus`, [`Ledger::known_gpus`]), so a GPU that
@@ -684,10 +685,12 @@ mod checkpoint;
 mod claims;
 mod events;
 mod gpus;
+mod history;
 
 pub use checkpoint::{Checkpointer, spawn_checkpoints};
 pub use claims::{ClaimRow, NewClaimRow};
 pub use events::EventKind;
+pub use history::{BadCursor, Cursor, HistoryLine, HistoryPage, HistoryReader, MAX_PAGE, Retention};
 
 #[cfg(test)]
 mod tests;

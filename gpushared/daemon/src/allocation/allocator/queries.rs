@@ -1,10 +1,10 @@
 //! The operator's questions to the allocation service (gpusharectl, over D-Bus): the live
-//! allocations, the history, and why a pod has what it has on this node.
+//! allocations, the history (paged, off the allocator's lock), its pruning, and why a pod has what it has on this node.
 
 use gpushare_core::codec::assignment::ASSIGNMENT_KEY;
 
 use super::{AllocError, Allocator};
-use crate::allocation::ledger::{EventKind, Row};
+use crate::allocation::ledger::{Cursor, HistoryPage, Retention, Row};
 
 impl Allocator {
     /// Live rows, of one pod (`namespace`, `name`) if given.
@@ -16,32 +16,31 @@ impl Allocator {
         Ok(rows.into_iter().filter(|r| pod.is_none_or(|(ns, n)| r.pod.namespace == ns && r.pod.name == n)).collect())
     }
 
-    /// The history since `since_ms`: allocations, releases and events, oldest first, as
-    /// (unix ms, kind, detail).
+    /// A page of the history from `since_ms` on, after `after` if given, of at most `max`
+    /// lines: allocations, releases and events, oldest first ([`crate::allocation::ledger::HistoryReader::page`]). Read on
+    /// the history's own connection: it never waits for, or holds up, an allocation.
     ///
     /// # Errors
     /// [`AllocError::Ledger`].
-    pub fn history(&self, since_ms: i64) -> Result<Vec<(i64, String, String)>, AllocError> {
-        let state = self.lock();
-        let rows = state.ledger.all_since(since_ms)?;
-        let events = state.ledger.events_since(since_ms)?;
-        drop(state);
-        let mut out: Vec<(i64, String, String)> = events.into_iter().map(|e| (e.at, e.kind, e.detail)).collect();
-        for r in rows {
-            let who = format!("{} container {:?} GPU{} {} MiB", r.pod, r.container, r.gpu_index, r.mib.get());
-            if r.allocated_at >= since_ms {
-                out.push((r.allocated_at, EventKind::Allocated.as_str().into(), who.clone()));
+    pub fn history_page(&self, since_ms: i64, after: Option<Cursor>, max: usize) -> Result<HistoryPage, AllocError> {
+        let reader = self.history.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        Ok(reader.page(since_ms, after, max)?)
+    }
+
+    /// Prunes the history `retention` no longer keeps at `now_ms`, a batch per hold of the
+    /// allocator's lock so that allocations go on between batches; returns the rows deleted.
+    ///
+    /// # Errors
+    /// [`AllocError::Ledger`]; the batches before it stay deleted.
+    pub fn prune_history(&self, now_ms: i64, retention: Retention) -> Result<usize, AllocError> {
+        let mut total = 0;
+        loop {
+            let deleted = self.lock().ledger.prune_history(now_ms, retention)?;
+            if deleted == 0 {
+                return Ok(total);
             }
-            if let Some(at) = r.released_at.filter(|at| *at >= since_ms) {
-                out.push((
-                    at,
-                    EventKind::Released.as_str().into(),
-                    format!("{who}: {}", r.release_reason.unwrap_or_default()),
-                ));
-            }
+            total += deleted;
         }
-        out.sort_by_key(|e| e.0);
-        Ok(out)
     }
 
     /// Where a pod's containers are and why, or why it has nothing on this node.
@@ -85,4 +84,32 @@ impl Allocator {
         }
         Ok(lines.join("\n"))
     }
+}
+
+/// Prunes `alloc`'s history to `retention` now and then every `every`, on a thread of its own
+/// (each batch takes the allocator's lock only briefly), logging what it deleted.
+///
+/// # Errors
+/// The thread cannot be started.
+pub fn spawn_history_pruning(
+    alloc: std::sync::Arc<Allocator>,
+    retention: Retention,
+    every: std::time::Duration,
+) -> std::io::Result<()> {
+    if retention.days == 0 && retention.max_rows == 0 {
+        return Ok(());
+    }
+    std::thread::Builder::new().name("ledger-prune".into()).spawn(move || {
+        loop {
+            let start = std::time::Instant::now();
+            match alloc.prune_history(crate::allocation::ledger::now_ms(), retention) {
+                Ok(0) => {}
+                Ok(rows) => tracing::info!(rows, took = ?start.elapsed(), days = retention.days,
+                    max_rows = retention.max_rows, "pruned the ledger's history"),
+                Err(e) => tracing::warn!(error = %e, "pruning the ledger's history failed; will retry"),
+            }
+            std::thread::sleep(every);
+        }
+    })?;
+    Ok(())
 }

@@ -126,6 +126,13 @@ fn admit(f: &Fixture, size: usize) -> Result<Answer, AllocError> {
     Ok(answer)
 }
 
+/// The whole history, as (unix ms, kind, detail).
+fn history(f: &Fixture) -> Vec<(i64, String, String)> {
+    let page = f.alloc.history_page(0, None, crate::allocation::ledger::MAX_PAGE).unwrap();
+    assert!(page.next.is_none(), "more than a page of history");
+    page.lines.into_iter().map(|l| (l.at_ms, l.kind, l.detail)).collect()
+}
+
 fn gpus_of(f: &Fixture, ids: &[String]) -> BTreeSet<usize> {
     ids.iter().map(|id| f.alloc.devices().resolve(id).unwrap().0).collect()
 }
@@ -212,7 +219,7 @@ fn a_pod_whose_allocation_a_kubelet_restart_lost_is_served_again() {
     assert!(matches!(patient, Err(AllocError::Ambiguous { .. })), "{patient:?}");
     let again = f.alloc.preferred_with(all_devices(&f).iter().map(String::as_str), &[], 300, &Care::AS_IS).unwrap();
     assert_eq!(gpus_of(&f, &again), BTreeSet::from([0]));
-    let history = f.alloc.history(0).unwrap();
+    let history = history(&f);
     assert!(history.iter().any(|(_, _, detail)| detail.contains("offers these devices as free")), "{history:?}");
     let answer = f.alloc.allocate(&again).unwrap();
     assert_eq!(answer.pod.uid, "a");
@@ -462,7 +469,7 @@ fn a_cordoned_gpu_takes_no_new_allocation_and_the_cordon_is_persisted() {
     // Explain and history say so.
     let why = f.alloc.explain("default", "pod-u2").unwrap();
     assert!(why.contains("container \"main\": assigned GPU1 100 MiB; not admitted by the kubelet yet"), "{why}");
-    let history = f.alloc.history(0).unwrap();
+    let history = history(&f);
     assert!(history.iter().any(|(_, k, d)| k == "cordon" && d == "GPU1 (GPU-1) cordoned"), "{history:?}");
     assert!(history.iter().any(|(_, k, d)| k == "allocated" && d.contains("default/pod-u1")), "{history:?}");
     assert_eq!(f.alloc.set_cordon("GPU-1", false).unwrap(), (1, true));
@@ -501,7 +508,7 @@ fn rows_whose_devices_the_kubelet_offers_as_free_are_released_and_their_pod_held
     pod(&f, "b", "2026-01-01T00:00:02Z", &[("main", ContainerRole::App, &[(1, 300)])]);
     let err = f.alloc.preferred_with(all_devices(&f).iter().map(String::as_str), &[], 300, &Care::AS_IS).unwrap_err();
     assert!(f.alloc.live().unwrap().is_empty(), "a's row is released");
-    let history = f.alloc.history(0).unwrap();
+    let history = history(&f);
     assert!(history.iter().any(|(_, _, detail)| detail.contains("offers these devices as free")), "{history:?}");
     // a is first in line, but nobody can say whether the kubelet is admitting a or b: refused.
     assert!(matches!(err, AllocError::Doubtful { .. }), "{err}");
@@ -567,4 +574,40 @@ fn a_rebuild_refuses_calls_until_the_lost_rows_are_booked_again() {
     // Served again, and the rebuilt row counts: u2 gets its GPU1, u1 is not booked twice.
     f.alloc.allocate_with(&ids, &Care::PATIENT).unwrap();
     assert!(f.alloc.missing_from_ledger(&published[..1]).unwrap().is_empty());
+}
+
+/// The history and an allocation never wait for each other: the history is read on a
+/// connection of its own while an allocation holds the allocator's lock, and an `Allocate`
+/// commits while a read of the history holds its connection and a read transaction open.
+#[test]
+fn the_history_is_read_beside_an_allocation_and_neither_waits_for_the_other() {
+    let f = fixture(Compatibility::Gpushare);
+    pod(&f, "u1", "2026-01-01T00:00:00Z", &[("main", ContainerRole::App, &[(1, 350)])]);
+    let patience = std::time::Duration::from_secs(30);
+
+    let held = f.alloc.lock();
+    let alloc = Arc::clone(&f.alloc);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(alloc.history_page(0, None, 10).map(|p| p.lines.len())).unwrap());
+    let read = rx.recv_timeout(patience).expect("the history read waited for the allocator's lock");
+    assert!(read.is_ok(), "{read:?}");
+    drop(held);
+
+    let ids = f.alloc.preferred(all_devices(&f).iter().map(String::as_str), &[], 350).unwrap();
+    let reading = f.alloc.history.lock().unwrap();
+    reading.begin_read();
+    let alloc = Arc::clone(&f.alloc);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(alloc.allocate(&ids).map(|a| a.envs["GPUSHARE_MEMORY_MIB"].clone())).unwrap());
+    let answer = rx.recv_timeout(patience).expect("Allocate waited for a history read");
+    assert_eq!(answer.unwrap(), "350");
+    reading.end_read();
+    drop(reading);
+    let page = f.alloc.history_page(0, None, 10).unwrap();
+    assert!(
+        page.lines
+            .iter()
+            .any(|l| l.kind == "allocated" && l.detail == r#"default/pod-u1 container "main" GPU1 350 MiB"#),
+        "{page:?}"
+    );
 }
