@@ -309,9 +309,13 @@ impl SharingConfig {
 #[serde(deny_unknown_fields)]
 pub struct MpsConfig {
     /// The MPS control daemon's pipe directory on the host, mounted into MPS containers at the
-    /// same path (`CUDA_MPS_PIPE_DIRECTORY`).
+    /// same path (`CUDA_MPS_PIPE_DIRECTORY`); root's, created by `gpushared-mps.service`.
     #[serde(default = "default_mps_pipe_directory")]
     pub pipe_directory: AbsPath,
+    /// Mount the pipe directory read-only into the clients: they reach the control daemon's
+    /// sockets and pipes, but cannot remove or replace them.
+    #[serde(default = "yes")]
+    pub pipe_directory_read_only: bool,
     /// Each MPS client's share of the GPU's threads (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`).
     #[serde(default)]
     pub active_thread_percentage: ThreadShare,
@@ -328,6 +332,7 @@ impl Default for MpsConfig {
     fn default() -> Self {
         MpsConfig {
             pipe_directory: default_mps_pipe_directory(),
+            pipe_directory_read_only: true,
             active_thread_percentage: ThreadShare::default(),
             log_directory: default_mps_log_directory(),
             environment_file: default_mps_environment_file(),
@@ -344,7 +349,7 @@ fn default_mps_environment_file() -> AbsPath {
 }
 
 fn default_mps_pipe_directory() -> AbsPath {
-    abs("/tmp/nvidia-mps")
+    abs("/run/nvidia-mps")
 }
 
 /// How an MPS client's thread percentage is set.
@@ -861,7 +866,8 @@ mod tests {
         let c = parse("[sharing]\nmps = [1, \"GPU-b\"]\n[mps]\nactive_thread_percentage = 50\n").unwrap();
         assert_eq!(c.sharing.mps, [GpuRef::Index(1), GpuRef::Uuid("GPU-b".into())]);
         assert_eq!(c.mps.active_thread_percentage, ThreadShare::Fixed(50));
-        assert_eq!(c.mps.pipe_directory.path(), Path::new("/tmp/nvidia-mps"));
+        assert_eq!(c.mps.pipe_directory.path(), Path::new("/run/nvidia-mps"));
+        assert!(c.mps.pipe_directory_read_only);
         let d = parse("").unwrap();
         assert!(d.sharing.mps.is_empty());
         assert_eq!(d.mps.active_thread_percentage, ThreadShare::Proportional);

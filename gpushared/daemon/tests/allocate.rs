@@ -180,7 +180,8 @@ async fn mps_gpus_give_their_clients_pinned_memory_threads_and_the_pipe_director
     assert_eq!(m[0].envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=300M");
     assert_eq!(m[0].envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "30");
     assert_eq!(m[0].envs["CUDA_MPS_PIPE_DIRECTORY"], dir);
-    assert_eq!(m[0].mounts, [format!("{dir}:{dir}")]);
+    // Read-only: the client reaches the control daemon but cannot replace its sockets.
+    assert_eq!(m[0].mounts, [format!("{dir}:{dir}:ro")]);
 
     // Two MPS GPUs (the second named by index): one limit per device ordinal.
     bound_pod(&c.api, "mps-two", &[("main", ContainerRole::App, &[(1, 100), (2, 100)])]);

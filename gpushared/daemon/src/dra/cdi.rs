@@ -23,14 +23,19 @@ pub fn spec_path(dir: &Path, claim_uid: &str) -> PathBuf {
 }
 
 /// The spec of a claim whose device sets `envs` and bind-mounts each of `mounts` at the same
-/// path, read-write.
+/// path (read-only where its flag says so).
 #[must_use]
-pub fn spec(claim_uid: &str, envs: &BTreeMap<String, String>, mounts: &[PathBuf]) -> serde_json::Value {
+pub fn spec(claim_uid: &str, envs: &BTreeMap<String, String>, mounts: &[(PathBuf, bool)]) -> serde_json::Value {
     let env: Vec<String> = envs.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let mut edits = json!({ "env": env });
     if !mounts.is_empty() {
         edits["mounts"] =
-            mounts.iter().map(|m| json!({ "hostPath": m, "containerPath": m, "options": ["rbind", "rw"] })).collect();
+            mounts
+                .iter()
+                .map(|(m, read_only)| {
+                    json!({ "hostPath": m, "containerPath": m, "options": ["rbind", if *read_only { "ro" } else { "rw" }] })
+                })
+                .collect();
     }
     json!({
         "cdiVersion": CDI_VERSION,
@@ -47,7 +52,7 @@ pub fn write(
     dir: &Path,
     claim_uid: &str,
     envs: &BTreeMap<String, String>,
-    mounts: &[PathBuf],
+    mounts: &[(PathBuf, bool)],
 ) -> Result<PathBuf, String> {
     let path = spec_path(dir, claim_uid);
     let io = |what: &str, e: std::io::Error| format!("{what} {}: {e}", path.display());
@@ -94,11 +99,11 @@ mod tests {
         assert_eq!(read["devices"][0]["name"], "claim-u-1");
         assert_eq!(read["devices"][0]["containerEdits"]["env"], json!(["A=1", "B=x=y"]));
         assert!(read["devices"][0]["containerEdits"].get("mounts").is_none());
-        write(&cdi, "u-1", &envs, &[PathBuf::from("/tmp/nvidia-mps")]).unwrap();
+        write(&cdi, "u-1", &envs, &[(PathBuf::from("/run/nvidia-mps"), true)]).unwrap();
         let read: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
         assert_eq!(
             read["devices"][0]["containerEdits"]["mounts"],
-            json!([{"hostPath": "/tmp/nvidia-mps", "containerPath": "/tmp/nvidia-mps", "options": ["rbind", "rw"]}])
+            json!([{"hostPath": "/run/nvidia-mps", "containerPath": "/run/nvidia-mps", "options": ["rbind", "ro"]}])
         );
         let names: Vec<_> = std::fs::read_dir(&cdi).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names.len(), 1, "no temporary file is left: {names:?}");

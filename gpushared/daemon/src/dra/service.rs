@@ -66,7 +66,7 @@ impl<S: ClaimSource> Driver<S> {
             }
         };
         // Written again on a repeated prepare: a spec lost with /var/run is back.
-        let mounts: Vec<PathBuf> = prepared.mounts.iter().map(|m| m.path.clone()).collect();
+        let mounts: Vec<(PathBuf, bool)> = prepared.mounts.iter().map(|m| (m.path.clone(), m.read_only)).collect();
         cdi::write(&self.cdi_dir, &claim.uid, &prepared.envs, &mounts)?;
         Ok(self.devices(claim, &prepared))
     }

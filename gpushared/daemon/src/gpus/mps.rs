@@ -75,7 +75,7 @@ mod tests {
         let mps = MpsConfig::default();
         let text = environment(&gpus(&[SharingMode::Mps, SharingMode::Shared, SharingMode::Mps]), &mps).unwrap();
         assert!(text.contains("\nCUDA_VISIBLE_DEVICES=GPU-0,GPU-2\n"), "{text}");
-        assert!(text.contains("\nCUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps\n"), "{text}");
+        assert!(text.contains("\nCUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps\n"), "{text}");
         assert!(text.contains("\nCUDA_MPS_LOG_DIRECTORY=/var/log/nvidia-mps\n"), "{text}");
         assert_eq!(environment(&gpus(&[SharingMode::Shared]), &mps), None);
     }

@@ -417,7 +417,7 @@ impl DevicePlugin for Plugin {
                                 .map(|m| Mount {
                                     container_path: m.path.display().to_string(),
                                     host_path: m.path.display().to_string(),
-                                    read_only: false,
+                                    read_only: m.read_only,
                                 })
                                 .collect(),
                             ..Default::default()

@@ -291,10 +291,11 @@ mod tests {
         let alloc = allocator(dir.path());
         let mps = alloc.prepare_claim(&claim("m"), &[share("gpu-2", 250)]).unwrap();
         assert_eq!(mps.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=250M");
-        assert_eq!(mps.envs["CUDA_MPS_PIPE_DIRECTORY"], "/tmp/nvidia-mps");
+        assert_eq!(mps.envs["CUDA_MPS_PIPE_DIRECTORY"], "/run/nvidia-mps");
         assert_eq!(mps.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "25", "proportional: 250 of 1000 MiB");
         assert_eq!(mps.mounts.len(), 1);
-        assert_eq!(mps.mounts[0].path, std::path::Path::new("/tmp/nvidia-mps"));
+        assert_eq!(mps.mounts[0].path, std::path::Path::new("/run/nvidia-mps"));
+        assert!(mps.mounts[0].read_only);
         let plain = alloc.prepare_claim(&claim("p"), &[share("gpu-1", 250)]).unwrap();
         assert!(!plain.envs.contains_key("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") && plain.mounts.is_empty());
     }

@@ -27,11 +27,13 @@ pub struct Answer {
     pub container: String,
 }
 
-/// A host directory mounted into a container, read-write, at the same path.
+/// A host directory mounted into a container at the same path.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Mount {
     /// The path, on the host and in the container.
     pub path: std::path::PathBuf,
+    /// Mounted read-only.
+    pub read_only: bool,
 }
 
 /// What builds the answers of one node: its GPUs, the MPS settings and the compatibility mode.
@@ -95,7 +97,14 @@ impl Environment<'_> {
     }
 
     fn mps_mounts(&self, mps: bool) -> Vec<Mount> {
-        if mps { vec![Mount { path: self.mps.pipe_directory.path().to_path_buf() }] } else { Vec::new() }
+        if mps {
+            vec![Mount {
+                path: self.mps.pipe_directory.path().to_path_buf(),
+                read_only: self.mps.pipe_directory_read_only,
+            }]
+        } else {
+            Vec::new()
+        }
     }
 
     /// A GPU's total memory (zero for one this node does not have).
