@@ -82,9 +82,32 @@ pub fn percent(part: u64, whole: u64) -> u64 {
 
 /// Aligns cells in columns, each as wide as its widest cell plus two spaces; the last cell
 /// of a line is not padded.
+/// A cell as it is safe to print to a terminal: what nodes publish (claim and pod names in
+/// their node state, addresses) is not trusted, so control characters (escape sequences, line
+/// breaks, tabs) and the bidirectional overrides that reorder what a terminal shows are
+/// written as `\u{..}` escapes instead.
+fn printable(cell: &str) -> std::borrow::Cow<'_, str> {
+    let unsafe_char =
+        |c: char| c.is_control() || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+    if !cell.chars().any(unsafe_char) {
+        return std::borrow::Cow::Borrowed(cell);
+    }
+    let mut out = String::with_capacity(cell.len() + 8);
+    for c in cell.chars() {
+        if unsafe_char(c) {
+            let _ = write!(out, "\\u{{{:x}}}", u32::from(c));
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 fn tabulate(table: &[Vec<String>]) -> String {
+    let table: Vec<Vec<std::borrow::Cow<'_, str>>> =
+        table.iter().map(|row| row.iter().map(|cell| printable(cell)).collect()).collect();
     let mut widths: Vec<usize> = Vec::new();
-    for row in table {
+    for row in &table {
         for (i, cell) in row.iter().enumerate().take(row.len().saturating_sub(1)) {
             let w = cell.chars().count();
             match widths.get_mut(i) {
@@ -94,10 +117,10 @@ fn tabulate(table: &[Vec<String>]) -> String {
         }
     }
     let mut out = String::new();
-    for row in table {
+    for row in &table {
         let last = row.len().saturating_sub(1);
         for (i, cell) in row.iter().enumerate() {
-            out.push_str(cell);
+            out.push_str(cell.as_ref());
             if i < last {
                 let pad = widths.get(i).copied().unwrap_or(0) + 2 - cell.chars().count();
                 out.extend(std::iter::repeat_n(' ', pad));
@@ -256,6 +279,20 @@ Allocated/Total GPU Memory In Cluster:
         assert!(out.ends_with("3500/15360 (22%)\n"), "{out}");
         let empty = summary(&[], MemoryUnit::Mib);
         assert!(empty.ends_with("0/0 (0%)\n"), "{empty}");
+    }
+
+    #[test]
+    fn what_nodes_publish_cannot_drive_the_terminal() {
+        let rows = [NodeRow {
+            name: "n1".into(),
+            address: "10.0.0.1\u{1b}[2J\r\nfake-node\t1/1\u{202e}".into(),
+            gpus: vec![GpuCell { allocated: 1, total: 2 }],
+            pending: 0,
+        }];
+        let out = summary(&rows, MemoryUnit::Mib);
+        assert!(!out.chars().any(|c| c.is_control() && c != '\n'), "{out:?}");
+        assert!(out.contains(r"10.0.0.1\u{1b}[2J\u{d}\u{a}fake-node\u{9}1/1\u{202e}"), "{out}");
+        assert!(!out.lines().any(|l| l.starts_with("fake-node")), "a row was forged: {out}");
     }
 
     #[test]
