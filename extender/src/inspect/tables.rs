@@ -87,8 +87,9 @@ pub fn percent(part: u64, whole: u64) -> u64 {
 /// breaks, tabs) and the bidirectional overrides that reorder what a terminal shows are
 /// written as `\u{..}` escapes instead.
 fn printable(cell: &str) -> std::borrow::Cow<'_, str> {
-    let unsafe_char =
-        |c: char| c.is_control() || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+    let unsafe_char = |c: char| {
+        c.is_control() || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    };
     if !cell.chars().any(unsafe_char) {
         return std::borrow::Cow::Borrowed(cell);
     }
