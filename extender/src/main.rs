@@ -109,9 +109,12 @@ async fn serve_scheduler(config: Config) -> anyhow::Result<()> {
             .with_scheduler_names(config.scheduling.scheduler_names.clone()),
     );
     let listen = config.server.listen;
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("cannot listen on {listen} (set [server] listen)"))?;
+    let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| {
+        format!(
+            "cannot listen on {listen} (set [server] listen; under systemd, a port other than 39999 also needs \
+                 SocketBindAllow=tcp:PORT in a drop-in)"
+        )
+    })?;
     let options = ServerOptions {
         prefix: config.server.prefix.clone(),
         max_body_bytes: config.server.max_body_bytes,
@@ -119,9 +122,12 @@ async fn serve_scheduler(config: Config) -> anyhow::Result<()> {
     };
     let app = router(extender.clone(), &options);
     let observe = config.server.observe_listen;
-    let observe_listener = tokio::net::TcpListener::bind(observe)
-        .await
-        .with_context(|| format!("cannot listen on {observe} (set [server] observe_listen)"))?;
+    let observe_listener = tokio::net::TcpListener::bind(observe).await.with_context(|| {
+        format!(
+            "cannot listen on {observe} (set [server] observe_listen; under systemd, a port other than 39998 \
+                 also needs SocketBindAllow=tcp:PORT in a drop-in)"
+        )
+    })?;
     let observe_app = observe_router(extender.clone(), &options);
     let watcher = tokio::spawn(watch(client, extender.clone()));
     let addr = listener.local_addr()?;
