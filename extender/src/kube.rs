@@ -19,7 +19,7 @@ use gpushare_core::retry::Backoff;
 
 use crate::objects::{NodeObject, PodObject};
 use crate::service::{Binding, Cluster, ClusterError, Extender};
-use crate::view::{ClusterView, DecodedNode, state_hash};
+use crate::view::ClusterView;
 
 /// The API server cannot be set up.
 #[derive(Debug, Error)]
@@ -138,17 +138,7 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
             while let Some(event) = stream.next().await {
                 back_again(&mut backoff, event.is_ok(), "node");
                 let found = match event {
-                    Ok(watcher::Event::Apply(n)) => {
-                        // A changed published state (up to 256 KiB of JSON) is decoded before
-                        // the view is locked: a node that churns one holds up no verb.
-                        let hash = state_hash(&n);
-                        if ext.with_view(|v| v.has_node_state(n.name(), hash)) {
-                            ext.with_view(|v| v.apply_node(&n))
-                        } else {
-                            let decoded = DecodedNode::of(&n);
-                            ext.with_view(|v| v.apply_decoded_node(&n, decoded))
-                        }
-                    }
+                    Ok(watcher::Event::Apply(n)) => ext.with_view(|v| v.apply_node(&n)),
                     Ok(watcher::Event::InitApply(n)) => {
                         relist.push(n);
                         Vec::new()

@@ -46,7 +46,6 @@ mod usage;
 use hash::value_hash;
 pub use hash::{FxHasher, FxMap};
 pub use lookalike::Placed;
-pub use nodes::{DecodedNode, state_hash};
 
 use summary::{NodeTable, Shape, Summary};
 

@@ -3,67 +3,13 @@
 
 use super::*;
 
-/// A node's published state, decoded without the view: the watch decodes a changed state
-/// before it locks the view ([`ClusterView::apply_decoded_node`]), so a node that publishes a
-/// large state often holds up no verb.
-#[derive(Debug)]
-pub struct DecodedNode {
-    hash: Option<u64>,
-    gpus: NodeGpus,
-}
-
-impl DecodedNode {
-    /// Decodes `node`'s published state.
-    #[must_use]
-    pub fn of(node: &NodeObject) -> DecodedNode {
-        let value = node.annotation(NODE_STATE_KEY);
-        DecodedNode { hash: value.map(value_hash), gpus: decode_state(value) }
-    }
-}
-
-/// The hash of `node`'s published state, as the view compares it.
-#[must_use]
-pub fn state_hash(node: &NodeObject) -> Option<u64> {
-    node.annotation(NODE_STATE_KEY).map(value_hash)
-}
-
-fn decode_state(value: Option<&str>) -> NodeGpus {
-    match value {
-        None => NodeGpus::NotSharing,
-        Some(v) => match NodeState::decode(v) {
-            Ok(s) => NodeGpus::Reported(Box::new(s)),
-            Err(e) => NodeGpus::Invalid(e.to_string()),
-        },
-    }
-}
-
 impl ClusterView {
-    /// Whether the view holds `node` with the published state whose hash is `hash`: then
-    /// applying it decodes nothing.
-    #[must_use]
-    pub fn has_node_state(&self, node: &str, hash: Option<u64>) -> bool {
-        self.nodes.get(node).is_some_and(|e| e.state_hash == hash)
-    }
-
     /// Adds or updates a node. Returns the disagreements between what its daemon now reports
     /// and what the view believes, one readable line each (already counted).
     pub fn apply_node(&mut self, node: &NodeObject) -> Vec<String> {
-        self.apply_node_with(node, None)
-    }
-
-    /// [`Self::apply_node`] with `node`'s state already decoded (by [`DecodedNode::of`] of the
-    /// same object, outside the view's lock).
-    pub fn apply_decoded_node(&mut self, node: &NodeObject, decoded: DecodedNode) -> Vec<String> {
-        self.apply_node_with(node, Some(decoded))
-    }
-
-    fn apply_node_with(&mut self, node: &NodeObject, decoded: Option<DecodedNode>) -> Vec<String> {
         let name = node.name().to_owned();
         let state_value = node.annotation(NODE_STATE_KEY);
-        let state_hash = match &decoded {
-            Some(d) => d.hash,
-            None => state_value.map(value_hash),
-        };
+        let state_hash = state_value.map(value_hash);
         let alibaba =
             if self.config.alibaba && state_value.is_none() { AlibabaNode::of(node, &self.config.names) } else { None };
         if let Some(entry) = self.nodes.get_mut(&name) {
@@ -81,9 +27,12 @@ impl ClusterView {
                 return Vec::new();
             }
         }
-        let gpus = match decoded {
-            Some(d) => d.gpus,
-            None => decode_state(state_value),
+        let gpus = match state_value {
+            None => NodeGpus::NotSharing,
+            Some(v) => match NodeState::decode(v) {
+                Ok(s) => NodeGpus::Reported(Box::new(s)),
+                Err(e) => NodeGpus::Invalid(e.to_string()),
+            },
         };
         self.index_reports(&name, &gpus);
         let by_wall_clock = self.config.heartbeat_by_wall_clock;

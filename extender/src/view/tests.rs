@@ -606,26 +606,3 @@ fn reports_are_compared_only_once_both_initial_lists_are_in() {
     assert!(v.retain_pods(&HashSet::from(["uid-a".to_owned()])).is_empty());
     assert_eq!(v.disagreements(), 2);
 }
-
-/// The watch decodes a changed node state before it locks the view: applied so, a node ends up
-/// as when decoded under the lock; the view says when a state is the one it holds, so a
-/// heartbeat-only update decodes nothing; a state that cannot be read is kept with its reason.
-#[test]
-fn a_node_state_decoded_outside_the_view_applies_as_one_decoded_inside() {
-    let n = node("gpu-a", 2, 15360, 3, vec![]);
-    let mut inside = ClusterView::new(config(false));
-    inside.apply_node(&n);
-    let mut outside = ClusterView::new(config(false));
-    assert!(!outside.has_node_state("gpu-a", state_hash(&n)));
-    outside.apply_decoded_node(&n, DecodedNode::of(&n));
-    assert!(outside.has_node_state("gpu-a", state_hash(&n)));
-    let gpus = |v: &ClusterView| format!("{:?}", v.node("gpu-a").map(|e| &e.gpus));
-    assert_eq!(gpus(&outside), gpus(&inside));
-    assert!(gpus(&outside).contains("Reported"), "{}", gpus(&outside));
-    let changed = node("gpu-a", 2, 15360, 4, vec![]);
-    assert!(!outside.has_node_state("gpu-a", state_hash(&changed)));
-    let mut broken = n.clone();
-    broken.metadata.annotations.get_or_insert_default().insert(NODE_STATE_KEY.to_owned(), "{not json".to_owned());
-    outside.apply_decoded_node(&broken, DecodedNode::of(&broken));
-    assert!(gpus(&outside).contains("Invalid"), "{}", gpus(&outside));
-}
