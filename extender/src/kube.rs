@@ -105,9 +105,20 @@ impl Cluster for KubeCluster {
     }
 }
 
+/// Disagreement lines logged per change, at most: a node reporting thousands of pods the view
+/// does not know must not flood the log at every publication (the metric counts them all).
+const DISAGREEMENTS_LOGGED: usize = 10;
+
 fn log_disagreements(found: Vec<String>) {
-    for d in found {
+    let more = found.len().saturating_sub(DISAGREEMENTS_LOGGED);
+    for d in found.into_iter().take(DISAGREEMENTS_LOGGED) {
         tracing::warn!(disagreement = %d, "a daemon's report differs from the extender's view");
+    }
+    if more > 0 {
+        tracing::warn!(
+            more,
+            "and more disagreements like these (gpushare_extender_view_disagreements_total counts them all)"
+        );
     }
 }
 
