@@ -307,7 +307,7 @@ async fn main() {
 
     // One node churning a large published state (some 200 KiB, re-published `LOAD_CHURN_HZ`
     // times a second, 20 by default) while filter is measured again: the other nodes' answers
-    // should not slow down (the watch decodes a changed state before it locks the view).
+    // should stay fast (BENCHMARKS.md records how much they slow).
     let churn_name = "node-00000";
     let mut big =
         NodeState::decode(api.node(churn_name).unwrap()["metadata"]["annotations"][NODE_STATE_KEY].as_str().unwrap())

@@ -265,23 +265,24 @@ impl Config {
             }
             _ => {}
         }
-        if !s.listen.ip().is_loopback() && s.client_ca.is_none() && !s.allow_unauthenticated {
-            return Err(invalid(format!(
-                "server.listen = {} is reachable beyond this host, but no caller would be authenticated: anyone \
-                 who reaches it could bind pods to any node. Set tls_cert, tls_key and client_ca (kube-scheduler's \
-                 extender tlsConfig sends its client certificate), listen on 127.0.0.1, or set \
-                 allow_unauthenticated = true to accept that risk",
-                s.listen
-            )));
-        }
-        if !s.observe_listen.ip().is_loopback() && s.client_ca.is_none() && !s.allow_unauthenticated {
-            return Err(invalid(format!(
-                "server.observe_listen = {} is reachable beyond this host, but no caller would be authenticated: \
-                 /metrics and /inspect name every tenant's pods. Set tls_cert, tls_key and client_ca (the scraper \
-                 then presents a client certificate), listen on 127.0.0.1, or set allow_unauthenticated = true to \
-                 accept that risk",
-                s.observe_listen
-            )));
+        // Beyond loopback, each listener needs client authentication or the explicit opt-out.
+        let listeners = [
+            (
+                "listen",
+                s.listen,
+                "anyone who reaches it could bind pods to any node",
+                "kube-scheduler's extender tlsConfig",
+            ),
+            ("observe_listen", s.observe_listen, "/metrics and /inspect name every tenant's pods", "the scraper"),
+        ];
+        for (key, addr, risk, caller) in listeners {
+            if !addr.ip().is_loopback() && s.client_ca.is_none() && !s.allow_unauthenticated {
+                return Err(invalid(format!(
+                    "server.{key} = {addr} is reachable beyond this host, but no caller would be authenticated: \
+                     {risk}. Set tls_cert, tls_key and client_ca ({caller} then presents a client certificate), \
+                     listen on 127.0.0.1, or set allow_unauthenticated = true to accept that risk"
+                )));
+            }
         }
         if s.observe_listen == s.listen && s.listen.port() != 0 {
             return Err(invalid(format!(

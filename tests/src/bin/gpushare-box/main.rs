@@ -286,9 +286,15 @@ async fn demo(
     // The stand-in API server runs no admission policy: what the shipped one
     // (etc/kubernetes/gpushare-admission-policy.yaml) refuses is refused here by the core's rule,
     // which the admission_policy suite proves it agrees with on the real API server.
-    let (pods, refused): (Vec<_>, Vec<_>) = pods.into_iter().partition(|p| refusal(p, spec.unit).is_none());
-    let refused: Vec<(String, String)> =
-        refused.iter().filter_map(|p| Some((cluster::pod_json_key(p), refusal(p, spec.unit)?))).collect();
+    let mut refused = Vec::new();
+    let mut admitted = Vec::new();
+    for pod in pods {
+        match refusal(&pod, spec.unit) {
+            Some(why) => refused.push((cluster::pod_json_key(&pod), why)),
+            None => admitted.push(pod),
+        }
+    }
+    let pods = admitted;
     print_refused(&refused);
     cluster.apply(&pods).await?;
     let settled = match cluster.settle(Duration::from_secs(60)).await {
