@@ -100,6 +100,17 @@ pub enum Repair {
     },
 }
 
+/// A reconciliation's outcome.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// The repairs to make, in ledger order.
+    pub repairs: Vec<Repair>,
+    /// When (ms since the epoch) the first row kept only by its grace period leaves it: a row
+    /// of a pod deleted while the daemon was down, say, allocated moments before. Reconciling
+    /// again then releases it without waiting for the next interval.
+    pub recheck_at_ms: Option<i64>,
+}
+
 /// The repairs that make the ledger's live rows agree with the kubelet. `known` resolves a
 /// pod named by the kubelet (namespace, name, container); `running` tells whether the API
 /// server has a pod UID bound to this node and not finished; rows allocated less than
@@ -112,7 +123,7 @@ pub fn plan(
     running: impl Fn(&str) -> bool,
     now_ms: i64,
     grace_ms: i64,
-) -> Vec<Repair> {
+) -> Plan {
     // The kubelet's holdings by device-set key.
     let mut held_by: BTreeMap<String, &Holding> = BTreeMap::new();
     for h in &kubelet.holdings {
@@ -127,6 +138,7 @@ pub fn plan(
     groups.sort_by_key(|rows| rows.first().map_or(0, |r| r.id));
 
     let mut repairs = Vec::new();
+    let mut recheck_at_ms: Option<i64> = None;
     let mut matched: BTreeSet<String> = BTreeSet::new();
     for rows in groups {
         let Some(first) = rows.first() else { continue };
@@ -151,7 +163,15 @@ pub fn plan(
                 h.namespace, h.name, h.container
             ))),
             _ if pod_listed && first.role != ContainerRole::App => {}
-            _ if now_ms.saturating_sub(first.allocated_at) < grace_ms => {}
+            _ if now_ms.saturating_sub(first.allocated_at) < grace_ms => {
+                // Kept for now; looked at again when the grace period ends, unless the API
+                // server's word keeps it anyway (the arm below).
+                let kept_anyway = !held_by.contains_key(&first.request_key) && !pod_listed && running(&first.pod.uid);
+                if !kept_anyway {
+                    let ends = first.allocated_at.saturating_add(grace_ms);
+                    recheck_at_ms = Some(recheck_at_ms.map_or(ends, |at| at.min(ends)));
+                }
+            }
             None if !pod_listed && running(&first.pod.uid) => {}
             Some(h) => repairs.push(release(format!(
                 "reconcile: the kubelet holds these devices for container {:?} of the same pod",
@@ -201,7 +221,7 @@ pub fn plan(
             None => repairs.push(Repair::Unknown { holding: (*h).clone() }),
         }
     }
-    repairs
+    Plan { repairs, recheck_at_ms }
 }
 
 #[cfg(test)]
@@ -265,7 +285,7 @@ mod tests {
     fn agreement_needs_no_repair() {
         let live = [row(1, "a", "main", ContainerRole::App, &["x1", "x2"], OLD)];
         let k = kubelet(&["a"], vec![holding("a", "main", &["x2", "x1"])]);
-        assert_eq!(plan(&live, &k, known, gone, NOW, GRACE), vec![]);
+        assert_eq!(plan(&live, &k, known, gone, NOW, GRACE).repairs, vec![]);
     }
 
     #[test]
@@ -276,7 +296,7 @@ mod tests {
             row(3, "alive", "old", ContainerRole::App, &["x3"], OLD),
         ];
         let k = kubelet(&["alive"], vec![]);
-        let repairs = plan(&live, &k, known, gone, NOW, GRACE);
+        let repairs = plan(&live, &k, known, gone, NOW, GRACE).repairs;
         assert_eq!(repairs.len(), 2, "{repairs:?}");
         assert!(
             matches!(&repairs[0], Repair::Release { rows, reason, .. } if rows == &[1] && reason.contains("no longer runs this pod"))
@@ -287,9 +307,30 @@ mod tests {
         // A pod the API server still has running is not released while the kubelet does not
         // list it (a restarting kubelet lists nothing until it has synced).
         let running = |uid: &str| uid == "uid-gone";
-        let repairs = plan(&live, &k, known, running, NOW, GRACE);
+        let repairs = plan(&live, &k, known, running, NOW, GRACE).repairs;
         assert_eq!(repairs.len(), 1, "{repairs:?}");
         assert!(matches!(&repairs[0], Repair::Release { rows, .. } if rows == &[3]));
+    }
+
+    #[test]
+    fn a_row_kept_only_by_its_grace_period_is_looked_at_again_when_it_ends() {
+        // "deleted" went while the daemon was down, just after its allocation; "admitting" is
+        // being admitted (bound and running as far as the API server says); "settled" is held.
+        let live = [
+            row(1, "deleted", "main", ContainerRole::App, &["x1"], NOW - 5_000),
+            row(2, "admitting", "main", ContainerRole::App, &["x2"], NOW - 1_000),
+            row(3, "settled", "main", ContainerRole::App, &["x3"], NOW - 2_000),
+        ];
+        let k = kubelet(&["settled"], vec![holding("settled", "main", &["x3"])]);
+        let running = |uid: &str| uid == "uid-admitting";
+        let p = plan(&live, &k, known, running, NOW, GRACE);
+        assert_eq!(p.repairs, vec![]);
+        assert_eq!(p.recheck_at_ms, Some(NOW - 5_000 + GRACE));
+        // Once it is over, released; nothing is left to look at again.
+        let later = NOW - 5_000 + GRACE;
+        let p = plan(&live, &k, known, running, later, GRACE);
+        assert!(matches!(&p.repairs[..], [Repair::Release { rows, .. }] if rows == &[1]), "{:?}", p.repairs);
+        assert_eq!(p.recheck_at_ms, None);
     }
 
     #[test]
@@ -300,9 +341,9 @@ mod tests {
             row(3, "a", "main", ContainerRole::App, &["x1"], OLD),
         ];
         let k = kubelet(&["a"], vec![holding("a", "main", &["x1"])]);
-        assert_eq!(plan(&live, &k, known, gone, NOW, GRACE), vec![]);
+        assert_eq!(plan(&live, &k, known, gone, NOW, GRACE).repairs, vec![]);
         // Once the pod is gone, everything goes.
-        let repairs = plan(&live, &kubelet(&[], vec![]), known, gone, NOW, GRACE);
+        let repairs = plan(&live, &kubelet(&[], vec![]), known, gone, NOW, GRACE).repairs;
         assert_eq!(repairs.len(), 3);
     }
 
@@ -312,7 +353,7 @@ mod tests {
             &["a", "stranger", "done"],
             vec![holding("a", "main", &["x1"]), holding("stranger", "c", &["x9"]), holding("done", "c", &["x5"])],
         );
-        let repairs = plan(&[], &k, known, gone, NOW, GRACE);
+        let repairs = plan(&[], &k, known, gone, NOW, GRACE).repairs;
         // The finished pod the kubelet still lists is not booked again.
         assert_eq!(repairs.len(), 2, "{repairs:?}");
         assert!(matches!(&repairs[0], Repair::Adopt { pod, container, device_ids, .. }
@@ -325,7 +366,7 @@ mod tests {
         // The answer went to b's call, though the daemon took it for a: no grace period.
         let live = [row(1, "a", "main", ContainerRole::App, &["x1"], NOW)];
         let k = kubelet(&["b"], vec![holding("b", "main", &["x1"])]);
-        let repairs = plan(&live, &k, known, gone, NOW, GRACE);
+        let repairs = plan(&live, &k, known, gone, NOW, GRACE).repairs;
         assert!(
             matches!(&repairs[0], Repair::Release { rows, reason, .. }
             if rows == &[1] && reason.contains("for default/b container \"main\"")),
@@ -337,7 +378,7 @@ mod tests {
     fn a_wrong_owner_is_released_and_the_right_one_adopted() {
         let live = [row(1, "a", "main", ContainerRole::App, &["x1", "x2"], OLD)];
         let k = kubelet(&["a", "b"], vec![holding("b", "worker", &["x1", "x2"])]);
-        let repairs = plan(&live, &k, known, gone, NOW, GRACE);
+        let repairs = plan(&live, &k, known, gone, NOW, GRACE).repairs;
         assert_eq!(repairs.len(), 2, "{repairs:?}");
         assert!(matches!(&repairs[0], Repair::Release { rows, reason, .. }
             if rows == &[1] && reason.contains("for default/b container \"worker\"")));

@@ -150,10 +150,15 @@ pub async fn reconcile_loop(
     every.tick().await;
     let mut warned = false;
     let mut changes = alloc.subscribe();
+    // When a row kept only by its grace period leaves it (a pod deleted while the daemon or
+    // the node was down, allocated moments before): reconciled again then, not an interval later.
+    let mut recheck: Option<tokio::time::Instant> = None;
     loop {
+        let due = recheck.take();
         tokio::select! {
             _ = every.tick() => {}
             () = now.notified() => {}
+            () = tokio::time::sleep_until(due.unwrap_or_else(tokio::time::Instant::now)), if due.is_some() => {}
             // Soon after allocations: the kubelet's record says at once whether an answer went
             // to the pod the daemon took it for, before the node state is published (100 ms).
             Ok(()) = changes.changed() => {
@@ -192,8 +197,18 @@ pub async fn reconcile_loop(
         let view = kubelet_view(&list, alloc.resource());
         let probe = Arc::clone(&alloc);
         match tokio::task::spawn_blocking(move || probe.reconcile(&view, grace)).await {
-            Ok(Ok(repairs)) if repairs.is_empty() => tracing::debug!("reconciled with the kubelet: nothing to repair"),
-            Ok(Ok(repairs)) => tracing::info!(repairs = repairs.len(), "reconciled with the kubelet"),
+            Ok(Ok((repairs, recheck_at_ms))) => {
+                if repairs.is_empty() {
+                    tracing::debug!("reconciled with the kubelet: nothing to repair");
+                } else {
+                    tracing::info!(repairs = repairs.len(), "reconciled with the kubelet");
+                }
+                recheck = recheck_at_ms.map(|at| {
+                    let wait = u64::try_from(at.saturating_sub(crate::allocation::ledger::now_ms())).unwrap_or(0);
+                    // Past the end by a little, and never more often than once a second.
+                    tokio::time::Instant::now() + Duration::from_millis(wait + 100).max(Duration::from_secs(1))
+                });
+            }
             Ok(Err(e)) => tracing::error!(error = %e, "reconciliation failed"),
             // The runtime stopping under the task: the daemon is stopping, nothing failed.
             Err(e) if e.is_cancelled() => tracing::debug!("reconciliation cancelled: the daemon is stopping"),

@@ -12,18 +12,19 @@ use super::resolve::Held;
 use super::room::check_room;
 use super::{AllocError, Allocator, State};
 use crate::allocation::ledger::{EventKind, NewRow};
-use crate::allocation::reconcile::{KnownPod, KubeletView, Repair};
+use crate::allocation::reconcile::{KnownPod, KubeletView, Plan, Repair};
 
 impl Allocator {
     /// Makes the ledger agree with the kubelet's PodResources answer (see [`crate::allocation::reconcile`]);
     /// rows younger than `grace_ms` are not released. Call it only once the pod store has
     /// synced ([`crate::allocation::pods::PodStore::is_synced`]): a pod missing from it must mean the pod is gone. Every repair is logged and recorded in
-    /// the history. Returns the repairs made.
+    /// the history. Returns the repairs made, and when a row kept only by its grace period
+    /// leaves it ([`Plan::recheck_at_ms`]).
     ///
     /// # Errors
     /// [`AllocError::Ledger`] if the ledger cannot be read or written; repairs before the
     /// failure are kept.
-    pub fn reconcile(&self, kubelet: &KubeletView, grace_ms: i64) -> Result<Vec<Repair>, AllocError> {
+    pub fn reconcile(&self, kubelet: &KubeletView, grace_ms: i64) -> Result<(Vec<Repair>, Option<i64>), AllocError> {
         let pods = self.pods.snapshot();
         let known = |ns: &str, name: &str, container: &str| {
             let p = pods
@@ -47,7 +48,7 @@ impl Allocator {
         };
         let mut state = self.lock();
         let live = state.ledger.live()?;
-        let repairs = crate::allocation::reconcile::plan(
+        let Plan { repairs, recheck_at_ms } = crate::allocation::reconcile::plan(
             &live,
             kubelet,
             known,
@@ -99,7 +100,7 @@ impl Allocator {
         if !done.is_empty() {
             self.changed();
         }
-        Ok(done)
+        Ok((done, recheck_at_ms))
     }
 
     /// Records `device_ids` as held by `pod`'s `container`; returns the GPUs, for the history.
