@@ -142,6 +142,18 @@ impl RecordingRuntime {
         Ok(RecordingRuntime { store, socket: socket.to_owned(), task })
     }
 
+    /// Loses everything, as a runtime does when its host reboots: stops serving and serves
+    /// again on the same socket with no sandbox, container or record (its state lives in
+    /// tmpfs on a host).
+    ///
+    /// # Errors
+    /// When the socket cannot be bound again.
+    pub fn reboot(&mut self) -> anyhow::Result<()> {
+        self.task.abort();
+        *self = RecordingRuntime::serve(&self.socket)?;
+        Ok(())
+    }
+
     /// The socket, as the kubelet's `containerRuntimeEndpoint` names it.
     #[must_use]
     pub fn endpoint(&self) -> String {

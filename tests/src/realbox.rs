@@ -352,6 +352,38 @@ impl RealCluster {
         crate::cluster::inspect(&Binaries::beside_current_exe()?.inspect, &self.plane.admin, args)
     }
 
+    /// Reboots the node `name` as a power cut and a boot would. Its kubelet, gpushared and
+    /// container runtime are killed; what a host keeps in tmpfs is lost (the runtime's sandboxes
+    /// and containers, and the CDI specs: everything under `/run`), and its state directories
+    /// are kept (the kubelet's checkpoints and gpushared's ledger: `/var/lib`). `while_down`
+    /// runs with the node down. The node then starts in the order systemd gives it: the
+    /// runtime, gpushared (`gpushared.service` is ordered before `kubelet.service`), then the
+    /// kubelet, waited for until it reports the node Ready.
+    ///
+    /// # Errors
+    /// An unknown node, what `while_down` returns, or a component that does not come back.
+    pub fn reboot(
+        &mut self,
+        name: &str,
+        while_down: impl FnOnce(&ControlPlane) -> anyhow::Result<()>,
+    ) -> anyhow::Result<()> {
+        let node = self.nodes.iter_mut().find(|n| n.name == name).with_context(|| format!("no node {name}"))?;
+        node.kubelet.halt();
+        node.daemon.kill();
+        let cdi = node.host.join("cri").join(crate::cri::CDI_DIR);
+        match std::fs::remove_dir_all(&cdi) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).with_context(|| format!("emptying {}", cdi.display())),
+        }
+        while_down(&self.plane)?;
+        // tmpfiles.d/gpushared.conf makes the CDI directory again at boot.
+        std::fs::create_dir_all(&cdi).with_context(|| format!("creating {}", cdi.display()))?;
+        node.runtime.reboot()?;
+        node.daemon.start()?;
+        node.kubelet.boot(&self.plane)
+    }
+
     /// Stops everything: kube-scheduler and the extender, each node's gpushared (SIGTERM) and
     /// kubelet, then the API server and etcd.
     pub fn shutdown(&mut self) {

@@ -187,6 +187,21 @@ impl RealKubelet {
         self.wait_registered(plane, Duration::from_secs(60))
     }
 
+    /// Kills the kubelet (SIGKILL), as a power cut would; [`Self::boot`] starts it again.
+    pub fn halt(&mut self) {
+        self.proc.kill();
+    }
+
+    /// Starts the kubelet halted by [`Self::halt`] with the same settings and state; waits
+    /// until it reports its node Ready again.
+    ///
+    /// # Errors
+    /// If it does not come back within a minute.
+    pub fn boot(&mut self, plane: &ControlPlane) -> anyhow::Result<()> {
+        self.proc.start()?;
+        self.wait_registered(plane, Duration::from_secs(60))
+    }
+
     /// Waits until the kubelet answers its `/healthz` and its Node is Ready.
     fn wait_registered(&mut self, plane: &ControlPlane, timeout: Duration) -> anyhow::Result<()> {
         let (node, healthz) = (self.node.clone(), self.healthz);
