@@ -436,18 +436,32 @@ pub fn start_extender(
     extra: &str,
     log_filter: &str,
 ) -> anyhow::Result<(Proc, SocketAddr, SocketAddr)> {
+    start_extender_named(plane, "extender", extra, log_filter)
+}
+
+/// [`start_extender`] for one more extender, called `name` in the logs (its configuration
+/// `gpushare-<name>.toml`), as the extender beside another control-plane host's kube-scheduler.
+///
+/// # Errors
+/// As [`start_extender`].
+pub fn start_extender_named(
+    plane: &ControlPlane,
+    name: &str,
+    extra: &str,
+    log_filter: &str,
+) -> anyhow::Result<(Proc, SocketAddr, SocketAddr)> {
     let ours = Binaries::beside_current_exe()?;
     let kubeconfig = plane.pki.kubeconfig(&plane.server, "gpushare-extender", &[])?;
     let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
     let observe = SocketAddr::from(([127, 0, 0, 1], free_port()?));
-    let config = plane.dir.join("gpushare-extender.toml");
+    let config = plane.dir.join(format!("gpushare-{name}.toml"));
     let base = format!(
         "[server]\nlisten = \"{addr}\"\nobserve_listen = \"{observe}\"\n[kubernetes]\nkubeconfig = \"{}\"\n",
         kubeconfig.display()
     );
     std::fs::write(&config, merge_toml(&base, extra)?).with_context(|| format!("writing {}", config.display()))?;
     let extender = plane.spawn(
-        "extender",
+        name,
         &ours.extender,
         vec!["--config".into(), config.display().to_string()],
         vec![("RUST_LOG".into(), log_filter.into())],

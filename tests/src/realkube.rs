@@ -429,16 +429,29 @@ impl ControlPlane {
     /// # Errors
     /// If `text` names no such kubeconfig, or the scheduler does not start.
     pub fn start_scheduler_config(&mut self, text: &str) -> anyhow::Result<()> {
+        self.scheduler = None;
+        let (scheduler, port) = self.spawn_scheduler("kube-scheduler", text)?;
+        self.scheduler = Some(scheduler);
+        self.scheduler_port = port;
+        Ok(())
+    }
+
+    /// Starts one more kube-scheduler, called `name` in the logs, with the configuration `text`
+    /// (as [`Self::start_scheduler_config`] fills it in), as another control-plane host of an
+    /// HA cluster would: it competes for the same leader lease. Returns it and its secure port.
+    ///
+    /// # Errors
+    /// If `text` names no kubeconfig to fill in, or the scheduler does not start.
+    pub fn spawn_scheduler(&self, name: &str, text: &str) -> anyhow::Result<(Proc, u16)> {
         if !text.contains(SCHEDULER_KUBECONFIG) {
             bail!("the scheduler configuration has no `{SCHEDULER_KUBECONFIG}` to fill in");
         }
-        self.scheduler = None;
         let kubeconfig = self.pki.kubeconfig(&self.server, "system:kube-scheduler", &[])?;
-        let config = self.dir.join("kube-scheduler-config.yaml");
+        let config = self.dir.join(format!("{name}-config.yaml"));
         std::fs::write(&config, text.replace(SCHEDULER_KUBECONFIG, &format!("kubeconfig: {}", kubeconfig.display())))?;
         let port = free_port()?;
         let scheduler = Proc::spawn(
-            "kube-scheduler",
+            name,
             &self.bin.join("kube-scheduler"),
             vec![
                 format!("--config={}", config.display()),
@@ -451,8 +464,6 @@ impl ControlPlane {
             vec![],
             &self.dir.join("logs"),
         )?;
-        self.scheduler = Some(scheduler);
-        self.scheduler_port = port;
-        Ok(())
+        Ok((scheduler, port))
     }
 }
