@@ -356,6 +356,10 @@ impl Ledger {
                 .map_err(sqlite("recording the schema version"))?;
             tx.commit().map_err(sqlite("committing a migration"))?;
         }
+        // A fresh file is created at version 0: only an existing one is said to be migrated.
+        if current > 0 && current < known {
+            tracing::info!(ledger = %self.path.display(), from = current, to = known, "ledger schema migrated");
+        }
         Ok(())
     }
 
