@@ -164,11 +164,11 @@ impl RealCluster {
         start: impl FnOnce(&crate::realkube::ControlPlane, &Path, &Path, &str) -> anyhow::Result<Proc>,
     ) -> anyhow::Result<&mut RealNode> {
         let host = self.plane.dir.join(name);
-        let runtime = crate::cri::RecordingRuntime::serve(&host.join("cri/cri.sock"))?;
-        let kubelet = RealKubelet::start_with_gates(&self.plane, name, &host, &runtime.endpoint(), DEFAULT_GATES)?;
+        let (runtime, cri_proxy, endpoint) = crate::realbox::node_runtime(&self.plane, name, &host)?;
+        let kubelet = RealKubelet::start_with_gates(&self.plane, name, &host, &endpoint, DEFAULT_GATES)?;
         let events = host.join("nvml-events");
         let daemon = start(&self.plane, &host, &kubelet.dirs.device_plugins(), &nvml::events_directive(&events))?;
-        self.nodes.push(RealNode { name: name.to_owned(), host, runtime, kubelet, daemon, events });
+        self.nodes.push(RealNode { name: name.to_owned(), host, runtime, cri_proxy, kubelet, daemon, events });
         self.nodes.last_mut().context("the node just added")
     }
 }

@@ -63,6 +63,8 @@ pub struct RealNode {
     pub host: PathBuf,
     /// The container runtime the kubelet drives.
     pub runtime: RecordingRuntime,
+    /// `cri-proxy` in front of it, for a kubelet older than 1.31 ([`node_runtime`]).
+    pub cri_proxy: Option<Proc>,
     /// The kubelet.
     pub kubelet: RealKubelet,
     /// gpushared.
@@ -110,7 +112,11 @@ impl RealCluster {
         let mut plane = ControlPlane::start(&dir, &bin)?;
         // The shipped RBAC: the extender's identity may read Nodes and Pods and bind Pods.
         plane.apply(&repo().join("etc/kubernetes/gpushare-extender-rbac.yaml"))?;
-        apply_admission_policy(&plane)?;
+        // Kubernetes 1.29 has no ValidatingAdmissionPolicy v1: there gpushared's own check of
+        // each grant against the pod's requests is what holds (docs/install.md).
+        if plane.minor >= realkube::ADMISSION_POLICY_MINOR {
+            apply_admission_policy(&plane)?;
+        }
         let (mut extender, addr, observe) = start_extender(&plane, &options.extender_extra, "info")?;
         let deadline = Instant::now() + Duration::from_secs(30);
         while http_get(addr, "/readyz").await.is_none_or(|(s, _)| s != 200) {
@@ -196,8 +202,8 @@ impl RealCluster {
         gates: &[(&str, bool)],
     ) -> anyhow::Result<&mut RealNode> {
         let host = self.plane.dir.join(name);
-        let runtime = RecordingRuntime::serve(&host.join("cri/cri.sock"))?;
-        let kubelet = RealKubelet::start_with_gates(&self.plane, name, &host, &runtime.endpoint(), gates)?;
+        let (runtime, cri_proxy, endpoint) = node_runtime(&self.plane, name, &host)?;
+        let kubelet = RealKubelet::start_with_gates(&self.plane, name, &host, &endpoint, gates)?;
         let events = host.join("nvml-events");
         let nvml_extra = format!("{}{}", nvml::events_directive(&events), extra.0);
         let daemon = start_gpushared(
@@ -208,7 +214,7 @@ impl RealCluster {
             gpus,
             (&nvml_extra, extra.1),
         )?;
-        self.nodes.push(RealNode { name: name.to_owned(), host, runtime, kubelet, daemon, events });
+        self.nodes.push(RealNode { name: name.to_owned(), host, runtime, cri_proxy, kubelet, daemon, events });
         self.nodes.last_mut().context("the node just added")
     }
 
@@ -398,6 +404,45 @@ impl RealCluster {
         self.plane.apiserver.stop(Duration::from_secs(5));
         self.plane.etcd.stop(Duration::from_secs(5));
     }
+}
+
+/// The first minor version whose kubelet reaches a CRI runtime with the HTTP/2 authority
+/// `localhost`; older ones send the socket's path, which the recording runtime refuses.
+const CRI_AUTHORITY_MINOR: u32 = 31;
+
+/// Node `name`'s container runtime, as its kubelet reaches it: (the recording runtime, the
+/// `cri-proxy` in front of it if any, the kubelet's `containerRuntimeEndpoint`). The runtime
+/// serves `host/cri/cri.sock`; for a kubelet older than 1.31 it serves `host/cri/runtime.sock`
+/// behind `cri-proxy` (built with the components) on `host/cri/cri.sock`.
+///
+/// # Errors
+/// If a socket cannot be bound or the proxy does not start.
+pub fn node_runtime(
+    plane: &ControlPlane,
+    name: &str,
+    host: &Path,
+) -> anyhow::Result<(RecordingRuntime, Option<Proc>, String)> {
+    let socket = host.join("cri/cri.sock");
+    if plane.minor >= CRI_AUTHORITY_MINOR {
+        let runtime = RecordingRuntime::serve(&socket)?;
+        let endpoint = runtime.endpoint();
+        return Ok((runtime, None, endpoint));
+    }
+    let runtime = RecordingRuntime::serve(&host.join("cri/runtime.sock"))?;
+    let proxy = plane.spawn(
+        &format!("cri-proxy-{name}"),
+        &plane.bin.join("cri-proxy"),
+        vec![socket.display().to_string(), host.join("cri/runtime.sock").display().to_string()],
+        vec![],
+    )?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !socket.exists() {
+        if Instant::now() > deadline {
+            bail!("cri-proxy did not listen on {} within 10 s:\n{}", socket.display(), proxy.log_tail(10));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok((runtime, Some(proxy), format!("unix://{}", socket.display())))
 }
 
 /// Applies the shipped `etc/kubernetes/gpushare-admission-policy.yaml` and waits until the API

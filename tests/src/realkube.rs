@@ -203,7 +203,35 @@ pub struct ControlPlane {
     pub scheduler: Option<Proc>,
     /// kube-scheduler's secure port (its `/metrics`), once started.
     pub scheduler_port: u16,
+    /// The components' minor version (`29` for v1.29.15): what a suite may ask of them.
+    pub minor: u32,
 }
+
+/// The minor version of the components in `bin`, from `kube-apiserver --version`
+/// (`Kubernetes v1.29.15`).
+///
+/// # Errors
+/// If it cannot run or prints something else.
+pub fn minor_version(bin: &Path) -> anyhow::Result<u32> {
+    let out = Command::new(bin.join("kube-apiserver"))
+        .arg("--version")
+        .output()
+        .with_context(|| format!("running {} --version", bin.join("kube-apiserver").display()))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.trim()
+        .strip_prefix("Kubernetes v1.")
+        .and_then(|rest| rest.split('.').next())
+        .and_then(|minor| minor.parse().ok())
+        .with_context(|| format!("kube-apiserver --version printed {text:?}, not Kubernetes v1.N.P"))
+}
+
+/// The first minor version that serves `resource.k8s.io/v1` (DRA's GA API, which gpushared's
+/// DRA driver speaks).
+pub const DRA_V1_MINOR: u32 = 34;
+
+/// The first minor version that serves `admissionregistration.k8s.io/v1`
+/// `ValidatingAdmissionPolicy` (the shipped admission policy).
+pub const ADMISSION_POLICY_MINOR: u32 = 30;
 
 impl ControlPlane {
     /// Starts etcd and kube-apiserver in `dir` and waits until the API server is ready.
@@ -288,6 +316,7 @@ impl ControlPlane {
             apiserver,
             scheduler: None,
             scheduler_port: 0,
+            minor: minor_version(bin)?,
         };
         plane.wait_ready(Duration::from_secs(90))?;
         // No kube-controller-manager runs (its node lifecycle controller would taint the

@@ -68,6 +68,9 @@ impl KubeletDirs {
 /// 1.36+ stall after a restart).
 pub const DEFAULT_GATES: &[(&str, bool)] = &[("ResourceHealthStatus", false), ("ResourceHealthStatusMessage", false)];
 
+/// The minor version that introduced each gate the suites set: an older kubelet is not given it.
+const GATES_SINCE: &[(&str, u32)] = &[("ResourceHealthStatus", 31), ("ResourceHealthStatusMessage", 36)];
+
 /// A running real kubelet.
 #[derive(Debug)]
 pub struct RealKubelet {
@@ -105,7 +108,12 @@ impl RealKubelet {
         runtime: &str,
         gates: &[(&str, bool)],
     ) -> anyhow::Result<RealKubelet> {
-        let gates: String = gates.iter().map(|(gate, on)| format!("  {gate}: {on}\n")).collect();
+        // A gate the kubelet does not know stops it: those newer than it are left out.
+        let gates: String = gates
+            .iter()
+            .filter(|(gate, _)| GATES_SINCE.iter().all(|(g, minor)| g != gate || plane.minor >= *minor))
+            .map(|(gate, on)| format!("  {gate}: {on}\n"))
+            .collect();
         let dirs = KubeletDirs::under(dir);
         std::fs::create_dir_all(&dirs.root)?;
         std::fs::create_dir_all(dirs.device_plugins())?;
@@ -131,7 +139,7 @@ impl RealKubelet {
                  authorization:\n  mode: AlwaysAllow\n\
                  cgroupDriver: cgroupfs\n\
                  cgroupsPerQOS: false\n\
-                 enforceNodeAllocatable: [\"none\"]\n\
+                 enforceNodeAllocatable: []\n\
                  failCgroupV1: false\n\
                  failSwapOn: false\n\
                  protectKernelDefaults: false\n\

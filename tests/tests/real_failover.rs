@@ -24,7 +24,8 @@ use realbox::{RealBox, get, pod, up};
 
 const NODE: &str = "node-f";
 const GPU_MIB: u64 = 15_360;
-const ACQUIRED: &str = "Successfully acquired lease";
+/// What kube-scheduler logs on taking the lease (capitalised since client-go 0.30).
+const ACQUIRED: &str = "successfully acquired lease";
 /// Pods of the burst that fit the node.
 const FIT: usize = 170;
 
@@ -70,7 +71,7 @@ async fn the_leaders_scheduler_and_extender_killed_mid_burst_lose_no_pod_and_ove
     // The box's kube-scheduler took the lease when it started; the second host's pair starts
     // now and stands by.
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !b.plane.scheduler.as_ref().unwrap().log().contains(ACQUIRED) {
+    while !b.plane.scheduler.as_ref().unwrap().log().to_lowercase().contains(ACQUIRED) {
         assert!(Instant::now() < deadline, "the first kube-scheduler never took the lease");
         std::thread::sleep(Duration::from_millis(200));
     }
@@ -118,7 +119,7 @@ async fn the_leaders_scheduler_and_extender_killed_mid_burst_lose_no_pod_and_ove
 
     // The standby takes the lease (kube-scheduler's default lease: 15 s) and places the rest.
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !scheduler_b.log().contains(ACQUIRED) {
+    while !scheduler_b.log().to_lowercase().contains(ACQUIRED) {
         assert!(Instant::now() < deadline, "kube-scheduler-b never took the lease:\n{}", scheduler_b.log_tail(20));
         std::thread::sleep(Duration::from_millis(200));
     }

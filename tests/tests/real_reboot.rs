@@ -122,6 +122,13 @@ async fn after_a_reboot_every_pod_and_claim_comes_back_and_a_deleted_pod_holds_n
         return;
     }
     let Some(mut b) = up().await else { return };
+    if b.plane.minor < gpushare_testkit::realkube::DRA_V1_MINOR {
+        eprintln!(
+            "skipped: the claims need resource.k8s.io/v1, served from Kubernetes 1.34 (this is 1.{})",
+            b.plane.minor
+        );
+        return;
+    }
     b.plane.apply(&repo().join("etc/kubernetes/gpushare-deviceclass.yaml")).unwrap_or_else(|e| panic!("{e:#}"));
     // Four 40 GB GPUs: 0 and 1 shared through the device plugin, 2 and 3 through DRA.
     let gpus: Vec<FakeGpu> = (0..4).map(|i| FakeGpu::new(NODE, i, GPU_MIB, "A100-PCIE-40GB")).collect();
