@@ -17,7 +17,7 @@ use gpushare_testkit::realkube::DRA_V1_MINOR;
 use serde_json::{Value, json};
 
 mod realbox;
-use realbox::{RealBox, get, up};
+use realbox::{RealBox, claim, get, up};
 
 const NODE: &str = "node-d";
 const GPU_MIB: u64 = 40_960;
@@ -89,18 +89,6 @@ fn wait_slice(b: &RealBox, devices: &[&str]) {
 
 fn node(b: &RealBox) -> &RealNode {
     b.node(NODE).unwrap()
-}
-
-/// A ResourceClaim for `mib` MiB of one GPU of the shipped class.
-fn claim(name: &str, mib: u64) -> Value {
-    json!({
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-            "deviceClassName": "gpushare-memory",
-            "capacity": {"requests": {"memory": format!("{mib}Mi")}},
-        }}]}},
-    })
 }
 
 /// A pod whose `containers` all use the claim `claim`.

@@ -59,37 +59,7 @@ fn the_node(b: &RealBox) -> &RealNode {
 /// Waits until every pod of `names` is Running with one running container each; returns
 /// their containers as the runtime created them, by pod name.
 fn wait_running(b: &RealBox, names: &[&str]) -> BTreeMap<String, Created> {
-    let n = the_node(b);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let running: BTreeMap<String, Created> = n
-            .runtime
-            .running()
-            .into_iter()
-            .filter(|c| names.contains(&c.pod.as_str()))
-            .map(|c| (c.pod.clone(), c))
-            .collect();
-        let phases = get(&b.plane, &["get", "pods", "-n", "default"]);
-        let all_running = names.iter().all(|name| {
-            phases["items"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .any(|p| p["metadata"]["name"] == *name && p["status"]["phase"] == "Running")
-        });
-        if running.len() == names.len() && all_running {
-            return running;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} of {} containers running after 60 s\npods: {phases}\nkubelet:\n{}\ngpushared:\n{}",
-            running.len(),
-            names.len(),
-            n.kubelet.proc.log_tail(40),
-            n.daemon.log_tail(40)
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
+    realbox::wait_running(b, NODE, names, Duration::from_secs(60))
 }
 
 /// Checks that each container got the GPU of its pod's assignment and the budget of it, and

@@ -17,25 +17,18 @@ use gpushare_testkit::realbox::{RealNode, is_root, repo};
 use serde_json::{Value, json};
 
 mod realbox;
-use realbox::{RealBox, get, pod, up, wait_bound};
+use realbox::{RealBox, claim, pod, up, wait_bound};
+
+/// Waits until `names` run on the node (90 s: a reboot's pods and claims come back together).
+fn wait_running(b: &RealBox, names: &[&str]) -> BTreeMap<String, Created> {
+    realbox::wait_running(b, NODE, names, Duration::from_secs(90))
+}
 
 const NODE: &str = "node-r";
 const GPU_MIB: u64 = 40_960;
 
 fn node(b: &RealBox) -> &RealNode {
     b.node(NODE).unwrap()
-}
-
-/// A ResourceClaim for `mib` MiB of one GPU of the shipped class.
-fn claim(name: &str, mib: u64) -> Value {
-    json!({
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-            "deviceClassName": "gpushare-memory",
-            "capacity": {"requests": {"memory": format!("{mib}Mi")}},
-        }}]}},
-    })
 }
 
 /// A pod whose one container uses the claim `claim`.
@@ -48,51 +41,6 @@ fn claim_pod(name: &str, claim: &str) -> Value {
                  "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "infinity"],
                                  "resources": {"claims": [{"name": "gpu"}]}}]},
     })
-}
-
-/// Waits until every pod of `names` is Running with its one container running in the node's
-/// runtime; returns the containers by pod name.
-fn wait_running(b: &RealBox, names: &[&str]) -> BTreeMap<String, Created> {
-    let n = node(b);
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        let running: BTreeMap<String, Created> = n
-            .runtime
-            .running()
-            .into_iter()
-            .filter(|c| names.contains(&c.pod.as_str()))
-            .map(|c| (c.pod.clone(), c))
-            .collect();
-        let pods = get(&b.plane, &["get", "pods", "-n", "default"]);
-        let phase = |name: &str| {
-            pods["items"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|p| p["metadata"]["name"] == name)
-                .map(|p| p["status"]["phase"].as_str().unwrap_or_default().to_owned())
-        };
-        for name in names {
-            assert_ne!(
-                phase(name).as_deref(),
-                Some("Failed"),
-                "{name} failed\npods: {pods}\nkubelet:\n{}",
-                n.kubelet.proc.log_tail(40)
-            );
-        }
-        if running.len() == names.len() && names.iter().all(|name| phase(name).as_deref() == Some("Running")) {
-            return running;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} of {} containers running after 90 s\npods: {pods}\nkubelet:\n{}\ngpushared:\n{}",
-            running.len(),
-            names.len(),
-            n.kubelet.proc.log_tail(40),
-            n.daemon.log_tail(40)
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
 }
 
 /// What a container was given that decides its GPU and budget.

@@ -3,10 +3,12 @@
 //! pods and nodes as the tests write them. Each suite uses part of it.
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory};
+use gpushare_testkit::cri::Created;
 use gpushare_testkit::realbox::{RealCluster, RealOptions};
 use gpushare_testkit::realkube::{self, ControlPlane};
 use serde_json::{Value, json};
@@ -54,6 +56,18 @@ pub(crate) fn pod(name: &str, mib: u64) -> Value {
                                  "resources": {"limits": {"gpushare.io/gpu-mem": mib.to_string()}}}]}})
 }
 
+/// A ResourceClaim for `mib` MiB of one GPU of the shipped class.
+pub(crate) fn claim(name: &str, mib: u64) -> Value {
+    json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": "gpushare-memory",
+            "capacity": {"requests": {"memory": format!("{mib}Mi")}},
+        }}]}},
+    })
+}
+
 pub(crate) fn get(plane: &ControlPlane, args: &[&str]) -> Value {
     let mut all = args.to_vec();
     all.extend(["-o", "json"]);
@@ -80,6 +94,51 @@ pub(crate) async fn up_with(scheduler_config: &str, extender_extra: &str) -> Opt
         extender_extra: extender_extra.into(),
     };
     Some(RealCluster::up(&options).await.unwrap_or_else(|e| panic!("{e:#}")))
+}
+
+/// Waits up to `timeout` until every pod of `names` is Running with its one container running
+/// in `node`'s runtime, failing at once if one of them failed; returns the containers by pod name.
+pub(crate) fn wait_running(b: &RealBox, node: &str, names: &[&str], timeout: Duration) -> BTreeMap<String, Created> {
+    let n = b.node(node).unwrap();
+    let deadline = Instant::now() + timeout;
+    loop {
+        let running: BTreeMap<String, Created> = n
+            .runtime
+            .running()
+            .into_iter()
+            .filter(|c| names.contains(&c.pod.as_str()))
+            .map(|c| (c.pod.clone(), c))
+            .collect();
+        let pods = get(&b.plane, &["get", "pods", "-n", "default"]);
+        let phase = |name: &str| {
+            pods["items"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|p| p["metadata"]["name"] == name)
+                .map(|p| p["status"]["phase"].as_str().unwrap_or_default().to_owned())
+        };
+        for name in names {
+            assert_ne!(
+                phase(name).as_deref(),
+                Some("Failed"),
+                "{name} failed\npods: {pods}\nkubelet:\n{}",
+                n.kubelet.proc.log_tail(40)
+            );
+        }
+        if running.len() == names.len() && names.iter().all(|name| phase(name).as_deref() == Some("Running")) {
+            return running;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} of {} containers running after {timeout:?}\npods: {pods}\nkubelet:\n{}\ngpushared:\n{}",
+            running.len(),
+            names.len(),
+            n.kubelet.proc.log_tail(40),
+            n.daemon.log_tail(40)
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
 }
 
 /// Waits until `names` are all bound; returns the pods.
