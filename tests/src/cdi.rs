@@ -17,6 +17,8 @@ pub struct Edits<'a> {
     pub envs: &'a mut BTreeMap<String, String>,
     /// The mounts.
     pub mounts: &'a mut Vec<(String, String)>,
+    /// The container paths of the mounts that are read-only (CDI's `ro` option).
+    pub read_only: &'a mut Vec<String>,
     /// The device nodes.
     pub devices: &'a mut Vec<(String, String)>,
 }
@@ -73,7 +75,11 @@ pub fn apply(dir: &Path, names: &[String], edits: &mut Edits<'_>) -> Result<(), 
                 // As CDI does: a mount replaces one at the same container path (so a device
                 // named twice mounts once).
                 edits.mounts.retain(|(_, c)| *c != path("containerPath"));
+                edits.read_only.retain(|c| *c != path("containerPath"));
                 edits.mounts.push((path("hostPath"), path("containerPath")));
+                if m["options"].as_array().into_iter().flatten().any(|o| o == "ro") {
+                    edits.read_only.push(path("containerPath"));
+                }
             }
             for d in container_edits["deviceNodes"].as_array().into_iter().flatten() {
                 // `hostPath` defaults to `path`; a node at the same path is replaced.
@@ -108,7 +114,9 @@ mod tests {
         std::fs::write(dir.path().join(".a.tmp"), "not json").unwrap();
         let mut envs = BTreeMap::from([("X".to_owned(), "old".to_owned())]);
         let (mut mounts, mut devices) = (Vec::new(), Vec::new());
-        let mut edits = Edits { envs: &mut envs, mounts: &mut mounts, devices: &mut devices };
+        let mut read_only = Vec::new();
+        let mut edits =
+            Edits { envs: &mut envs, mounts: &mut mounts, read_only: &mut read_only, devices: &mut devices };
         let twice = ["gpushare.io/gpu=claim-a".to_owned(), "gpushare.io/gpu=claim-a".to_owned()];
         apply(dir.path(), &twice, &mut edits).unwrap();
         let e = apply(dir.path(), &["gpushare.io/gpu=claim-b".to_owned()], &mut edits).unwrap_err();
@@ -129,7 +137,9 @@ mod tests {
                     NVIDIA_VISIBLE_DEVICES=void\n    deviceNodes:\n        - path: /dev/nvidiactl\n";
         std::fs::write(dir.path().join("k8s.gpu.nvidia.com-claim_uid.yaml"), spec).unwrap();
         let (mut envs, mut mounts, mut devices) = (BTreeMap::new(), Vec::new(), Vec::new());
-        let mut edits = Edits { envs: &mut envs, mounts: &mut mounts, devices: &mut devices };
+        let mut read_only = Vec::new();
+        let mut edits =
+            Edits { envs: &mut envs, mounts: &mut mounts, read_only: &mut read_only, devices: &mut devices };
         apply(dir.path(), &["k8s.gpu.nvidia.com/claim=uid-gpu-0".to_owned()], &mut edits).unwrap();
         assert_eq!(envs["NVIDIA_VISIBLE_DEVICES"], "void");
         let want = [("/dev/nvidiactl", "/dev/nvidiactl"), ("/root/dev/nvidia0", "/dev/nvidia0")];

@@ -55,6 +55,8 @@ pub struct Created {
     pub devices: Vec<(String, String)>,
     /// Mounts: (host path, container path).
     pub mounts: Vec<(String, String)>,
+    /// The container paths of the read-only mounts (the kubelet's `readonly`, CDI's `ro`).
+    pub read_only_mounts: Vec<String>,
     /// CDI device names.
     pub cdi_devices: Vec<String>,
     /// Whether it is running now (started and not stopped).
@@ -375,7 +377,14 @@ impl RuntimeService for Service {
             config.mounts.iter().map(|m| (m.host_path.clone(), m.container_path.clone())).collect();
         let mut devices: Vec<(String, String)> =
             config.devices.iter().map(|d| (d.host_path.clone(), d.container_path.clone())).collect();
-        let mut edits = crate::cdi::Edits { envs: &mut envs, mounts: &mut mounts, devices: &mut devices };
+        let mut read_only_mounts: Vec<String> =
+            config.mounts.iter().filter(|m| m.readonly).map(|m| m.container_path.clone()).collect();
+        let mut edits = crate::cdi::Edits {
+            envs: &mut envs,
+            mounts: &mut mounts,
+            read_only: &mut read_only_mounts,
+            devices: &mut devices,
+        };
         crate::cdi::apply(&self.fs.join(CDI_DIR), &cdi_devices, &mut edits).map_err(Status::failed_precondition)?;
         let log_path = if log_dir.is_empty() || config.log_path.is_empty() {
             String::new()
@@ -394,6 +403,7 @@ impl RuntimeService for Service {
             envs,
             devices,
             mounts,
+            read_only_mounts,
             cdi_devices,
             running: false,
         };

@@ -350,6 +350,19 @@ async fn an_8x80gb_node_takes_claims_at_mib_granularity() {
     b.shutdown();
 }
 
+/// What a process in the container, as root, can write through the mount of `dir` the runtime
+/// was told to make: the mount made as a runtime makes it (a bind mount, then remounted
+/// read-only when `read_only`), in a mount namespace of its own (`unshare`), and a file
+/// created through it. Returns what the shell printed.
+fn write_through_mount(dir: &str, read_only: bool) -> String {
+    let script = r#"mount --bind "$0" "$0" && { [ "$1" = rw ] || mount -o remount,bind,ro "$0"; } && touch "$0/evil""#;
+    let out = std::process::Command::new("unshare")
+        .args(["--mount", "--propagation=private", "sh", "-c", script, dir, if read_only { "ro" } else { "rw" }])
+        .output()
+        .unwrap();
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_on_a_dra_mps_gpu_is_an_mps_client_with_its_pipe_directory() {
     // GPU 1 is named in [sharing] mps too: dra-mps. MPS's directories go under the node's.
@@ -377,6 +390,17 @@ async fn a_claim_on_a_dra_mps_gpu_is_an_mps_client_with_its_pipe_directory() {
     assert_eq!(c.envs["CUDA_MPS_PIPE_DIRECTORY"], pipe);
     assert_eq!(c.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "25");
     assert!(c.mounts.contains(&(pipe.clone(), pipe.clone())), "{:?}", c.mounts);
+    // Read-only (issue 35): a client cannot stop the control daemon or replace its sockets.
+    assert!(c.read_only_mounts.contains(&pipe), "{:?}", c.read_only_mounts);
+    // gpushared-mps.service makes the directory (`install -d`) on a host.
+    std::fs::create_dir_all(&pipe).unwrap();
+    let refused = write_through_mount(&pipe, true);
+    assert!(refused.contains("Read-only file system"), "{refused}");
+    assert!(!std::path::Path::new(&pipe).join("evil").exists());
+    // The same write through a read-write mount lands: the refusal is the mount's.
+    let landed = write_through_mount(&pipe, false);
+    assert!(std::path::Path::new(&pipe).join("evil").exists(), "{landed}");
+    std::fs::remove_file(std::path::Path::new(&pipe).join("evil")).unwrap();
     let c = &plain["main"];
     assert!(!c.envs.contains_key("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"), "{c:?}");
     assert!(!c.mounts.iter().any(|(host, _)| *host == pipe), "{c:?}");
