@@ -225,9 +225,11 @@ pub fn minor_version(bin: &Path) -> anyhow::Result<u32> {
         .with_context(|| format!("kube-apiserver --version printed {text:?}, not Kubernetes v1.N.P"))
 }
 
-/// The first minor version that serves `resource.k8s.io/v1` (DRA's GA API, which gpushared's
-/// DRA driver speaks).
-pub const DRA_V1_MINOR: u32 = 34;
+/// The first minor version where gpushared's DRA driver runs on the components' defaults:
+/// `resource.k8s.io/v1` is served from 1.34, and `DRAConsumableCapacity` (claims consuming
+/// `memory`) is on by default from 1.36. On 1.34 and 1.35 that gate must be turned on in
+/// kube-apiserver, kube-scheduler and the kubelet (docs/dra.md); the box does not.
+pub const DRA_MINOR: u32 = 36;
 
 /// The first minor version that serves `admissionregistration.k8s.io/v1`
 /// `ValidatingAdmissionPolicy` (the shipped admission policy).

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use gpushare_testkit::cri::Created;
 use gpushare_testkit::nvml::FakeGpu;
 use gpushare_testkit::realbox::{RealNode, is_root, merge_toml, repo};
-use gpushare_testkit::realkube::DRA_V1_MINOR;
+use gpushare_testkit::realkube::DRA_MINOR;
 use serde_json::{Value, json};
 
 mod realbox;
@@ -36,9 +36,9 @@ async fn dra_box_with(count: u32, mib: u64, config_extra: &str) -> Option<RealBo
         return None;
     }
     let mut b = up().await?;
-    if b.plane.minor < DRA_V1_MINOR {
+    if b.plane.minor < DRA_MINOR {
         eprintln!(
-            "skipped: gpushared's DRA driver speaks resource.k8s.io/v1, served from Kubernetes 1.34 (this is 1.{})",
+            "skipped: claims consume memory with DRAConsumableCapacity, on by default from Kubernetes 1.36 (this is 1.{})",
             b.plane.minor
         );
         return None;

@@ -70,9 +70,9 @@ async fn after_a_reboot_every_pod_and_claim_comes_back_and_a_deleted_pod_holds_n
         return;
     }
     let Some(mut b) = up().await else { return };
-    if b.plane.minor < gpushare_testkit::realkube::DRA_V1_MINOR {
+    if b.plane.minor < gpushare_testkit::realkube::DRA_MINOR {
         eprintln!(
-            "skipped: the claims need resource.k8s.io/v1, served from Kubernetes 1.34 (this is 1.{})",
+            "skipped: the claims consume memory with DRAConsumableCapacity, on by default from Kubernetes 1.36 (this is 1.{})",
             b.plane.minor
         );
         return;
