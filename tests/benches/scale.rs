@@ -19,7 +19,7 @@
 //! gpushare-scheduler-extender with its own settings (filter and bind, `aliyun.com/gpu-mem`),
 //! the nodes' capacity as its device plugin would set it, the same pods asking
 //! `aliyun.com/gpu-mem`; its pods/s as a ratio to (a), and each extender's resident memory once
-//! every pod is bound (it has no latency histogram).
+//! every pod is bound.
 //! (d) Where it gives HAMi's source: HAMi's scheduler (extender and webhook) with its chart's
 //! kube-scheduler configuration, the nodes' devices in the annotation its device plugin writes
 //! (`hami.io/node-nvidia-register`, 10 shares per GPU) and `nvidia.com/gpu` allocatable, the same
@@ -30,6 +30,9 @@
 //! at client-go's defaults it reads about one node every two seconds. It reads the nodes'
 //! devices at a pace of its own: the pass reports how long that took, and places pods only once
 //! every node is read, within `GPUSHARE_SCALE_HAMI_WAIT` seconds (default 600).
+//! kube-scheduler calls every extender through a timing relay (`gpushare_testkit::call_timer`),
+//! which gives each one's filter and bind p50/p99 measured the same way, from outside (Alibaba's
+//! and HAMi's keep no latency histogram); ours is also read from its own histogram.
 //! Needs the real components (`tests/kube/build`, or `GPUSHARE_KUBE_BIN`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::print_stderr, clippy::cast_precision_loss)]
 
@@ -38,6 +41,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt as _;
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory};
+use gpushare_testkit::call_timer::CallTimer;
 use gpushare_testkit::cluster::http_get;
 use gpushare_testkit::peers::{self, ALIYUN_GPU_MEM, HAMI_GPU, HAMI_GPUMEM, HAMI_SPLIT};
 use gpushare_testkit::realbox;
@@ -223,11 +227,8 @@ async fn run() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let shipped = std::fs::read_to_string(repo.join("etc/kube-scheduler/gpushare-scheduler-config.yaml")).unwrap();
-    plane
-        .start_scheduler_config(
-            &with_rate(&shipped).replace(EXTENDER_URL, &format!("http://{addr}/gpushare-scheduler")),
-        )
-        .unwrap();
+    let ours_timer = CallTimer::start(&format!("http://{addr}/gpushare-scheduler"), None).await.unwrap();
+    plane.start_scheduler_config(&with_rate(&shipped).replace(EXTENDER_URL, ours_timer.url_prefix())).unwrap();
     let with_extender = place(&client, "ext", "gpushare.io/gpu-mem", pods).await;
     let (_, metrics) = http_get(observe, "/metrics").await.unwrap();
     let (p50, p99) = (quantile_ms(&metrics, "filter", 0.5), quantile_ms(&metrics, "filter", 0.99));
@@ -247,9 +248,10 @@ async fn run() {
         Ok(_) => {
             // Logging as ours does here (`warn`): at `info` it writes a line per node per filter.
             let (extender, url) = peers::spawn_alibaba_extender(&plane, "warn").unwrap();
-            plane.start_scheduler_config(&with_rate(&peers::alibaba_scheduler_config(&url))).unwrap();
+            let timer = CallTimer::start(&url, None).await.unwrap();
+            plane.start_scheduler_config(&with_rate(&peers::alibaba_scheduler_config(timer.url_prefix()))).unwrap();
             let rate = place(&client, "alibaba", ALIYUN_GPU_MEM, pods).await;
-            Some((rate, extender.pid().map(rss_mib)))
+            Some((rate, extender.pid().map(rss_mib), timer))
         }
         Err(why) => {
             eprintln!("{why}");
@@ -281,9 +283,10 @@ async fn run() {
             eprintln!("hami: not placed: its scheduler had not read every node's devices (GPUSHARE_SCALE_HAMI_WAIT)");
             None
         } else {
-            plane.start_scheduler_config(&with_rate(&peers::hami_scheduler_config(&url))).unwrap();
+            let timer = CallTimer::start(&url, Some(&plane.pki.ca())).await.unwrap();
+            plane.start_scheduler_config(&with_rate(&peers::hami_scheduler_config(timer.url_prefix()))).unwrap();
             let rate = place(&client, "hami", HAMI_GPUMEM, pods).await;
-            Some((rate, scheduler.pid().map(rss_mib)))
+            Some((rate, scheduler.pid().map(rss_mib), timer))
         }
     } else {
         if hami_built {
@@ -297,10 +300,10 @@ async fn run() {
     println!("|---|---|");
     println!("| (a) extender, gpushare.io/gpu-mem | {with_extender:.1} |");
     println!("| (b) no extender, {PLAIN} | {plain:.1} |");
-    if let Some((rate, _)) = alibaba {
+    if let Some((rate, _, _)) = &alibaba {
         println!("| (c) Alibaba's extender, {ALIYUN_GPU_MEM} | {rate:.1} |");
     }
-    if let Some((rate, _)) = hami {
+    if let Some((rate, _, _)) = &hami {
         println!("| (d) HAMi's scheduler, {HAMI_GPUMEM} | {rate:.1} |");
     }
     println!("ratio (a)/(b): {:.2}", with_extender / plain);
@@ -308,11 +311,34 @@ async fn run() {
     println!("extender filter under load: p50 <= {} ms, p99 <= {} ms (histogram bucket bounds)", ms(p50), ms(p99));
     let mib = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.0} MiB"));
     println!("gpushare-extender resident memory, every pod bound: {}", mib(ours_rss));
-    if let Some((rate, rss)) = alibaba {
-        println!("ratio (c)/(a): {:.3}; Alibaba's extender resident memory: {}", rate / with_extender, mib(rss));
+    if let Some((rate, rss, _)) = &alibaba {
+        println!("ratio (c)/(a): {:.3}; Alibaba's extender resident memory: {}", rate / with_extender, mib(*rss));
     }
-    if let Some((rate, rss)) = hami {
-        println!("ratio (d)/(a): {:.3}; HAMi's scheduler resident memory: {}", rate / with_extender, mib(rss));
+    if let Some((rate, rss, _)) = &hami {
+        println!("ratio (d)/(a): {:.3}; HAMi's scheduler resident memory: {}", rate / with_extender, mib(*rss));
+    }
+    println!("each extender's answers as kube-scheduler's calls saw them (the call timer):");
+    println!("| extender | filter calls | filter p50 | filter p99 | bind calls | bind p99 |");
+    println!("|---|---|---|---|---|---|");
+    let timed = [
+        ("(a) gpushare-extender", Some(&ours_timer)),
+        ("(c) Alibaba's extender", alibaba.as_ref().map(|a| &a.2)),
+        ("(d) HAMi's scheduler", hami.as_ref().map(|h| &h.2)),
+    ];
+    let q = |t: &CallTimer, verb: &str, q: f64| {
+        t.quantile(verb, q).map_or_else(|| "-".to_owned(), |d| format!("{:.2} ms", d.as_secs_f64() * 1e3))
+    };
+    for (name, timer) in timed {
+        if let Some(t) = timer {
+            println!(
+                "| {name} | {} | {} | {} | {} | {} |",
+                t.calls("filter"),
+                q(t, "filter", 0.5),
+                q(t, "filter", 0.99),
+                t.calls("bind"),
+                q(t, "bind", 0.99)
+            );
+        }
     }
 }
 

@@ -2,6 +2,7 @@
 //!
 //! - [`apiserver`]: the Kubernetes API server's HTTP/JSON for Pods and Nodes;
 //! - [`cri`]: a container runtime for the real kubelet that runs nothing and records what each container was given;
+//! - [`call_timer`]: a relay that times each call kube-scheduler makes to an extender, by verb, the same way for every extender;
 //! - [`cdi`]: the runtime's CDI: the devices the kubelet names, applied from the specs of one directory;
 //! - [`cluster`]: the whole box as processes (API server, kubelets, daemons, extender, scheduler);
 //! - [`invariants`]: design.md's invariants checked across the box from the outside;
@@ -18,6 +19,7 @@
 //! - [`scheduler`]: the kube-scheduler stand-in.
 
 pub mod apiserver;
+pub mod call_timer;
 pub mod cdi;
 pub mod cluster;
 pub mod cri;

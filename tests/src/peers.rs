@@ -451,9 +451,11 @@ pub fn hami_device_config(split: u32) -> String {
 
 /// kube-scheduler's configuration for HAMi, as its chart writes it for Kubernetes 1.26+: the
 /// default profile and HAMi's, and its extender at `url` over HTTPS (its chart: `insecure`),
-/// filter and bind, HAMi's resources managed and ignored by kube-scheduler.
+/// filter and bind, HAMi's resources managed and ignored by kube-scheduler. A plain `http://`
+/// `url` (a [`crate::call_timer::CallTimer`] in front of it) is called over HTTP.
 #[must_use]
 pub fn hami_scheduler_config(url: &str) -> String {
+    let tls = if url.starts_with("https://") { "true\n  tlsConfig:\n    insecure: true" } else { "false" };
     let managed: String =
         [HAMI_GPU, HAMI_GPUMEM, "nvidia.com/gpucores", "nvidia.com/gpumem-percentage", "nvidia.com/priority"]
             .iter()
@@ -462,7 +464,7 @@ pub fn hami_scheduler_config(url: &str) -> String {
     format!(
         "apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\nclientConnection:\n  \
          {kubeconfig}\nprofiles:\n- schedulerName: default-scheduler\n- schedulerName: {HAMI_SCHEDULER}\nextenders:\n\
-         - urlPrefix: \"{url}\"\n  enableHTTPS: true\n  tlsConfig:\n    insecure: true\n  filterVerb: filter\n  \
+         - urlPrefix: \"{url}\"\n  enableHTTPS: {tls}\n  filterVerb: filter\n  \
          bindVerb: bind\n  nodeCacheCapable: true\n  weight: 1\n  httpTimeout: 30s\n  managedResources:\n{managed}",
         kubeconfig = crate::realkube::SCHEDULER_KUBECONFIG,
     )
