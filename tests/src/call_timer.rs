@@ -4,7 +4,9 @@
 //! trusting the box's CA, as HAMi's chart serves it) on a connection of its own, opened before
 //! the clock starts, and records how long the extender took: from the request sent to the whole
 //! answer read. Calls are kept by verb, the last segment of the path (`filter`, `prioritize`,
-//! `bind`). The extender sees the same paths and bodies kube-scheduler sent.
+//! `bind`). The extender sees the same paths and bodies kube-scheduler sent. The relay runs on a
+//! thread and runtime of its own, so that the benchmark's own work (listing thousands of pods)
+//! never holds a call back.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -27,7 +29,7 @@ type Samples = Arc<Mutex<BTreeMap<String, Vec<Duration>>>>;
 pub struct CallTimer {
     url_prefix: String,
     samples: Samples,
-    server: tokio::task::JoinHandle<()>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 #[derive(Clone)]
@@ -45,7 +47,7 @@ impl CallTimer {
     /// # Errors
     /// If the prefix is not of that form, HTTPS has no CA, the CA cannot be read, or no port can
     /// be bound.
-    pub async fn start(url_prefix: &str, ca: Option<&Path>) -> anyhow::Result<Self> {
+    pub fn start(url_prefix: &str, ca: Option<&Path>) -> anyhow::Result<Self> {
         let (https, rest) = match url_prefix.split_once("://") {
             Some(("http", rest)) => (false, rest),
             Some(("https", rest)) => (true, rest),
@@ -61,13 +63,22 @@ impl CallTimer {
         };
         let samples = Samples::default();
         let upstream = Upstream { addr, tls, samples: samples.clone() };
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.context("binding the call timer")?;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").context("binding the call timer")?;
+        listener.set_nonblocking(true)?;
         let local = listener.local_addr()?;
-        let app = axum::Router::new().fallback(relay).with_state(upstream);
-        let server = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
-        Ok(Self { url_prefix: format!("http://{local}{path}"), samples, server })
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        std::thread::Builder::new().name("call-timer".into()).spawn(move || {
+            runtime.block_on(async move {
+                let Ok(listener) = tokio::net::TcpListener::from_std(listener) else { return };
+                let app = axum::Router::new().fallback(relay).with_state(upstream);
+                tokio::select! {
+                    _ = axum::serve(listener, app) => {}
+                    _ = stopped => {}
+                }
+            });
+        })?;
+        Ok(Self { url_prefix: format!("http://{local}{path}"), samples, stop: Some(stop) })
     }
 
     /// The `urlPrefix` kube-scheduler is to call instead of the extender's (always plain HTTP).
@@ -93,7 +104,9 @@ impl CallTimer {
 
 impl Drop for CallTimer {
     fn drop(&mut self) {
-        self.server.abort();
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
     }
 }
 
@@ -197,7 +210,7 @@ mod tests {
             }),
         );
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-        let timer = CallTimer::start(&format!("http://{addr}/prefix"), None).await.unwrap();
+        let timer = CallTimer::start(&format!("http://{addr}/prefix"), None).unwrap();
         assert!(timer.url_prefix().starts_with("http://127.0.0.1:") && timer.url_prefix().ends_with("/prefix"));
         let relay: SocketAddr = timer.url_prefix()["http://".len()..].trim_end_matches("/prefix").parse().unwrap();
         for (verb, body) in [("filter", "{\"a\":1}"), ("bind", "{}"), ("filter", "x")] {
@@ -210,13 +223,13 @@ mod tests {
         assert_eq!(timer.quantile("prioritize", 0.5), None);
     }
 
-    #[tokio::test]
-    async fn a_bad_prefix_is_refused_with_the_reason() {
-        let e = CallTimer::start("ftp://127.0.0.1:1", None).await.err().unwrap();
+    #[test]
+    fn a_bad_prefix_is_refused_with_the_reason() {
+        let e = CallTimer::start("ftp://127.0.0.1:1", None).err().unwrap();
         assert!(format!("{e:#}").contains("not an http:// or https://"), "{e:#}");
-        let e = CallTimer::start("https://127.0.0.1:1/x", None).await.err().unwrap();
+        let e = CallTimer::start("https://127.0.0.1:1/x", None).err().unwrap();
         assert!(format!("{e:#}").contains("needs the CA"), "{e:#}");
-        let e = CallTimer::start("http://localhost:1", None).await.err().unwrap();
+        let e = CallTimer::start("http://localhost:1", None).err().unwrap();
         assert!(format!("{e:#}").contains("<ip>:<port>"), "{e:#}");
     }
 
