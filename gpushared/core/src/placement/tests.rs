@@ -1,7 +1,7 @@
 //! Table-driven tests of placement, scoring and rejection reasons.
 
 use super::*;
-use crate::inventory::{Gpu, GpuUuid};
+use crate::inventory::{Gpu, GpuUuid, Health};
 use crate::request::ContainerRequest;
 use crate::units::MemoryUnit;
 
