@@ -1,6 +1,9 @@
 //! The daemon's configuration file (`/etc/gpushare/gpushared.toml` by default), every key
 //! documented in `docs/gpushared.md`. Unknown keys and bad values are refused with the file,
 //! the line and what to write instead; a missing file means all defaults.
+//!
+//! Sections with rules of their own have a file each: `sharing` (`[sharing]`, `[mps]`), `health`
+//! (`[health]`, `[overuse]`) and `dra` (`[dra]`).
 
 use std::path::{Path, PathBuf};
 
@@ -139,268 +142,6 @@ pub struct Config {
     pub dra: DraConfig,
 }
 
-/// What happens to a container over its budget.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OveruseAction {
-    /// Log it, record it in the ledger history, publish it; nothing else.
-    Warn,
-    /// As `warn`, and evict the pod through the API once it has stayed over for
-    /// `evict_after_seconds`.
-    Evict,
-}
-
-/// `[overuse]`: how the GPUs' processes are compared with the containers' budgets.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct OveruseConfig {
-    /// Whether the processes are sampled at all (only with NVML).
-    #[serde(default = "yes")]
-    pub enabled: bool,
-    /// Seconds between samples.
-    #[serde(default = "default_overuse_interval")]
-    pub interval_seconds: Seconds,
-    /// Memory a container may use above its budget before it counts as over.
-    #[serde(default)]
-    pub tolerance_mib: u64,
-    /// `warn` or `evict`.
-    #[serde(default = "default_overuse_action")]
-    pub action: OveruseAction,
-    /// With `action = "evict"`: how long a container stays over before its pod is evicted.
-    #[serde(default = "default_evict_after")]
-    pub evict_after_seconds: Seconds,
-    /// Where the processes' cgroups are read (`<dir>/<pid>/cgroup`).
-    #[serde(default = "default_proc_directory")]
-    pub proc_directory: AbsPath,
-}
-
-impl Default for OveruseConfig {
-    fn default() -> Self {
-        OveruseConfig {
-            enabled: true,
-            interval_seconds: default_overuse_interval(),
-            tolerance_mib: 0,
-            action: default_overuse_action(),
-            evict_after_seconds: default_evict_after(),
-            proc_directory: default_proc_directory(),
-        }
-    }
-}
-
-fn default_overuse_interval() -> Seconds {
-    Seconds(10)
-}
-
-fn default_overuse_action() -> OveruseAction {
-    OveruseAction::Warn
-}
-
-fn default_evict_after() -> Seconds {
-    Seconds(60)
-}
-
-fn default_proc_directory() -> AbsPath {
-    abs("/proc")
-}
-
-/// A GPU named in the configuration: its index or its UUID.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
-#[serde(untagged)]
-pub enum GpuRef {
-    /// The NVML index.
-    Index(u32),
-    /// The UUID (`GPU-...`).
-    Uuid(String),
-}
-
-impl GpuRef {
-    /// Whether `gpu` is the one named.
-    #[must_use]
-    pub fn names(&self, gpu: &Gpu) -> bool {
-        match self {
-            GpuRef::Index(i) => gpu.index == *i,
-            GpuRef::Uuid(u) => gpu.uuid.as_str() == u,
-        }
-    }
-}
-
-impl std::fmt::Display for GpuRef {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            GpuRef::Index(i) => write!(f, "GPU {i}"),
-            GpuRef::Uuid(u) => write!(f, "GPU {u}"),
-        }
-    }
-}
-
-/// `[sharing]`: how each GPU's memory is shared. Every GPU is `shared` unless listed here.
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SharingConfig {
-    /// GPUs (index or UUID) whose containers are clients of CUDA MPS.
-    #[serde(default)]
-    pub mps: Vec<GpuRef>,
-    /// GPUs (index or UUID) handed out whole through `[resources] whole`, never shared.
-    #[serde(default)]
-    pub whole: Vec<GpuRef>,
-    /// GPUs (index or UUID) served through DRA: published in the node's ResourceSlice, shared
-    /// by ResourceClaims (docs/dra.md).
-    #[serde(default)]
-    pub dra: Vec<GpuRef>,
-}
-
-impl SharingConfig {
-    /// Sets each GPU's mode from this section. When some GPU does not answer and its identity
-    /// is unknown (`silent`: their indexes), a name that matches no GPU may be that one: it is
-    /// returned as a note instead of refused.
-    ///
-    /// # Errors
-    /// A GPU named here that this host does not have, with the GPUs it has.
-    pub fn apply(&self, gpus: &mut [Gpu], silent: &[u32]) -> Result<Vec<String>, String> {
-        let mut notes = Vec::new();
-        for (key, list) in [("mps", &self.mps), ("whole", &self.whole), ("dra", &self.dra)] {
-            for missing in list.iter().filter(|r| !gpus.iter().any(|g| r.names(g))) {
-                let have: Vec<String> = gpus.iter().map(|g| format!("{} ({})", g.index, g.uuid)).collect();
-                let have = if have.is_empty() { "none".to_owned() } else { have.join(", ") };
-                let unidentified = match missing {
-                    GpuRef::Index(i) => silent.contains(i),
-                    GpuRef::Uuid(_) => !silent.is_empty(),
-                };
-                if !unidentified {
-                    return Err(format!(
-                        "[sharing] {key} names {missing}, which this host does not have; its GPUs are {have}"
-                    ));
-                }
-                notes.push(format!(
-                    "[sharing] {key} names {missing}, which is not among the GPUs that answer ({have}); it may be \
-                     the GPU that does not answer, and applies once that one answers and gpushared restarts"
-                ));
-            }
-        }
-        for g in gpus.iter_mut() {
-            let named: Vec<&str> = [("mps", &self.mps), ("whole", &self.whole), ("dra", &self.dra)]
-                .into_iter()
-                .filter(|(_, list)| list.iter().any(|r| r.names(g)))
-                .map(|(key, _)| key)
-                .collect();
-            g.mode = match named.as_slice() {
-                [] => gpushare_core::SharingMode::Shared,
-                ["mps"] => gpushare_core::SharingMode::Mps,
-                ["whole"] => gpushare_core::SharingMode::Whole,
-                ["dra"] => gpushare_core::SharingMode::Dra,
-                // Served through DRA, its claims' containers MPS clients.
-                ["mps", "dra"] => gpushare_core::SharingMode::DraMps,
-                _ => {
-                    return Err(format!(
-                        "[sharing] names GPU {} ({}) in {}; a GPU is served one way: name it in one list",
-                        g.index,
-                        g.uuid,
-                        named.join(" and ")
-                    ));
-                }
-            };
-        }
-        Ok(notes)
-    }
-}
-
-/// `[mps]`: what containers on MPS GPUs are given.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct MpsConfig {
-    /// The MPS control daemon's pipe directory on the host, mounted into MPS containers at the
-    /// same path (`CUDA_MPS_PIPE_DIRECTORY`); root's, created by `gpushared-mps.service`.
-    #[serde(default = "default_mps_pipe_directory")]
-    pub pipe_directory: AbsPath,
-    /// Mount the pipe directory read-only into the clients: they reach the control daemon's
-    /// sockets and pipes, but cannot remove or replace them.
-    #[serde(default = "yes")]
-    pub pipe_directory_read_only: bool,
-    /// Each MPS client's share of the GPU's threads (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`).
-    #[serde(default)]
-    pub active_thread_percentage: ThreadShare,
-    /// Where the MPS control daemon writes its logs (`CUDA_MPS_LOG_DIRECTORY`).
-    #[serde(default = "default_mps_log_directory")]
-    pub log_directory: AbsPath,
-    /// The environment file `gpushared-mps.service` reads: the MPS GPUs and the two
-    /// directories, written at start (removed when no GPU is in MPS mode).
-    #[serde(default = "default_mps_environment_file")]
-    pub environment_file: AbsPath,
-}
-
-impl Default for MpsConfig {
-    fn default() -> Self {
-        MpsConfig {
-            pipe_directory: default_mps_pipe_directory(),
-            pipe_directory_read_only: true,
-            active_thread_percentage: ThreadShare::default(),
-            log_directory: default_mps_log_directory(),
-            environment_file: default_mps_environment_file(),
-        }
-    }
-}
-
-fn default_mps_log_directory() -> AbsPath {
-    abs("/var/log/nvidia-mps")
-}
-
-fn default_mps_environment_file() -> AbsPath {
-    abs("/run/gpushare/mps.env")
-}
-
-fn default_mps_pipe_directory() -> AbsPath {
-    abs("/run/nvidia-mps")
-}
-
-/// How an MPS client's thread percentage is set.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum ThreadShare {
-    /// The container's share of the GPU's memory, rounded up (a 4 GiB budget on a 16 GiB GPU
-    /// gets 25).
-    #[default]
-    Proportional,
-    /// The same percentage for every client (1 to 100).
-    Fixed(u8),
-}
-
-impl ThreadShare {
-    /// The percentage for a client with `budget` on a GPU of `total` (1 to 100).
-    #[must_use]
-    pub fn percentage(self, budget: Mib, total: Mib) -> u8 {
-        match self {
-            ThreadShare::Fixed(p) => p,
-            ThreadShare::Proportional if total.get() == 0 => 100,
-            ThreadShare::Proportional => {
-                let p = (budget.get().saturating_mul(100)).div_ceil(total.get()).clamp(1, 100);
-                u8::try_from(p).unwrap_or(100)
-            }
-        }
-    }
-}
-
-impl<'de> Deserialize<'de> for ThreadShare {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Number(i64),
-            Word(String),
-        }
-        let bad = || {
-            serde::de::Error::custom(
-                "write \"proportional\" (the container's share of the GPU's memory) or a percentage from 1 to 100",
-            )
-        };
-        match Raw::deserialize(d)? {
-            Raw::Word(w) if w == "proportional" => Ok(ThreadShare::Proportional),
-            Raw::Number(n) => {
-                u8::try_from(n).ok().filter(|p| (1..=100).contains(p)).map(ThreadShare::Fixed).ok_or_else(bad)
-            }
-            Raw::Word(_) => Err(bad()),
-        }
-    }
-}
-
 /// `[dbus]`: the local status API.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -494,49 +235,6 @@ fn default_reconcile_interval() -> Seconds {
 
 fn default_reconcile_grace() -> Seconds {
     Seconds(30)
-}
-
-/// `[health]`: how GPU faults turn a GPU unhealthy, and how it recovers.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct HealthConfig {
-    /// Xid codes that are the application's fault, not the GPU's: ignored.
-    #[serde(default = "default_ignored_xids")]
-    pub ignored_xids: Vec<u64>,
-    /// Seconds between probes of every GPU (a GPU that stops answering is unhealthy).
-    #[serde(default = "default_probe_interval")]
-    pub probe_interval_seconds: Seconds,
-    /// An unhealthy GPU with no new fault for this long that answers a probe is healthy again;
-    /// 0 turns automatic recovery off.
-    #[serde(default = "default_recovery")]
-    pub recovery_seconds: u64,
-}
-
-impl Default for HealthConfig {
-    fn default() -> Self {
-        HealthConfig {
-            ignored_xids: default_ignored_xids(),
-            probe_interval_seconds: default_probe_interval(),
-            recovery_seconds: default_recovery(),
-        }
-    }
-}
-
-/// The application Xids NVIDIA's device plugin also ignores: 13 (graphics engine exception),
-/// 31 (GPU memory page fault), 43 (GPU stopped processing), 45 (preemptive cleanup), 68
-/// (video processor exception), 109 (context switch timeout).
-pub const DEFAULT_IGNORED_XIDS: [u64; 6] = [13, 31, 43, 45, 68, 109];
-
-fn default_ignored_xids() -> Vec<u64> {
-    DEFAULT_IGNORED_XIDS.to_vec()
-}
-
-fn default_probe_interval() -> Seconds {
-    Seconds(5)
-}
-
-fn default_recovery() -> u64 {
-    300
 }
 
 /// A whole number of seconds, at least 1.
@@ -839,7 +537,11 @@ impl Config {
 }
 
 mod dra;
+mod health;
+mod sharing;
 pub use dra::DraConfig;
+pub use health::{DEFAULT_IGNORED_XIDS, HealthConfig, OveruseAction, OveruseConfig};
+pub use sharing::{GpuRef, MpsConfig, SharingConfig, ThreadShare};
 
 fn is_dns_subdomain(s: &str) -> bool {
     !s.is_empty()
