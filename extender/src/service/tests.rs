@@ -7,9 +7,13 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
+use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
+
 use super::fake::FakeCluster;
 use super::*;
+use crate::metrics::BindOutcome;
 use crate::view::tests::{assignment, config, holding, node, pod};
+use crate::wire::{BindingArgs, MetaPod, PreemptionArgs};
 use crate::wire::{MetaVictims, Name, NodeList};
 
 fn extender(nodes: &[crate::objects::NodeObject], pods: &[PodObject]) -> Arc<Extender<FakeCluster>> {
