@@ -138,11 +138,15 @@ async fn the_leaders_scheduler_and_extender_killed_mid_burst_lose_no_pod_and_ove
         if running.len() == FIT && phases_running == FIT {
             break (running, all);
         }
+        // A liveness bound, not a timing: the kubelet admits the node's pods one at a time on a
+        // machine it shares with the whole box (a clean-clone CI run once had 155 of 170 running
+        // at 30 s, and all of them on its rerun).
         assert!(
-            led_at.elapsed() < Duration::from_secs(30),
-            "{} of {FIT} pods running 30 s after kube-scheduler-b took the lease ({} bound)\nkube-scheduler-b:\n{}\nextender-b:\n{}",
+            led_at.elapsed() < Duration::from_secs(60),
+            "{} of {FIT} pods running 60 s after kube-scheduler-b took the lease ({} bound); not running: {:?}\nkube-scheduler-b:\n{}\nextender-b:\n{}",
             running.len(),
             bound(&all),
+            all.keys().filter(|p| !running.contains_key(*p)).collect::<Vec<_>>(),
             scheduler_b.log_tail(30),
             extender_b.log_tail(30)
         );
