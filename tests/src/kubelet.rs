@@ -19,6 +19,8 @@
 //!   device and NUMA node; the kubelet's rate limit (100 per second, bursts of 10). A test can
 //!   add entries the plugin never allocated ([`Kubelet::inject_pod_resources`]) and forget pods
 //!   ([`Kubelet::remove_pod`]).
+//! - **A dropped plugin** ([`Kubelet::disconnect_plugin`]): the kubelet closes the plugin's
+//!   stream and connection without restarting, as a 1.29 kubelet's registration race does.
 //! - **Restart** ([`Kubelet::restart`]): the kubelet process dies (its listeners and
 //!   connections are cut), then starts again: it deletes every socket in the device-plugin
 //!   directory (not the `kubelet_internal_checkpoint` file), listens on fresh sockets, forgets
@@ -667,6 +669,32 @@ impl Kubelet {
         std::fs::create_dir_all(&self.dir).with_context(|| format!("creating {}", self.dir.display()))?;
         cleanup_plugin_directory(&self.dir)?;
         self.listen()
+    }
+
+    /// The kubelet drops the plugin's clients without restarting: closes their `ListAndWatch`
+    /// streams and connections (every resource's) and marks every device unhealthy, its
+    /// sockets left as they are.
+    /// A kubelet that keys its plugin clients by resource name alone (1.29 does) does this to
+    /// a restarted plugin that registered before the old one's stream end was seen: the old
+    /// client's cleanup disconnects the newest client (`runClient`). Only a new registration
+    /// brings the devices back.
+    pub fn disconnect_plugin(&self) {
+        {
+            let mut shared = self.shared();
+            shared.generation += 1;
+            shared.client = None;
+            if let Some(stream) = shared.stream.take() {
+                stream.abort();
+            }
+            for other in shared.others.values_mut() {
+                other.client = None;
+                if let Some(stream) = other.stream.take() {
+                    stream.abort();
+                }
+                mark_unhealthy(&other.devices);
+            }
+        }
+        mark_unhealthy(&self.devices_tx);
     }
 
     /// The device-plugin directory.

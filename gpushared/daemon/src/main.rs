@@ -330,6 +330,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
         ))
     };
     let mut registration = Some(register());
+    let mut dropped = gpushared::kubelet::streams::Dropped::new(plugin.streams());
     // Whole GPUs, when `[sharing] whole` names any: a second resource on a socket of its own.
     let (whole_stop, whole_stop_rx) = watch::channel(false);
     let mut whole = if alloc.inventory().gpus().iter().any(|g| g.mode == gpushare_core::SharingMode::Whole) {
@@ -378,6 +379,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
                 registration = None;
                 r.map_err(|s| anyhow::anyhow!("the kubelet refused the registration: {}", s.message()))?;
                 kubelet.registered();
+                dropped.registered();
                 registered.store(true, std::sync::atomic::Ordering::SeqCst);
                 status.changed();
                 reconcile_now.notify_one();
@@ -401,7 +403,18 @@ async fn run(config: Config) -> anyhow::Result<()> {
                     registered.store(false, std::sync::atomic::Ordering::SeqCst);
                     status.changed();
                     registration = Some(register());
+                    dropped.registering();
                 }
+            }
+            () = dropped.dropped(), if registration.is_none() => {
+                tracing::warn!(
+                    kubelet = %config.kubelet_socket().display(),
+                    grace = ?gpushared::kubelet::streams::GRACE,
+                    "the kubelet holds no device-list stream of this plugin; registering again"
+                );
+                registered.store(false, std::sync::atomic::Ordering::SeqCst);
+                status.changed();
+                registration = Some(register());
             }
             Some(ended) = async { match dra.as_mut() { Some(t) => Some(t.await), None => None } } => {
                 dra = None;

@@ -378,6 +378,45 @@ async fn a_kubelet_restart_is_followed_by_a_new_registration_within_a_second() {
     assert!(daemon.log().contains("the plugin socket was removed (a kubelet restart?); serving on a new one"));
 }
 
+/// A kubelet that drops the plugin's stream and stays up (1.29's registration race after a
+/// plugin restart) gets a new registration within a second, and the devices back; a kubelet
+/// holding its stream gets none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubelet_that_dropped_the_plugin_without_restarting_gets_a_new_registration() {
+    let (host, api, config) = host_with_api().await;
+    let kubelet = Kubelet::start_with_pod_resources(&host.plugin_dir(), &host.pod_resources_socket()).await.unwrap();
+    let daemon = Daemon::start(&config, host.path("daemon.log"));
+    kubelet.wait_registered(1, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+    kubelet.wait_devices(WAIT, |d| d.len() == 2000).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(kubelet.registrations().len(), 1, "a held stream needs no registration\n{}", daemon.log());
+
+    for round in 1..=2 {
+        let started = Instant::now();
+        kubelet.disconnect_plugin();
+        kubelet
+            .wait_registered(1 + round, Duration::from_secs(2))
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: {e}\n{}", daemon.log()));
+        eprintln!("round {round}: registered again {:?} after the kubelet dropped the plugin", started.elapsed());
+        let devices = kubelet
+            .wait_devices(WAIT, |d| d.len() == 2000 && d.iter().all(|d| d.health == gpushare_proto::HEALTHY))
+            .await
+            .unwrap();
+        assert_eq!(devices.len(), 2000);
+    }
+    assert_eq!(kubelet.restarts(), 0);
+    assert!(
+        daemon.log().contains("the kubelet holds no device-list stream of this plugin; registering again"),
+        "{}",
+        daemon.log()
+    );
+    // Admission works on the new client.
+    bound_pod(&api, "after", &[("main", ContainerRole::App, &[(1, 200)])]);
+    admit_named(&kubelet, "after", &[ContainerSpec::app("main", 200)]).await;
+    assert_eq!(kubelet.registrations().len(), 3, "{}", daemon.log());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconciles_the_ledger_with_what_the_kubelet_holds() {
     let (host, api, config) = host_with(&format!(
@@ -946,6 +985,20 @@ mod whole {
         kubelet.wait_registered_since_restart(2, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
         kubelet.wait_devices_of(WHOLE, WAIT, |d| d.len() == 2).await.unwrap();
         kubelet.wait_devices(WAIT, |d| d.len() == 1000).await.unwrap();
+
+        // A kubelet that drops both clients and stays up: both resources register again.
+        let before = kubelet.registrations().len();
+        kubelet.disconnect_plugin();
+        kubelet.wait_registered(before + 2, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
+        kubelet
+            .wait_devices_of(WHOLE, WAIT, |d| d.len() == 2 && d.iter().all(|d| d.health == gpushare_proto::HEALTHY))
+            .await
+            .unwrap();
+        kubelet
+            .wait_devices(WAIT, |d| d.len() == 1000 && d.iter().all(|d| d.health == gpushare_proto::HEALTHY))
+            .await
+            .unwrap();
+        assert!(daemon.log().contains("the kubelet holds no whole-GPU device-list stream; registering again"));
 
         // Stopping removes both sockets.
         let mut daemon = daemon;

@@ -27,6 +27,7 @@ use tonic::{Request, Response, Status};
 
 use crate::allocation::allocator::{AllocError, Allocator, Care, KubeletSays};
 use crate::kubelet::pod_resources;
+use crate::kubelet::streams::StreamCount;
 
 mod list_and_watch;
 
@@ -116,19 +117,39 @@ pub struct Plugin {
     stop: watch::Receiver<bool>,
     /// The kubelet's PodResources socket, asked which pod a call is for when several could be.
     pod_resources: Option<Arc<Path>>,
+    /// The `ListAndWatch` streams open, on every server of this plugin.
+    streams: StreamCount,
 }
 
 impl Plugin {
     /// A service answering from `alloc`, streaming device lists from `devices`.
     #[must_use]
     pub fn new(alloc: Arc<Allocator>, devices: watch::Receiver<DeviceSnapshot>) -> Self {
-        Plugin { alloc, devices, stop: watch::Sender::new(false).subscribe(), pod_resources: None }
+        Plugin {
+            alloc,
+            devices,
+            stop: watch::Sender::new(false).subscribe(),
+            pod_resources: None,
+            streams: StreamCount::default(),
+        }
     }
 
-    /// The device list now and after every change, until the server stops.
+    /// The `ListAndWatch` streams open on this plugin's servers (the kubelet holds one while
+    /// it uses the plugin).
+    #[must_use]
+    pub fn streams(&self) -> &StreamCount {
+        &self.streams
+    }
+
+    /// The device list now and after every change, until the server stops; counted open in
+    /// [`Self::streams`] until the kubelet or the server drops it.
     fn device_lists(&self) -> impl Stream<Item = ListAndWatchResponse> + Send + 'static {
+        let open = self.streams.open();
         tokio_stream::wrappers::WatchStream::new(self.devices.clone())
-            .map(|snapshot| ListAndWatchResponse::from_source(Arc::new(snapshot)))
+            .map(move |snapshot| {
+                let _counted = &open;
+                ListAndWatchResponse::from_source(Arc::new(snapshot))
+            })
             .take_until(Box::pin(stopped(self.stop.clone())))
     }
 

@@ -29,6 +29,7 @@ use tonic::{Request, Response, Status};
 
 use crate::allocation::allocator::Allocator;
 use crate::kubelet::plugin::stopped;
+use crate::kubelet::streams::{self, Dropped, StreamCount};
 use crate::kubelet::watch::KubeletWatch;
 
 /// The whole GPUs' devices as the kubelet sees them now: each whole-mode GPU, by UUID,
@@ -71,13 +72,15 @@ pub struct WholePlugin {
     alloc: Arc<Allocator>,
     numa: bool,
     stop: watch::Receiver<bool>,
+    /// The `ListAndWatch` streams open, on every server of this plugin.
+    streams: StreamCount,
 }
 
 impl WholePlugin {
     /// A service answering from `alloc`'s GPUs; `numa` publishes their NUMA nodes.
     #[must_use]
     pub fn new(alloc: Arc<Allocator>, numa: bool) -> Self {
-        WholePlugin { alloc, numa, stop: watch::Sender::new(false).subscribe() }
+        WholePlugin { alloc, numa, stop: watch::Sender::new(false).subscribe(), streams: StreamCount::default() }
     }
 
     fn current(&self) -> Vec<Device> {
@@ -101,8 +104,10 @@ impl DevicePlugin for WholePlugin {
         let this = self.clone();
         let changes = tokio_stream::wrappers::WatchStream::new(self.alloc.subscribe());
         let mut last: Option<Vec<Device>> = None;
+        let open = self.streams.open();
         let lists = changes
             .filter_map(move |_| {
+                let _counted = &open;
                 let now = this.current();
                 let changed = last.as_ref() != Some(&now);
                 last = Some(now.clone());
@@ -233,6 +238,7 @@ pub async fn run(plugin: WholePlugin, at: Endpoint, shutdown: watch::Receiver<bo
         ))
     };
     let mut registration = Some(register());
+    let mut dropped = Dropped::new(&plugin.streams);
     let mut quit = Box::pin(stopped(shutdown));
     loop {
         tokio::select! {
@@ -242,6 +248,7 @@ pub async fn run(plugin: WholePlugin, at: Endpoint, shutdown: watch::Receiver<bo
                 registration = None;
                 r.map_err(|s| anyhow::anyhow!("the kubelet refused the whole-GPU registration: {}", s.message()))?;
                 kubelet.registered();
+                dropped.registered();
             }
             change = kubelet.changed() => {
                 if change.plugin_socket_lost {
@@ -254,7 +261,16 @@ pub async fn run(plugin: WholePlugin, at: Endpoint, shutdown: watch::Receiver<bo
                 if change.kubelet_restarted || change.plugin_socket_lost {
                     kubelet.acknowledge_kubelet();
                     registration = Some(register());
+                    dropped.registering();
                 }
+            }
+            () = dropped.dropped(), if registration.is_none() => {
+                tracing::warn!(
+                    kubelet = %kubelet_socket.display(),
+                    grace = ?streams::GRACE,
+                    "the kubelet holds no whole-GPU device-list stream; registering again"
+                );
+                registration = Some(register());
             }
         }
     }
