@@ -222,8 +222,10 @@ async fn init_containers_sidecars_and_a_gpushared_restart_under_the_real_kubelet
     while the_node(&b).runtime.running().iter().filter(|c| c.pod == "mix-b").count() < 3 {
         assert!(
             Instant::now() < deadline,
-            "mix-b's containers: {:?}\n{}",
+            "mix-b's containers: {:?}\npods: {}\nkubelet:\n{}\ngpushared:\n{}",
             the_node(&b).runtime.created(),
+            get(&b.plane, &["get", "pods", "-n", "default"]),
+            the_node(&b).kubelet.proc.log_tail(60),
             the_node(&b).daemon.log_tail(40)
         );
         std::thread::sleep(Duration::from_millis(250));
