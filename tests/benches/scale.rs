@@ -218,8 +218,9 @@ async fn run() {
     plane.apply(&repo.join("etc/kubernetes/gpushare-extender-rbac.yaml")).unwrap();
     let client = plane.admin_client().await.unwrap();
     let hami_built = peers::hami().map_err(|why| eprintln!("{why}")).is_ok();
+    let alibaba_built = peers::alibaba().map_err(|why| eprintln!("{why}")).is_ok();
     // Every extender is timed through the relay, or none (the module header says why).
-    let timed = hami_built || peers::alibaba().is_ok();
+    let timed = hami_built || alibaba_built;
     add_nodes(&client, nodes, hami_built).await;
 
     // (a) The extender, under its shipped RBAC, and the shipped scheduler configuration.
@@ -250,19 +251,15 @@ async fn run() {
     let plain = place(&client, "plain", PLAIN, pods).await;
 
     // (c) Alibaba's extender with its own settings (kube-scheduler's rate raised the same way).
-    let alibaba = match peers::alibaba() {
-        Ok(_) => {
-            // Logging as ours does here (`warn`): at `info` it writes a line per node per filter.
-            let (extender, url) = peers::spawn_alibaba_extender(&plane, "warn").unwrap();
-            let timer = CallTimer::start(&url, None).unwrap();
-            plane.start_scheduler_config(&with_rate(&peers::alibaba_scheduler_config(timer.url_prefix()))).unwrap();
-            let rate = place(&client, "alibaba", ALIYUN_GPU_MEM, pods).await;
-            Some((rate, extender.pid().map(rss_mib), timer))
-        }
-        Err(why) => {
-            eprintln!("{why}");
-            None
-        }
+    let alibaba = if alibaba_built {
+        // Logging as ours does here (`warn`): at `info` it writes a line per node per filter.
+        let (extender, url) = peers::spawn_alibaba_extender(&plane, "warn").unwrap();
+        let timer = CallTimer::start(&url, None).unwrap();
+        plane.start_scheduler_config(&with_rate(&peers::alibaba_scheduler_config(timer.url_prefix()))).unwrap();
+        let rate = place(&client, "alibaba", ALIYUN_GPU_MEM, pods).await;
+        Some((rate, extender.pid().map(rss_mib), timer))
+    } else {
+        None
     };
 
     // (d) HAMi's scheduler, spreading pods over the nodes (the module header says why).
