@@ -6,6 +6,11 @@
 //! them, bound one at a time, each admitted the kubelet's way: GetPreferredAllocation over every
 //! free device, then Allocate. Prints p50/p90/p99/max latency of each call and the admissions per second.
 //!
+//! Then the same admissions over a ledger that holds a long history (`GPUSHARE_BENCH_HISTORY`
+//! lines, 300 000 unless set), once alone and once while a thread reads that whole history
+//! page after page as the D-Bus `HistoryPage` handler does: Allocate's latency both ways and
+//! their ratio.
+//!
 //! Run: `cargo bench -p gpushared --bench allocate`. Results: BENCHMARKS.md.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::cast_precision_loss)]
 
@@ -110,12 +115,40 @@ fn direct(dir: &std::path::Path) {
     report("allocate() (durable)", allocate);
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() {
-    let base = std::env::var("BENCH_DIR").unwrap_or_else(|_| env!("CARGO_TARGET_TMPDIR").into());
-    let dir = tempfile::tempdir_in(&base).unwrap();
-    let (inventory, alloc, pods) = setup(dir.path());
-    let plugin_dir = dir.path().join("device-plugins");
+/// What one run of [`admit_all`] measured.
+struct Run {
+    preferred: Vec<Duration>,
+    allocate: Vec<Duration>,
+    elapsed: Duration,
+    /// History lines read meanwhile.
+    lines_read: usize,
+}
+
+/// `events` lines of history in the ledger at `dir` before the daemon opens it, written the way
+/// a node that has run for a long time has them (one transaction here, for speed).
+fn long_history(dir: &std::path::Path, events: usize) {
+    let mut db = rusqlite::Connection::open(dir.join("ledger.db")).unwrap();
+    let tx = db.transaction().unwrap();
+    {
+        let mut insert = tx.prepare("INSERT INTO events (at, kind, detail) VALUES (?1, 'bench', ?2)").unwrap();
+        for i in 0..events {
+            let detail = format!("default/old-pod-{i:07} container \"main\" GPU{} 200 MiB released", i % 8);
+            insert.execute(rusqlite::params![1_700_000_000_000_i64 + i64::try_from(i).unwrap(), detail]).unwrap();
+        }
+    }
+    tx.commit().unwrap();
+}
+
+/// Admits [`PODS`] pods through the socket, the kubelet's way, over a ledger at `dir` that
+/// already holds `history` lines of history. With `read_history`, a thread meanwhile reads the
+/// whole history page after page ([`gpushared::allocation::ledger::MAX_PAGE`] lines each, the
+/// call the D-Bus `HistoryPage` handler makes on the blocking pool), from the start again
+/// whenever it reaches the end, until the last admission.
+async fn admit_all(dir: &std::path::Path, history: usize, read_history: bool) -> Run {
+    Ledger::open(&dir.join("ledger.db")).unwrap();
+    long_history(dir, history);
+    let (inventory, alloc, pods) = setup(dir);
+    let plugin_dir = dir.join("device-plugins");
     std::fs::create_dir_all(&plugin_dir).unwrap();
     let kubelet = Kubelet::start(&plugin_dir).await.unwrap();
     let (_devices_tx, devices_rx) =
@@ -127,23 +160,82 @@ async fn main() {
         .unwrap();
     kubelet.wait_devices(Duration::from_secs(10), |d| !d.is_empty()).await.unwrap();
 
-    let mut preferred = Vec::with_capacity(PODS);
-    let mut allocate = Vec::with_capacity(PODS);
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = read_history.then(|| {
+        let (alloc, done) = (Arc::clone(&alloc), Arc::clone(&done));
+        std::thread::spawn(move || {
+            let mut lines = 0;
+            let mut after = None;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let page = alloc.history_page(0, after, gpushared::allocation::ledger::MAX_PAGE).unwrap();
+                lines += page.lines.len();
+                after = page.next;
+            }
+            lines
+        })
+    });
+    let mut run = Run {
+        preferred: Vec::with_capacity(PODS),
+        allocate: Vec::with_capacity(PODS),
+        elapsed: Duration::ZERO,
+        lines_read: 0,
+    };
     let started = Instant::now();
     for p in 0..PODS {
         pods.upsert(pod(p));
         let t = Instant::now();
         let ids = kubelet.preferred(usize::try_from(POD_MIB).unwrap()).await.unwrap();
-        preferred.push(t.elapsed());
+        run.preferred.push(t.elapsed());
         let (_, took) = kubelet.allocate_timed(&ids).await.unwrap();
-        allocate.push(took);
+        run.allocate.push(took);
     }
-    let elapsed = started.elapsed();
-    println!("Allocate through the socket: {GPUS} GPUs x {GPU_MIB} MiB, {PODS} pods x {POD_MIB} MiB, durable ledger");
-    report("GetPreferredAllocation", preferred);
-    report("Allocate (durable)", allocate);
-    println!("admissions per second    {:.0} (both calls, one container each)", PODS as f64 / elapsed.as_secs_f64());
+    run.elapsed = started.elapsed();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    run.lines_read = reader.map_or(0, |r| r.join().unwrap());
     assert_eq!(alloc.live().unwrap().len(), PODS);
+    run
+}
+
+/// The `per_mille`-th of `samples` (nearest rank).
+fn quantile(samples: &[Duration], per_mille: usize) -> Duration {
+    let mut sorted = samples.to_vec();
+    sorted.sort();
+    sorted[(sorted.len() - 1) * per_mille / 1000]
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let base = std::env::var("BENCH_DIR").unwrap_or_else(|_| env!("CARGO_TARGET_TMPDIR").into());
+    let dir = tempfile::tempdir_in(&base).unwrap();
+    let run = admit_all(dir.path(), 0, false).await;
+    println!("Allocate through the socket: {GPUS} GPUs x {GPU_MIB} MiB, {PODS} pods x {POD_MIB} MiB, durable ledger");
+    report("GetPreferredAllocation", run.preferred);
+    report("Allocate (durable)", run.allocate);
+    println!(
+        "admissions per second    {:.0} (both calls, one container each)",
+        PODS as f64 / run.elapsed.as_secs_f64()
+    );
     let dir = tempfile::tempdir_in(&base).unwrap();
     tokio::task::block_in_place(|| direct(dir.path()));
+
+    // A local user reading a long history (issue 35): the same admissions over a ledger of a
+    // node that has run for long, alone and while the whole history is read page by page.
+    let history = std::env::var("GPUSHARE_BENCH_HISTORY").ok().and_then(|v| v.parse().ok()).unwrap_or(300_000);
+    let dir = tempfile::tempdir_in(&base).unwrap();
+    let alone = admit_all(dir.path(), history, false).await;
+    let dir = tempfile::tempdir_in(&base).unwrap();
+    let read = admit_all(dir.path(), history, true).await;
+    println!();
+    println!("The same admissions over a ledger with {history} lines of history, alone and while it is read");
+    report("Allocate, history idle", alone.allocate.clone());
+    report("Allocate, history read", read.allocate.clone());
+    println!(
+        "history lines read meanwhile {} ({:.0} lines/s); Allocate read/idle: p50 {:.2}, p99 {:.2}; admissions/s {:.0} and {:.0}",
+        read.lines_read,
+        read.lines_read as f64 / read.elapsed.as_secs_f64(),
+        quantile(&read.allocate, 500).as_secs_f64() / quantile(&alone.allocate, 500).as_secs_f64(),
+        quantile(&read.allocate, 990).as_secs_f64() / quantile(&alone.allocate, 990).as_secs_f64(),
+        PODS as f64 / alone.elapsed.as_secs_f64(),
+        PODS as f64 / read.elapsed.as_secs_f64(),
+    );
 }
