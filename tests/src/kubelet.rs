@@ -314,6 +314,24 @@ impl Shared {
     }
 }
 
+impl Shared {
+    /// Every plugin client gone: each resource's connection and `ListAndWatch` reader, the
+    /// generation bumped so that a reader still finishing feeds nothing.
+    fn drop_clients(&mut self) {
+        self.generation += 1;
+        self.client = None;
+        if let Some(stream) = self.stream.take() {
+            stream.abort();
+        }
+        for other in self.others.values_mut() {
+            other.client = None;
+            if let Some(stream) = other.stream.take() {
+                stream.abort();
+            }
+        }
+    }
+}
+
 fn lock(shared: &Mutex<Shared>) -> MutexGuard<'_, Shared> {
     shared.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -650,18 +668,10 @@ impl Kubelet {
         {
             let mut shared = self.shared();
             shared.restarts += 1;
-            shared.generation += 1;
             shared.registrations_before_restart = shared.registrations.len();
             shared.options = None;
-            shared.client = None;
-            if let Some(stream) = shared.stream.take() {
-                stream.abort();
-            }
+            shared.drop_clients();
             for other in shared.others.values_mut() {
-                other.client = None;
-                if let Some(stream) = other.stream.take() {
-                    stream.abort();
-                }
                 other.devices.send_replace(Vec::new());
             }
         }
@@ -681,16 +691,8 @@ impl Kubelet {
     pub fn disconnect_plugin(&self) {
         {
             let mut shared = self.shared();
-            shared.generation += 1;
-            shared.client = None;
-            if let Some(stream) = shared.stream.take() {
-                stream.abort();
-            }
-            for other in shared.others.values_mut() {
-                other.client = None;
-                if let Some(stream) = other.stream.take() {
-                    stream.abort();
-                }
+            shared.drop_clients();
+            for other in shared.others.values() {
                 mark_unhealthy(&other.devices);
             }
         }

@@ -29,7 +29,7 @@ use gpushared::config::Compatibility;
 use gpushared::kubelet::plugin::{self, Plugin};
 
 mod common;
-use common::report;
+use common::{percentile, report};
 
 const GPUS: u32 = 8;
 const GPU_MIB: u64 = 16_384;
@@ -200,7 +200,7 @@ async fn admit_all(dir: &std::path::Path, history: usize, read_history: bool) ->
 fn quantile(samples: &[Duration], per_mille: usize) -> Duration {
     let mut sorted = samples.to_vec();
     sorted.sort();
-    sorted[(sorted.len() - 1) * per_mille / 1000]
+    percentile(&sorted, per_mille)
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 /// The `per_mille`-th sample of a sorted list (nearest rank).
-fn percentile(sorted: &[Duration], per_mille: usize) -> Duration {
+pub(crate) fn percentile(sorted: &[Duration], per_mille: usize) -> Duration {
     sorted[(sorted.len() - 1) * per_mille / 1000]
 }
 
