@@ -19,7 +19,7 @@ use gpushare_core::retry::Backoff;
 
 use crate::objects::{NodeObject, PodObject};
 use crate::service::{Binding, Cluster, ClusterError, Extender};
-use crate::view::ClusterView;
+use crate::view::{ClusterView, NodeReading};
 
 /// The API server cannot be set up.
 #[derive(Debug, Error)]
@@ -149,7 +149,14 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
             while let Some(event) = stream.next().await {
                 back_again(&mut backoff, event.is_ok(), "node");
                 let found = match event {
-                    Ok(watcher::Event::Apply(n)) => ext.with_view(|v| v.apply_node(&n)),
+                    Ok(watcher::Event::Apply(n)) => {
+                        // Hashed and, when changed, decoded before the lock: see NodeReading.
+                        let mut reading = NodeReading::hashed(&n);
+                        if !ext.with_view(|v| v.holds_state(&n, &reading)) {
+                            reading.decode(&n);
+                        }
+                        ext.with_view(|v| v.apply_reading(&n, reading))
+                    }
                     Ok(watcher::Event::InitApply(n)) => {
                         relist.push(n);
                         Vec::new()
@@ -163,7 +170,16 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
                         Vec::new()
                     }
                     Ok(watcher::Event::InitDone) => {
-                        let found = ext.with_view(|v| v.replace_nodes(&relist));
+                        // As for one node: what changed is decoded before the lock.
+                        let mut read: Vec<_> = relist.iter().map(|n| (n, NodeReading::hashed(n))).collect();
+                        let held: Vec<bool> =
+                            ext.with_view(|v| read.iter().map(|(n, r)| v.holds_state(n, r)).collect());
+                        for ((n, reading), held) in read.iter_mut().zip(held) {
+                            if !held {
+                                reading.decode(n);
+                            }
+                        }
+                        let found = ext.with_view(|v| v.replace_read_nodes(read));
                         relist = Vec::new();
                         crate::memory::release_free_memory();
                         nodes_synced.store(true, Ordering::SeqCst);

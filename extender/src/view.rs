@@ -46,6 +46,7 @@ mod usage;
 use hash::value_hash;
 pub use hash::{FxHasher, FxMap};
 pub use lookalike::Placed;
+pub use nodes::NodeReading;
 
 use summary::{NodeTable, Shape, Summary};
 

@@ -1,15 +1,68 @@
-//! The node side of the view: a node's published state and heartbeat applied, its daemon's
-//! report compared with what the view believes, and the initial lists awaited before comparing.
+//! The node side of the view: a node's published state read ([`NodeReading`], before the
+//! view's lock is taken) and applied with its heartbeat, its daemon's report compared with what
+//! the view believes, and the initial lists awaited before comparing.
 
 use super::*;
+
+/// A node's published state, read outside the view: its hash (to tell an unchanged state, a
+/// heartbeat alone) and, once [`Self::decode`] ran, what it says. The watch makes one before it
+/// takes the view's lock, so that decoding a large state (hundreds of KiB from a node that
+/// churns it) never holds up filter, prioritize or bind for the rest of the cluster.
+#[derive(Debug)]
+pub struct NodeReading {
+    hash: Option<u64>,
+    gpus: Option<NodeGpus>,
+}
+
+impl NodeReading {
+    /// `node`'s state hashed, not decoded yet.
+    #[must_use]
+    pub fn hashed(node: &NodeObject) -> Self {
+        Self { hash: node.annotation(NODE_STATE_KEY).map(value_hash), gpus: None }
+    }
+
+    /// `node`'s state hashed and decoded.
+    #[must_use]
+    pub fn decoded(node: &NodeObject) -> Self {
+        let mut reading = Self::hashed(node);
+        reading.decode(node);
+        reading
+    }
+
+    /// Decodes `node`'s state (the node this reading was hashed from), if not done yet.
+    pub fn decode(&mut self, node: &NodeObject) {
+        if self.gpus.is_none() {
+            self.gpus = Some(match node.annotation(NODE_STATE_KEY) {
+                None => NodeGpus::NotSharing,
+                Some(v) => match NodeState::decode(v) {
+                    Ok(s) => NodeGpus::Reported(Box::new(s)),
+                    Err(e) => NodeGpus::Invalid(e.to_string()),
+                },
+            });
+        }
+    }
+}
 
 impl ClusterView {
     /// Adds or updates a node. Returns the disagreements between what its daemon now reports
     /// and what the view believes, one readable line each (already counted).
     pub fn apply_node(&mut self, node: &NodeObject) -> Vec<String> {
+        self.apply_reading(node, NodeReading::hashed(node))
+    }
+
+    /// Whether the view already holds the state `reading` was hashed from for `node`: then
+    /// applying it decodes nothing (a heartbeat alone, every node every 20 s).
+    #[must_use]
+    pub fn holds_state(&self, node: &NodeObject, reading: &NodeReading) -> bool {
+        self.nodes.get(node.name()).is_some_and(|e| e.state_hash == reading.hash)
+    }
+
+    /// [`Self::apply_node`] with the state read already (hashed, and decoded unless
+    /// [`Self::holds_state`]); a reading not decoded is decoded here if the state changed.
+    pub fn apply_reading(&mut self, node: &NodeObject, mut reading: NodeReading) -> Vec<String> {
         let name = node.name().to_owned();
+        let state_hash = reading.hash;
         let state_value = node.annotation(NODE_STATE_KEY);
-        let state_hash = state_value.map(value_hash);
         let alibaba =
             if self.config.alibaba && state_value.is_none() { AlibabaNode::of(node, &self.config.names) } else { None };
         if let Some(entry) = self.nodes.get_mut(&name) {
@@ -27,13 +80,8 @@ impl ClusterView {
                 return Vec::new();
             }
         }
-        let gpus = match state_value {
-            None => NodeGpus::NotSharing,
-            Some(v) => match NodeState::decode(v) {
-                Ok(s) => NodeGpus::Reported(Box::new(s)),
-                Err(e) => NodeGpus::Invalid(e.to_string()),
-            },
-        };
+        reading.decode(node);
+        let gpus = reading.gpus.unwrap_or(NodeGpus::NotSharing);
         self.index_reports(&name, &gpus);
         let by_wall_clock = self.config.heartbeat_by_wall_clock;
         let entry = self.nodes.entry(name.clone()).or_insert_with(|| {
@@ -118,11 +166,19 @@ impl ClusterView {
 
     /// Replaces every node (a watch restart's full list).
     pub fn replace_nodes<'a>(&mut self, nodes: impl IntoIterator<Item = &'a NodeObject>) -> Vec<String> {
+        self.replace_read_nodes(nodes.into_iter().map(|n| (n, NodeReading::hashed(n))))
+    }
+
+    /// [`Self::replace_nodes`] with each node's state read already ([`Self::apply_reading`]).
+    pub fn replace_read_nodes<'a>(
+        &mut self,
+        nodes: impl IntoIterator<Item = (&'a NodeObject, NodeReading)>,
+    ) -> Vec<String> {
         let mut seen = HashSet::new();
         let mut found = Vec::new();
-        for n in nodes {
+        for (n, reading) in nodes {
             seen.insert(n.name().to_owned());
-            found.extend(self.apply_node(n));
+            found.extend(self.apply_reading(n, reading));
         }
         let gone: Vec<String> = self.nodes.keys().filter(|n| !seen.contains(*n)).cloned().collect();
         for name in gone {

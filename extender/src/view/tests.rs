@@ -606,3 +606,33 @@ fn reports_are_compared_only_once_both_initial_lists_are_in() {
     assert!(v.retain_pods(&HashSet::from(["uid-a".to_owned()])).is_empty());
     assert_eq!(v.disagreements(), 2);
 }
+
+#[test]
+fn a_node_state_read_before_the_lock_applies_as_one_read_under_it() {
+    let mut v = ClusterView::new(config(false));
+    let first = node("n1", 2, 1000, 1, vec![]);
+    assert!(!v.holds_state(&first, &NodeReading::hashed(&first)), "a node the view has never seen");
+    v.apply_reading(&first, NodeReading::decoded(&first));
+    assert!(v.holds_state(&first, &NodeReading::hashed(&first)), "the same state again decodes nothing");
+    // Changed, and only hashed (as if the watch had not decoded it): the view decodes it itself.
+    let second = node("n1", 2, 1000, 2, vec![holding("a", "main", 1, 300)]);
+    let reading = NodeReading::hashed(&second);
+    assert!(!v.holds_state(&second, &reading));
+    v.apply_reading(&second, reading);
+    assert_eq!(used(&mut v, "n1"), [0, 300]);
+    // Decoded before the lock, as the watch does: the same as applying the node.
+    let third = node("n1", 2, 1000, 3, vec![holding("a", "main", 1, 300), holding("b", "main", 0, 200)]);
+    v.apply_reading(&third, NodeReading::decoded(&third));
+    assert_eq!(used(&mut v, "n1"), [200, 300]);
+    let mut w = ClusterView::new(config(false));
+    for n in [&first, &second, &third] {
+        w.apply_node(n);
+    }
+    assert_eq!(used(&mut w, "n1"), used(&mut v, "n1"));
+    // A full list read the same way replaces the nodes as replace_nodes does.
+    let gone = node("n2", 1, 1000, 1, vec![]);
+    v.apply_node(&gone);
+    v.replace_read_nodes([(&third, NodeReading::decoded(&third))]);
+    assert!(v.usage("n2").is_err(), "a node the list no longer has is gone");
+    assert_eq!(used(&mut v, "n1"), [200, 300]);
+}
