@@ -30,6 +30,9 @@ use crate::kubelet::pod_resources;
 use crate::kubelet::streams::StreamCount;
 
 mod list_and_watch;
+mod stages;
+
+use stages::{Stages, timed};
 
 /// What the kubelet's device list is made from: the GPUs with their health. Cheap to clone;
 /// the list itself (one entry per unit, 131 072 for 8 x 16 GiB) is written straight into the
@@ -205,7 +208,21 @@ impl Plugin {
     /// oldest look-alike is taken); a call the kubelet's answer leaves ambiguous, one for a
     /// doubtful pod and every call while no read succeeds are refused: failing an admission is
     /// safe, handing a container another pod's GPU is not.
-    async fn waiting_for_the_pod<T, F>(&self, call: F) -> Result<T, Status>
+    ///
+    /// Where its time went is logged at debug level ([`stages`]), under the name `name`.
+    async fn waiting_for_the_pod<T, F>(&self, name: &'static str, call: F) -> Result<T, Status>
+    where
+        T: Send + 'static,
+        F: Fn(&Allocator, &Care) -> Result<T, AllocError> + Send + Sync + 'static,
+    {
+        let mut stages = Stages::start();
+        let result = self.resolving(call, &mut stages).await;
+        stages.log(name, result.is_ok());
+        result
+    }
+
+    /// [`Self::waiting_for_the_pod`], its time counted in `stages`.
+    async fn resolving<T, F>(&self, call: F, stages: &mut Stages) -> Result<T, Status>
     where
         T: Send + 'static,
         F: Fn(&Allocator, &Care) -> Result<T, AllocError> + Send + Sync + 'static,
@@ -227,13 +244,14 @@ impl Plugin {
             let mut pods = self.alloc.pods().subscribe();
             let mut allocations = self.alloc.subscribe();
             let (alloc, f, now) = (Arc::clone(&self.alloc), Arc::clone(&call), care.clone());
-            let result = tokio::task::spawn_blocking(move || f(&alloc, &now))
-                .await
-                .map_err(|e| Status::internal(format!("allocation task failed: {e}")))?;
+            let (result, took) = timed(tokio::task::spawn_blocking(move || f(&alloc, &now))).await;
+            stages.runs += 1;
+            stages.run += took;
+            let result = result.map_err(|e| Status::internal(format!("allocation task failed: {e}")))?;
             let waiting = tokio::time::Instant::now() < deadline;
             let mut retry_in = None;
             match result {
-                Err(AllocError::Unconfirmed { pod }) => match self.confirm(&pod, &mut care, &mut asked).await {
+                Err(AllocError::Unconfirmed { pod }) => match self.confirm(&pod, &mut care, &mut asked, stages).await {
                     Ok(made) => {
                         care.confirmed = true;
                         read = made;
@@ -252,7 +270,9 @@ impl Plugin {
                     }
                 },
                 Err(AllocError::Ambiguous { .. }) if care.kubelet == KubeletSays::Askable => {
-                    care.kubelet = self.ask_kubelet().await;
+                    let (kubelet, took) = timed(self.ask_kubelet()).await;
+                    stages.kubelet += took;
+                    care.kubelet = kubelet;
                     asked |= matches!(care.kubelet, KubeletSays::Listed(_));
                     continue;
                 }
@@ -276,11 +296,15 @@ impl Plugin {
             }
             let retry = retry_in.map_or(deadline, |d| (tokio::time::Instant::now() + d).min(deadline));
             // A closed channel (the daemon is stopping) waits out the deadline instead.
-            tokio::select! {
-                Ok(()) = pods.changed() => {}
-                Ok(()) = allocations.changed() => {}
-                () = tokio::time::sleep_until(retry) => {}
-            }
+            let ((), took) = timed(async {
+                tokio::select! {
+                    Ok(()) = pods.changed() => {}
+                    Ok(()) = allocations.changed() => {}
+                    () = tokio::time::sleep_until(retry) => {}
+                }
+            })
+            .await;
+            stages.waited += took;
         }
     }
 
@@ -289,7 +313,13 @@ impl Plugin {
     /// reading every pod of the node not running yet, which is what happens when it cannot be
     /// asked or names many. `guess` (`namespace/name`), the pod the store would serve, is read
     /// while the kubelet is asked: it is usually the one the kubelet names.
-    async fn confirm(&self, guess: &str, care: &mut Care, asked: &mut bool) -> Result<bool, String> {
+    async fn confirm(
+        &self,
+        guess: &str,
+        care: &mut Care,
+        asked: &mut bool,
+        stages: &mut Stages,
+    ) -> Result<bool, String> {
         let mut guessed = None;
         if care.kubelet == KubeletSays::Askable {
             let guess = guess.split_once('/').map(|(ns, name)| (ns.to_owned(), name.to_owned()));
@@ -299,7 +329,8 @@ impl Plugin {
                     None => None,
                 }
             };
-            let (kubelet, read) = tokio::join!(self.ask_kubelet(), read_guess);
+            let ((kubelet, asking), (read, reading)) = tokio::join!(timed(self.ask_kubelet()), timed(read_guess));
+            (stages.kubelet, stages.read) = (stages.kubelet + asking, stages.read + reading);
             care.kubelet = kubelet;
             *asked |= matches!(care.kubelet, KubeletSays::Listed(_));
             if let Some(Ok(true)) = read {
@@ -325,10 +356,14 @@ impl Plugin {
                 return Ok(true);
             }
             if !to_read.is_empty() && to_read.len() <= NAMED_READS {
-                return self.alloc.pods().confirm_named(to_read).await;
+                let (read, took) = timed(self.alloc.pods().confirm_named(to_read)).await;
+                stages.read += took;
+                return read;
             }
         }
-        self.alloc.pods().confirm().await
+        let (read, took) = timed(self.alloc.pods().confirm()).await;
+        stages.read += took;
+        read
     }
 
     /// Asks the kubelet's PodResources which pods it holds. A kubelet that cannot be asked
@@ -396,7 +431,7 @@ impl DevicePlugin for Plugin {
         let sizes = Arc::new(sizes);
         let listed: usize = requests.iter().map(|r| r.available_device_i_ds.len()).sum();
         let responses = self
-            .waiting_for_the_pod(move |alloc, care| {
+            .waiting_for_the_pod("GetPreferredAllocation", move |alloc, care| {
                 requests
                     .iter()
                     .zip(sizes.iter())
@@ -426,7 +461,7 @@ impl DevicePlugin for Plugin {
         let _admission = Admission::start(&self.alloc);
         let requests = Arc::new(request.into_inner().container_requests);
         let responses = self
-            .waiting_for_the_pod(move |alloc, care| {
+            .waiting_for_the_pod("Allocate", move |alloc, care| {
                 requests
                     .iter()
                     .map(|r| {
