@@ -215,7 +215,13 @@ async fn init_containers_sidecars_and_a_gpushared_restart_under_the_real_kubelet
 
     // gpushared killed and started again: it comes back with its ledger, registers again, keeps
     // mix-a published, and serves the next pod on the GPU of its assignment.
+    // The kubelet marks the devices unhealthy when the old stream ends, and a pod it admits
+    // before the restarted daemon's first device list is processed fails with
+    // UnexpectedAdmissionError, as with any device plugin (docs/gpushared.md, when gpushared
+    // stops): mix-b is created once the kubelet has the devices healthy again.
+    let log_before = the_node(&b).kubelet.proc.log().len();
     b.nodes[0].daemon.kill_and_restart().unwrap();
+    wait_devices_healthy_since(&b, log_before);
     b.plane.create(&mixed_pod("mix-b")).unwrap();
     wait_bound(&b, &["mix-b".to_owned()]).await;
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -233,6 +239,30 @@ async fn init_containers_sidecars_and_a_gpushared_restart_under_the_real_kubelet
     assert_eq!(check_every_container(&b, "mix-b"), 4, "{:?}", the_node(&b).runtime.created());
     wait_published(&b, &["mix-a", "mix-b"]);
     assert!(b.nodes[0].daemon.exited().is_none(), "{}", the_node(&b).daemon.log_tail(40));
+}
+
+/// Waits until the kubelet's log, past its first `offset` bytes, shows it processed a device
+/// list of gpushared's memory resource with every device healthy.
+fn wait_devices_healthy_since(b: &RealBox, offset: usize) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let healthy = |line: &str| {
+        let field = |name: &str| line.split(&format!("{name}=")).nth(1).and_then(|v| v.split_whitespace().next());
+        line.contains("Processed device updates for resource")
+            && line.contains("gpushare.io/gpu-mem")
+            && field("totalCount").is_some_and(|t| t != "0" && field("healthyCount") == Some(t))
+    };
+    loop {
+        let log = the_node(b).kubelet.proc.log();
+        if String::from_utf8_lossy(log.as_bytes().get(offset..).unwrap_or_default()).lines().any(healthy) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the kubelet never listed gpushared's devices healthy after its restart:\n{}",
+            the_node(b).kubelet.proc.log_tail(40)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 fn wait_allocatable(b: &RealBox, want: &str) {
