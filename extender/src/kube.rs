@@ -150,12 +150,8 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
                 back_again(&mut backoff, event.is_ok(), "node");
                 let found = match event {
                     Ok(watcher::Event::Apply(n)) => {
-                        // Hashed and, when changed, decoded before the lock: see NodeReading.
-                        let mut reading = NodeReading::hashed(&n);
-                        if !ext.with_view(|v| v.holds_state(&n, &reading)) {
-                            reading.decode(&n);
-                        }
-                        ext.with_view(|v| v.apply_reading(&n, reading))
+                        let read = read_states(&ext, [&n]);
+                        ext.with_view(|v| read.into_iter().flat_map(|(n, r)| v.apply_reading(n, r)).collect())
                     }
                     Ok(watcher::Event::InitApply(n)) => {
                         relist.push(n);
@@ -170,15 +166,7 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
                         Vec::new()
                     }
                     Ok(watcher::Event::InitDone) => {
-                        // As for one node: what changed is decoded before the lock.
-                        let mut read: Vec<_> = relist.iter().map(|n| (n, NodeReading::hashed(n))).collect();
-                        let held: Vec<bool> =
-                            ext.with_view(|v| read.iter().map(|(n, r)| v.holds_state(n, r)).collect());
-                        for ((n, reading), held) in read.iter_mut().zip(held) {
-                            if !held {
-                                reading.decode(n);
-                            }
-                        }
+                        let read = read_states(&ext, &relist);
                         let found = ext.with_view(|v| v.replace_read_nodes(read));
                         relist = Vec::new();
                         crate::memory::release_free_memory();
@@ -240,6 +228,22 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
 
 /// A watch of `what` failed: the wait before it retries. The first failure of an outage is a
 /// warning, the next ones debug lines, so a long outage does not flood the log.
+/// `nodes` with their published states read before the view's lock is taken (see
+/// [`NodeReading`]): hashed, and decoded where the view does not hold that state already.
+fn read_states<'a, C: Cluster>(
+    ext: &Extender<C>,
+    nodes: impl IntoIterator<Item = &'a NodeObject>,
+) -> Vec<(&'a NodeObject, NodeReading)> {
+    let mut read: Vec<_> = nodes.into_iter().map(|n| (n, NodeReading::hashed(n))).collect();
+    let held: Vec<bool> = ext.with_view(|v| read.iter().map(|(n, r)| v.holds_state(n, r)).collect());
+    for ((n, reading), held) in read.iter_mut().zip(held) {
+        if !held {
+            reading.decode(n);
+        }
+    }
+    read
+}
+
 fn failed(backoff: &mut Backoff, error: &watcher::Error, what: &str) -> Duration {
     let jitter =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos() % 1001);

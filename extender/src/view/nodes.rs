@@ -21,14 +21,6 @@ impl NodeReading {
         Self { hash: node.annotation(NODE_STATE_KEY).map(value_hash), gpus: None }
     }
 
-    /// `node`'s state hashed and decoded.
-    #[must_use]
-    pub fn decoded(node: &NodeObject) -> Self {
-        let mut reading = Self::hashed(node);
-        reading.decode(node);
-        reading
-    }
-
     /// Decodes `node`'s state (the node this reading was hashed from), if not done yet.
     pub fn decode(&mut self, node: &NodeObject) {
         if self.gpus.is_none() {

@@ -607,12 +607,19 @@ fn reports_are_compared_only_once_both_initial_lists_are_in() {
     assert_eq!(v.disagreements(), 2);
 }
 
+/// `node`'s state hashed and decoded, as the watch reads a changed one.
+fn decoded(node: &NodeObject) -> NodeReading {
+    let mut reading = NodeReading::hashed(node);
+    reading.decode(node);
+    reading
+}
+
 #[test]
 fn a_node_state_read_before_the_lock_applies_as_one_read_under_it() {
     let mut v = ClusterView::new(config(false));
     let first = node("n1", 2, 1000, 1, vec![]);
     assert!(!v.holds_state(&first, &NodeReading::hashed(&first)), "a node the view has never seen");
-    v.apply_reading(&first, NodeReading::decoded(&first));
+    v.apply_reading(&first, decoded(&first));
     assert!(v.holds_state(&first, &NodeReading::hashed(&first)), "the same state again decodes nothing");
     // Changed, and only hashed (as if the watch had not decoded it): the view decodes it itself.
     let second = node("n1", 2, 1000, 2, vec![holding("a", "main", 1, 300)]);
@@ -622,7 +629,7 @@ fn a_node_state_read_before_the_lock_applies_as_one_read_under_it() {
     assert_eq!(used(&mut v, "n1"), [0, 300]);
     // Decoded before the lock, as the watch does: the same as applying the node.
     let third = node("n1", 2, 1000, 3, vec![holding("a", "main", 1, 300), holding("b", "main", 0, 200)]);
-    v.apply_reading(&third, NodeReading::decoded(&third));
+    v.apply_reading(&third, decoded(&third));
     assert_eq!(used(&mut v, "n1"), [200, 300]);
     let mut w = ClusterView::new(config(false));
     for n in [&first, &second, &third] {
@@ -632,7 +639,7 @@ fn a_node_state_read_before_the_lock_applies_as_one_read_under_it() {
     // A full list read the same way replaces the nodes as replace_nodes does.
     let gone = node("n2", 1, 1000, 1, vec![]);
     v.apply_node(&gone);
-    v.replace_read_nodes([(&third, NodeReading::decoded(&third))]);
+    v.replace_read_nodes([(&third, decoded(&third))]);
     assert!(v.usage("n2").is_err(), "a node the list no longer has is gone");
     assert_eq!(used(&mut v, "n1"), [200, 300]);
 }
