@@ -4,6 +4,11 @@
 //! itself spends admitting a pod with so many devices registered (its device manager's sets,
 //! the checkpoint it writes after every allocation): the floor under any plugin of that many
 //! devices (`gpushare-box null-plugin`, the side-by-side bench's `floor-mib` system).
+//!
+//! Given the kubelet's PodResources socket, each `GetPreferredAllocation` first asks it `List`
+//! and waits for the answer: the one place the kubelet says which pod it is admitting, since no
+//! device-plugin call names the pod. That is the floor under any plugin that must know the pod it
+//! serves (the side-by-side bench's `floor-gib`).
 
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -20,6 +25,8 @@ use gpushare_proto::deviceplugin::{
     DevicePluginOptions, Empty, ListAndWatchResponse, PreStartContainerRequest, PreStartContainerResponse,
     PreferredAllocationRequest, PreferredAllocationResponse, RegisterRequest,
 };
+use gpushare_proto::podresources::ListPodResourcesRequest;
+use gpushare_proto::podresources::pod_resources_lister_client::PodResourcesListerClient;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
@@ -41,9 +48,25 @@ impl DeviceSource for Devices {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct NullPlugin {
     devices: Devices,
+    /// The kubelet's PodResources socket, asked once per `GetPreferredAllocation`.
+    ask: Option<PathBuf>,
+}
+
+impl NullPlugin {
+    /// Asks the kubelet's PodResources `List`, as a plugin that must know its pod does.
+    async fn ask_kubelet(&self, socket: &Path) -> Result<(), Status> {
+        let channel = gpushare_proto::uds::connect(socket)
+            .await
+            .map_err(|e| Status::unavailable(format!("cannot reach {}: {e}", socket.display())))?;
+        PodResourcesListerClient::new(channel)
+            .max_decoding_message_size(64 * 1024 * 1024)
+            .list(ListPodResourcesRequest {})
+            .await?;
+        Ok(())
+    }
 }
 
 type DeviceStream = Pin<Box<dyn Stream<Item = Result<ListAndWatchResponse, Status>> + Send + 'static>>;
@@ -67,6 +90,9 @@ impl DevicePlugin for NullPlugin {
         &self,
         request: Request<PreferredAllocationRequest>,
     ) -> Result<Response<PreferredAllocationResponse>, Status> {
+        if let Some(socket) = &self.ask {
+            self.ask_kubelet(socket).await?;
+        }
         let container_responses = request
             .into_inner()
             .container_requests
@@ -109,11 +135,11 @@ use futures::StreamExt as _;
 ///
 /// # Errors
 /// The socket cannot be bound, the kubelet refuses the registration, or serving fails.
-pub async fn run(plugin_dir: &Path, resource: &str, devices: u32) -> anyhow::Result<()> {
+pub async fn run(plugin_dir: &Path, resource: &str, devices: u32, ask: Option<PathBuf>) -> anyhow::Result<()> {
     let socket: PathBuf = plugin_dir.join("null-plugin.sock");
     let _ = std::fs::remove_file(&socket);
     let listener = tokio::net::UnixListener::bind(&socket).with_context(|| format!("binding {}", socket.display()))?;
-    let plugin = NullPlugin { devices: Devices { count: devices } };
+    let plugin = NullPlugin { devices: Devices { count: devices }, ask };
     let serving = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(DevicePluginServer::new(plugin).max_encoding_message_size(usize::MAX))

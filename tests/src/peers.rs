@@ -119,19 +119,30 @@ impl RealCluster {
     }
 
     /// Adds node `name` served by [`crate::null_plugin`]: `devices` devices of `resource`, each
-    /// call answered at once (`gpushare-box null-plugin`).
+    /// call answered at once (`gpushare-box null-plugin`), or, when `ask_kubelet`, each
+    /// `GetPreferredAllocation` after one PodResources `List` of the node's kubelet.
     ///
     /// # Errors
     /// A component that does not start, with its log.
-    pub fn add_null_plugin_node(&mut self, name: &str, resource: &str, devices: u32) -> anyhow::Result<&mut RealNode> {
+    pub fn add_null_plugin_node(
+        &mut self,
+        name: &str,
+        resource: &str,
+        devices: u32,
+        ask_kubelet: bool,
+    ) -> anyhow::Result<&mut RealNode> {
         let program = crate::cluster::Binaries::beside_current_exe()?.stand_ins;
-        self.add_plugin_node(name, |plane, _, plugin_dir, _| {
-            let args = vec![
+        self.add_plugin_node(name, |plane, host, plugin_dir, _| {
+            let mut args = vec![
                 "null-plugin".to_owned(),
                 format!("--plugin-dir={}", plugin_dir.display()),
                 format!("--resource={resource}"),
                 format!("--devices={devices}"),
             ];
+            if ask_kubelet {
+                let socket = KubeletDirs::under(host).pod_resources();
+                args.push(format!("--pod-resources={}", socket.display()));
+            }
             plane.spawn(&format!("null-plugin-{name}"), &program, args, Vec::new())
         })
     }

@@ -93,7 +93,8 @@ enum Cmd {
         resource_health_status: bool,
     },
     /// A device plugin that answers every call at once and does nothing else: the kubelet's
-    /// own cost at a device count (the side-by-side bench's `floor-mib`).
+    /// own cost at a device count (the side-by-side bench's `floor-mib`), or with
+    /// `--pod-resources`, that of a plugin that must know its pod (`floor-gib`).
     NullPlugin {
         /// The kubelet's device-plugin directory.
         #[arg(long)]
@@ -104,6 +105,10 @@ enum Cmd {
         /// How many devices.
         #[arg(long)]
         devices: u32,
+        /// The kubelet's PodResources socket: each `GetPreferredAllocation` waits for one
+        /// `List` of it first.
+        #[arg(long)]
+        pod_resources: Option<PathBuf>,
     },
     /// A DRA driver that answers every call at once and prepares nothing: Kubernetes' own cost
     /// of a pod with a claim (the side-by-side bench's `floor-dra`).
@@ -222,8 +227,8 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                 }
             }
         }
-        Cmd::NullPlugin { plugin_dir, resource, devices } => tokio::select! {
-            result = gpushare_testkit::null_plugin::run(&plugin_dir, &resource, devices) => result,
+        Cmd::NullPlugin { plugin_dir, resource, devices, pod_resources } => tokio::select! {
+            result = gpushare_testkit::null_plugin::run(&plugin_dir, &resource, devices, pod_resources) => result,
             result = until_stopped() => result,
         },
         Cmd::NullDra { registry_dir, plugin_dir } => tokio::select! {
