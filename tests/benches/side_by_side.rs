@@ -24,7 +24,9 @@
 //! and scheduling cycles, gpushare-extender's binds (and how many waited behind a look-alike),
 //! the kubelet's admission of the pod's resources (its topology manager's admit, which runs the
 //! device manager's `GetPreferredAllocation` and `Allocate`) and its `Allocate` calls alone, and
-//! how long kube-scheduler's own API client held requests back.
+//! how long kube-scheduler's own API client held requests back. And the CPU time each component
+//! used during the burst, per pod (its process and children, from `/proc`): on a box of few
+//! cores they share them, so the CPU one spends is time the others wait.
 //! Alibaba (where `GPUSHARE_PEERS_SRC` gives its source, `tests/peers/build`): its device plugin
 //! in MiB mode on the same node as gpushare's MiB mode, pods of the same size placed through its
 //! extender; its figures are given as ratios to gpushare's MiB mode. `GPUSHARE_BENCH_MIB_GPU`
@@ -148,6 +150,29 @@ struct Figures {
     /// Containers whose `GPUSHARE_POD` names another pod (NaN: not gpushared's device plugin).
     wrong_pod: f64,
     stages: Stages,
+    /// CPU time each of [`CPU_PARTS`] used during the burst, ms per pod.
+    cpu_ms: [f64; CPU_PARTS.len()],
+}
+
+/// The processes whose CPU time a round reports: on a box of few cores they share them, so
+/// what one spends the others wait for. `bench` is this process alone (the recording runtime,
+/// the polling); a component's children are counted with it.
+const CPU_PARTS: [&str; 7] = ["kube-apiserver", "etcd", "kube-scheduler", "kubelet", "extender", "plugin", "bench"];
+
+/// CPU time used so far by each of [`CPU_PARTS`] in box `b`, on its node.
+fn cpu_now(b: &RealCluster) -> [Duration; CPU_PARTS.len()] {
+    use gpushare_testkit::cluster::Proc;
+    let of = |p: Option<&Proc>| p.and_then(Proc::pid).map_or(Duration::ZERO, gpushare_testkit::cpu::tree);
+    let node = b.node(NODE).unwrap();
+    [
+        of(Some(&b.plane.apiserver)),
+        of(Some(&b.plane.etcd)),
+        of(b.plane.scheduler.as_ref()),
+        of(Some(&node.kubelet.proc)),
+        of(Some(&b.extender)),
+        of(Some(&node.daemon)),
+        gpushare_testkit::cpu::own(std::process::id()),
+    ]
 }
 
 /// Where a round's time went, from the components' own metrics and logs, per pod of the burst
@@ -233,6 +258,7 @@ fn main() {
                 st.throttled_ms,
                 1000.0 / f.pods_per_s
             );
+            println!("  CPU per pod: {}", cpu_line(&f.cpu_ms));
             figures[i].push(f);
         }
     }
@@ -291,6 +317,18 @@ fn main() {
             m(|s| s.throttled_ms)
         );
     }
+    println!("\nCPU per pod during the burst, means of {rounds} rounds (ms):");
+    for (system, runs) in SYSTEMS.into_iter().zip(&figures).filter(|(_, r)| !r.is_empty()) {
+        let cpu: [f64; CPU_PARTS.len()] =
+            std::array::from_fn(|i| runs.iter().map(|x| x.cpu_ms[i]).sum::<f64>() / runs.len() as f64);
+        println!("  {}: {}", system.short(), cpu_line(&cpu));
+    }
+}
+
+/// `part X, ...; total X` for CPU figures in ms.
+fn cpu_line(cpu: &[f64; CPU_PARTS.len()]) -> String {
+    let parts: Vec<String> = CPU_PARTS.iter().zip(cpu).map(|(p, ms)| format!("{p} {ms:.1}")).collect();
+    format!("{}; total {:.1} ms", parts.join(", "), cpu.iter().sum::<f64>())
 }
 
 async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
@@ -390,6 +428,7 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
     }
     let list = json!({"apiVersion": "v1", "kind": "List", "metadata": {"name": "bench"}, "items": items});
     let node = b.node(NODE).unwrap();
+    let cpu_before = cpu_now(&b);
     let started = Instant::now();
     b.plane.create(&list).unwrap();
     let deadline = started + Duration::from_secs(900);
@@ -398,6 +437,9 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
         std::thread::sleep(Duration::from_millis(100));
     }
     let elapsed = started.elapsed().as_secs_f64();
+    let cpu_after = cpu_now(&b);
+    let cpu_ms =
+        std::array::from_fn(|i| cpu_after[i].saturating_sub(cpu_before[i]).as_secs_f64() * 1000.0 / pods as f64);
     // gpushared names the pod it served in each container's environment: one that names
     // another pod is a wrong-pod answer.
     let wrong_pod = if matches!(system, System::GpushareMib | System::GpushareGib) {
@@ -419,7 +461,7 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
     let (alloc_p50_ms, alloc_p99_ms) = if dra { (f64::NAN, f64::NAN) } else { alloc_quantiles(&kubelet, resource) };
     let stages = stages(&b, &kubelet, resource, pods as f64).await;
     b.shutdown();
-    Figures { pods_per_s: pods as f64 / elapsed, alloc_p50_ms, alloc_p99_ms, rss_mib, wrong_pod, stages }
+    Figures { pods_per_s: pods as f64 / elapsed, alloc_p50_ms, alloc_p99_ms, rss_mib, wrong_pod, stages, cpu_ms }
 }
 
 /// The sum of a metric's series whose lines start with `name` (`name{` or `name `) and contain

@@ -22,6 +22,7 @@ pub mod apiserver;
 pub mod call_timer;
 pub mod cdi;
 pub mod cluster;
+pub mod cpu;
 pub mod cri;
 pub mod invariants;
 pub mod kubelet;
