@@ -193,8 +193,27 @@ pub const CANDIDATE_WAIT: Duration = Duration::from_secs(5);
 /// How often a call whose consistent read failed tries again.
 const READ_RETRY: Duration = Duration::from_millis(250);
 
+/// Runs `call` (which takes the allocator's lock and may commit to the ledger) where blocking is
+/// allowed: on this worker thread, which hands its other tasks to another
+/// ([`tokio::task::block_in_place`]), or on the blocking pool under a runtime of one thread.
+/// On a node whose cores the kubelet and the API server keep busy, each hand-off between
+/// threads waits for a core: running in place saves the two of the pool's every run.
+async fn run_blocking<T, F>(alloc: &Arc<Allocator>, call: &Arc<F>, care: &Care) -> Result<Result<T, AllocError>, Status>
+where
+    T: Send + 'static,
+    F: Fn(&Allocator, &Care) -> Result<T, AllocError> + Send + Sync + 'static,
+{
+    if tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread {
+        return Ok(tokio::task::block_in_place(|| call(alloc, care)));
+    }
+    let (alloc, f, now) = (Arc::clone(alloc), Arc::clone(call), care.clone());
+    tokio::task::spawn_blocking(move || f(&alloc, &now))
+        .await
+        .map_err(|e| Status::internal(format!("allocation task failed: {e}")))
+}
+
 impl Plugin {
-    /// Runs `call` on the blocking pool, first with the pod store as it stands. If that would
+    /// Runs `call` where it may block ([`run_blocking`]), first with the pod store as it stands. If that would
     /// serve a pod whose admission has not started, or none at all, it reads consistently the
     /// pods the kubelet names, or else the node's pods ([`Self::confirm`]), and runs it again: the
     /// pod watch may lag behind the kubelet's, which has already seen the pod it admits; a call
@@ -244,11 +263,10 @@ impl Plugin {
             // Subscribed before the call, so a change while it runs wakes the wait below.
             let mut pods = self.alloc.pods().subscribe();
             let mut allocations = self.alloc.subscribe();
-            let (alloc, f, now) = (Arc::clone(&self.alloc), Arc::clone(&call), care.clone());
-            let (result, took) = timed(tokio::task::spawn_blocking(move || f(&alloc, &now))).await;
+            let (result, took) = timed(run_blocking(&self.alloc, &call, &care)).await;
             stages.runs += 1;
             stages.run += took;
-            let result = result.map_err(|e| Status::internal(format!("allocation task failed: {e}")))?;
+            let result = result?;
             let waiting = tokio::time::Instant::now() < deadline;
             let mut retry_in = None;
             match result {
