@@ -197,7 +197,7 @@ const READ_RETRY: Duration = Duration::from_millis(250);
 /// allowed: on this worker thread, which hands its other tasks to another
 /// ([`tokio::task::block_in_place`]), or on the blocking pool under a runtime of one thread.
 /// On a node whose cores the kubelet and the API server keep busy, each hand-off between
-/// threads waits for a core: running in place saves the two of the pool's every run.
+/// threads waits for a core; running in place saves the pool's two hand-offs a run.
 async fn run_blocking<T, F>(alloc: &Arc<Allocator>, call: &Arc<F>, care: &Care) -> Result<Result<T, AllocError>, Status>
 where
     T: Send + 'static,
@@ -213,13 +213,13 @@ where
 }
 
 impl Plugin {
-    /// Runs `call` where it may block ([`run_blocking`]), first with the pod store as it stands. If that would
-    /// serve a pod whose admission has not started, or none at all, it reads consistently the
-    /// pods the kubelet names, or else the node's pods ([`Self::confirm`]), and runs it again: the
-    /// pod watch may lag behind the kubelet's, which has already seen the pod it admits; a call
-    /// for no pod the read found is refused at once. When several pods could still be the one,
-    /// it asks the kubelet's PodResources which it is admitting ([`KubeletSays`]) and runs it
-    /// again with the answer.
+    /// Runs `call` where it may block ([`run_blocking`]), first with the pod store as it
+    /// stands. If that would serve a pod whose admission has not started, or none at all, it
+    /// reads consistently the pods the kubelet names, or else the node's pods
+    /// ([`Self::confirm`]), and runs it again: the pod watch may lag behind the kubelet's, which
+    /// has already seen the pod it admits; a call for no pod the read found is refused at once.
+    /// When several pods could still be the one, it asks the kubelet's PodResources which it is
+    /// admitting ([`KubeletSays`]) and runs it again with the answer.
     ///
     /// While it then cannot tell which of several pods it is for, or the first in line is
     /// doubtful (or, with no API server to read, finds no pod waiting), it runs again after each
