@@ -226,8 +226,6 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
     tokio::join!(nodes, pods);
 }
 
-/// A watch of `what` failed: the wait before it retries. The first failure of an outage is a
-/// warning, the next ones debug lines, so a long outage does not flood the log.
 /// `nodes` with their published states read before the view's lock is taken (see
 /// [`NodeReading`]): hashed, and decoded where the view does not hold that state already.
 fn read_states<'a, C: Cluster>(
@@ -244,6 +242,8 @@ fn read_states<'a, C: Cluster>(
     read
 }
 
+/// A watch of `what` failed: the wait before it retries. The first failure of an outage is a
+/// warning, the next ones debug lines, so a long outage does not flood the log.
 fn failed(backoff: &mut Backoff, error: &watcher::Error, what: &str) -> Duration {
     let jitter =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos() % 1001);
