@@ -432,8 +432,12 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
     let started = Instant::now();
     b.plane.create(&list).unwrap();
     let deadline = started + Duration::from_secs(900);
-    while node.runtime.running().len() < pods {
-        assert!(Instant::now() < deadline, "{} of {pods} running after 15 minutes", node.runtime.running().len());
+    while node.runtime.recording().unwrap().running().len() < pods {
+        assert!(
+            Instant::now() < deadline,
+            "{} of {pods} running after 15 minutes",
+            node.runtime.recording().unwrap().running().len()
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     let elapsed = started.elapsed().as_secs_f64();
@@ -443,7 +447,7 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
     // gpushared names the pod it served in each container's environment: one that names
     // another pod is a wrong-pod answer.
     let wrong_pod = if matches!(system, System::GpushareMib | System::GpushareGib) {
-        let running = node.runtime.running();
+        let running = node.runtime.recording().unwrap().running();
         let wrong: Vec<String> = running
             .iter()
             .filter(|c| c.envs.get("GPUSHARE_POD") != Some(&format!("{}/{}", c.namespace, c.pod)))

@@ -1,6 +1,7 @@
 //! The cluster in a box: stand-ins that speak the real protocols, for tests and the demo.
 //!
 //! - [`apiserver`]: the Kubernetes API server's HTTP/JSON for Pods and Nodes;
+//! - [`containerd`]: containerd and runc as a real node's runtime, and what the processes it ran reported about themselves;
 //! - [`cri`]: a container runtime for the real kubelet that runs nothing and records what each container was given;
 //! - [`call_timer`]: a relay that times each call kube-scheduler makes to an extender, by verb, the same way for every extender;
 //! - [`cdi`]: the runtime's CDI: the devices the kubelet names, applied from the specs of one directory;
@@ -22,6 +23,7 @@ pub mod apiserver;
 pub mod call_timer;
 pub mod cdi;
 pub mod cluster;
+pub mod containerd;
 pub mod cpu;
 pub mod cri;
 pub mod invariants;

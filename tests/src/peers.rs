@@ -175,7 +175,7 @@ impl RealCluster {
         start: impl FnOnce(&crate::realkube::ControlPlane, &Path, &Path, &str) -> anyhow::Result<Proc>,
     ) -> anyhow::Result<&mut RealNode> {
         let host = self.plane.dir.join(name);
-        let (runtime, cri_proxy, endpoint) = crate::realbox::node_runtime(&self.plane, name, &host)?;
+        let (runtime, cri_proxy, endpoint) = self.node_runtime(name, &host)?;
         let kubelet = RealKubelet::start_with_gates(&self.plane, name, &host, &endpoint, DEFAULT_GATES)?;
         let events = host.join("nvml-events");
         let daemon = start(&self.plane, &host, &kubelet.dirs.device_plugins(), &nvml::events_directive(&events))?;

@@ -1,7 +1,9 @@
 //! The real-cluster box: the real control plane ([`crate::realkube`]) with gpushare's shipped
 //! RBAC applied, the extender under its own identity, kube-scheduler loading a shipped
-//! configuration, and per node the real kubelet ([`crate::realkubelet`], with the recording
-//! runtime of [`crate::cri`]) and gpushared on the fake NVML library, authenticated as its node.
+//! configuration, and per node the real kubelet ([`crate::realkubelet`]) and gpushared on the
+//! fake NVML library, authenticated as its node. Each kubelet's container runtime is the
+//! recording runtime of [`crate::cri`] or, where [`RealOptions::runtime`] says so, containerd
+//! and runc ([`crate::containerd`]), which run every container for real.
 //! The real-cluster suites and `gpushare-box demo --real` are built on it.
 
 use std::net::SocketAddr;
@@ -13,6 +15,7 @@ use anyhow::{Context as _, bail};
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 
 use crate::cluster::{Binaries, ClusterSpec, Proc, fake_gpus, free_port, http_get};
+use crate::containerd::Containerd;
 use crate::cri::RecordingRuntime;
 use crate::nvml::{self, FakeGpu};
 use crate::realkube::{self, ControlPlane};
@@ -42,6 +45,69 @@ pub struct RealOptions {
     pub scheduler_config: String,
     /// Added to the extender's configuration (TOML).
     pub extender_extra: String,
+    /// The nodes' container runtime.
+    pub runtime: Runtime,
+}
+
+/// Which container runtime the nodes' kubelets drive.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Runtime {
+    /// The recording runtime ([`crate::cri`]): runs nothing, keeps what each container was given.
+    #[default]
+    Recording,
+    /// containerd 2 and runc ([`crate::containerd`]): every container runs the probe, which
+    /// reports what it sees.
+    Containerd,
+}
+
+/// One node's container runtime.
+#[derive(Debug)]
+pub enum NodeRuntime {
+    /// The recording runtime.
+    Recording(RecordingRuntime),
+    /// containerd.
+    Containerd(Containerd),
+}
+
+impl NodeRuntime {
+    /// The recording runtime, whose records the suites on it read; `None` on a node that runs
+    /// containerd, whose containers' reports are [`RealNode::seen`].
+    #[must_use]
+    pub fn recording(&self) -> Option<&RecordingRuntime> {
+        match self {
+            NodeRuntime::Recording(r) => Some(r),
+            NodeRuntime::Containerd(_) => None,
+        }
+    }
+
+    /// containerd, if the node runs it.
+    #[must_use]
+    pub fn containerd(&self) -> Option<&Containerd> {
+        match self {
+            NodeRuntime::Recording(_) => None,
+            NodeRuntime::Containerd(c) => Some(c),
+        }
+    }
+
+    /// containerd, if the node runs it, to restart.
+    #[must_use]
+    pub fn containerd_mut(&mut self) -> Option<&mut Containerd> {
+        match self {
+            NodeRuntime::Recording(_) => None,
+            NodeRuntime::Containerd(c) => Some(c),
+        }
+    }
+
+    /// Loses what the runtime keeps in tmpfs, as on a host's reboot, and serves again.
+    ///
+    /// # Errors
+    /// If it does not serve again.
+    pub fn reboot(&mut self) -> anyhow::Result<()> {
+        match self {
+            NodeRuntime::Recording(r) => r.reboot(),
+            NodeRuntime::Containerd(c) => c.reboot(),
+        }
+    }
 }
 
 impl Default for RealOptions {
@@ -50,6 +116,7 @@ impl Default for RealOptions {
             dir: None,
             scheduler_config: "gpushare-scheduler-config.yaml".into(),
             extender_extra: String::new(),
+            runtime: Runtime::Recording,
         }
     }
 }
@@ -62,7 +129,7 @@ pub struct RealNode {
     /// Its directory: the kubelet's state, gpushared's ledger and configuration.
     pub host: PathBuf,
     /// The container runtime the kubelet drives.
-    pub runtime: RecordingRuntime,
+    pub runtime: NodeRuntime,
     /// `cri-proxy` in front of it, for a kubelet older than 1.31 ([`node_runtime`]).
     pub cri_proxy: Option<Proc>,
     /// The kubelet.
@@ -71,6 +138,18 @@ pub struct RealNode {
     pub daemon: Proc,
     /// The fake NVML library's event file: [`nvml::inject`] a line to raise an event.
     pub events: PathBuf,
+}
+
+impl RealNode {
+    /// What each container's process reported about itself on a node that runs containerd,
+    /// one entry per container start ([`crate::containerd::seen`], from the kubelet's pod
+    /// logs).
+    ///
+    /// # Errors
+    /// If the logs cannot be read or hold a report that is not the probe's.
+    pub fn seen(&self) -> anyhow::Result<Vec<crate::containerd::Seen>> {
+        crate::containerd::seen(&self.kubelet.dirs.logs)
+    }
 }
 
 /// The real cluster: control plane, extender, kube-scheduler, and the nodes added to it.
@@ -86,6 +165,8 @@ pub struct RealCluster {
     pub observe: SocketAddr,
     /// The nodes, as [`Self::add_node`] added them.
     pub nodes: Vec<RealNode>,
+    /// The container runtime each node added gets.
+    pub runtime: Runtime,
     _temp: Option<tempfile::TempDir>,
 }
 
@@ -132,7 +213,7 @@ impl RealCluster {
             &repo().join("etc/kube-scheduler").join(&options.scheduler_config),
             &format!("http://{addr}/gpushare-scheduler"),
         )?;
-        Ok(RealCluster { plane, extender, addr, observe, nodes: Vec::new(), _temp: temp })
+        Ok(RealCluster { plane, extender, addr, observe, nodes: Vec::new(), runtime: options.runtime, _temp: temp })
     }
 
     /// The real-cluster box for a cluster file ([`crate::cluster::read_cluster`]): [`Self::up`]
@@ -202,7 +283,7 @@ impl RealCluster {
         gates: &[(&str, bool)],
     ) -> anyhow::Result<&mut RealNode> {
         let host = self.plane.dir.join(name);
-        let (runtime, cri_proxy, endpoint) = node_runtime(&self.plane, name, &host)?;
+        let (runtime, cri_proxy, endpoint) = self.node_runtime(name, &host)?;
         let kubelet = RealKubelet::start_with_gates(&self.plane, name, &host, &endpoint, gates)?;
         let events = host.join("nvml-events");
         let nvml_extra = format!("{}{}", nvml::events_directive(&events), extra.0);
@@ -390,6 +471,48 @@ impl RealCluster {
         node.kubelet.boot(&self.plane)
     }
 
+    /// Node `name`'s container runtime, as its kubelet reaches it: (the runtime, the
+    /// `cri-proxy` in front of it if any, the kubelet's `containerRuntimeEndpoint`).
+    ///
+    /// containerd ([`Runtime::Containerd`]) serves `host/cri/containerd.sock` and reads the CDI
+    /// specs of `host/cri/cdi`. The recording runtime serves `host/cri/cri.sock`; for a kubelet
+    /// older than 1.31, which sends the socket's path as the HTTP/2 authority (the recording
+    /// runtime refuses it), it serves `host/cri/runtime.sock` behind `cri-proxy` (built with the
+    /// components) on `host/cri/cri.sock`.
+    ///
+    /// # Errors
+    /// If a socket cannot be bound or the runtime or the proxy does not start.
+    pub fn node_runtime(&self, name: &str, host: &Path) -> anyhow::Result<(NodeRuntime, Option<Proc>, String)> {
+        let plane = &self.plane;
+        if self.runtime == Runtime::Containerd {
+            let cri = host.join("cri");
+            let containerd = Containerd::start(plane, name, &cri, &cri.join(crate::cri::CDI_DIR))?;
+            let endpoint = containerd.endpoint();
+            return Ok((NodeRuntime::Containerd(containerd), None, endpoint));
+        }
+        let socket = host.join("cri/cri.sock");
+        if plane.minor >= CRI_AUTHORITY_MINOR {
+            let runtime = RecordingRuntime::serve(&socket)?;
+            let endpoint = runtime.endpoint();
+            return Ok((NodeRuntime::Recording(runtime), None, endpoint));
+        }
+        let runtime = RecordingRuntime::serve(&host.join("cri/runtime.sock"))?;
+        let proxy = plane.spawn(
+            &format!("cri-proxy-{name}"),
+            &plane.bin.join("cri-proxy"),
+            vec![socket.display().to_string(), host.join("cri/runtime.sock").display().to_string()],
+            vec![],
+        )?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !socket.exists() {
+            if Instant::now() > deadline {
+                bail!("cri-proxy did not listen on {} within 10 s:\n{}", socket.display(), proxy.log_tail(10));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok((NodeRuntime::Recording(runtime), Some(proxy), format!("unix://{}", socket.display())))
+    }
+
     /// Stops everything: kube-scheduler and the extender, each node's gpushared (SIGTERM) and
     /// kubelet, then the API server and etcd.
     pub fn shutdown(&mut self) {
@@ -409,41 +532,6 @@ impl RealCluster {
 /// The first minor version whose kubelet reaches a CRI runtime with the HTTP/2 authority
 /// `localhost`; older ones send the socket's path, which the recording runtime refuses.
 const CRI_AUTHORITY_MINOR: u32 = 31;
-
-/// Node `name`'s container runtime, as its kubelet reaches it: (the recording runtime, the
-/// `cri-proxy` in front of it if any, the kubelet's `containerRuntimeEndpoint`). The runtime
-/// serves `host/cri/cri.sock`; for a kubelet older than 1.31 it serves `host/cri/runtime.sock`
-/// behind `cri-proxy` (built with the components) on `host/cri/cri.sock`.
-///
-/// # Errors
-/// If a socket cannot be bound or the proxy does not start.
-pub fn node_runtime(
-    plane: &ControlPlane,
-    name: &str,
-    host: &Path,
-) -> anyhow::Result<(RecordingRuntime, Option<Proc>, String)> {
-    let socket = host.join("cri/cri.sock");
-    if plane.minor >= CRI_AUTHORITY_MINOR {
-        let runtime = RecordingRuntime::serve(&socket)?;
-        let endpoint = runtime.endpoint();
-        return Ok((runtime, None, endpoint));
-    }
-    let runtime = RecordingRuntime::serve(&host.join("cri/runtime.sock"))?;
-    let proxy = plane.spawn(
-        &format!("cri-proxy-{name}"),
-        &plane.bin.join("cri-proxy"),
-        vec![socket.display().to_string(), host.join("cri/runtime.sock").display().to_string()],
-        vec![],
-    )?;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !socket.exists() {
-        if Instant::now() > deadline {
-            bail!("cri-proxy did not listen on {} within 10 s:\n{}", socket.display(), proxy.log_tail(10));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok((runtime, Some(proxy), format!("unix://{}", socket.display())))
-}
 
 /// Applies the shipped `etc/kubernetes/gpushare-admission-policy.yaml` and waits until the API
 /// server enforces it (it loads policies asynchronously): until a server-side dry run of a pod

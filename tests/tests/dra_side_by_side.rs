@@ -250,7 +250,7 @@ fn mib_of(q: &str) -> Option<u64> {
 
 /// What became of each of `pods`, now.
 fn observe(b: &RealBox, pods: &[Want]) -> Vec<Seen> {
-    let created = b.node(NODE).unwrap().runtime.created();
+    let created = b.node(NODE).unwrap().runtime.recording().unwrap().created();
     let items = get(&b.plane, &["get", "pods", "-n", "default"]);
     let claims = get(&b.plane, &["get", "resourceclaims", "-n", "default"]);
     let devices = slice_devices(b);

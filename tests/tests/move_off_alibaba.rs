@@ -284,7 +284,7 @@ impl Move {
                     .b
                     .nodes
                     .iter()
-                    .flat_map(|n| n.runtime.created().into_iter().map(|c| (n.name.clone(), c)))
+                    .flat_map(|n| n.runtime.recording().unwrap().created().into_iter().map(|c| (n.name.clone(), c)))
                     .collect(),
                 may_wait: may_wait.clone(),
             };

@@ -93,16 +93,7 @@ fn node(b: &RealBox) -> &RealNode {
 
 /// A pod whose `containers` all use the claim `claim`.
 fn pod(name: &str, claim: &str, containers: &[&str]) -> Value {
-    let containers: Vec<Value> = containers
-        .iter()
-        .map(|c| json!({"name": c, "image": "busybox", "command": ["sleep", "infinity"], "resources": {"claims": [{"name": "gpu"}]}}))
-        .collect();
-    json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {"automountServiceAccountToken": false,
-                 "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}], "containers": containers},
-    })
+    realbox::claim_pod(name, claim, containers, "busybox")
 }
 
 /// Waits until `pod` has `count` running containers; returns them by container name.
@@ -110,8 +101,15 @@ fn wait_running(b: &RealBox, pod: &str, count: usize) -> BTreeMap<String, Create
     let n = node(b);
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let running: BTreeMap<String, Created> =
-            n.runtime.running().into_iter().filter(|c| c.pod == pod).map(|c| (c.container.clone(), c)).collect();
+        let running: BTreeMap<String, Created> = n
+            .runtime
+            .recording()
+            .unwrap()
+            .running()
+            .into_iter()
+            .filter(|c| c.pod == pod)
+            .map(|c| (c.container.clone(), c))
+            .collect();
         let p = get(&b.plane, &["get", "pod", pod, "-n", "default"]);
         if running.len() == count && p["status"]["phase"] == "Running" {
             return running;
@@ -273,7 +271,7 @@ async fn an_xid_takes_the_gpu_out_of_the_pool_until_it_recovers() {
     b.plane.create(&pod("p-2", "c-2", &["main"])).unwrap();
     wait_running(&b, "p-2", 1);
     assert_eq!(allocated(&b, "c-2").0, healthy);
-    assert!(node(&b).runtime.running().iter().any(|c| c.pod == "p-1"), "p-1 runs on");
+    assert!(node(&b).runtime.recording().unwrap().running().iter().any(|c| c.pod == "p-1"), "p-1 runs on");
     // No new fault for recovery_seconds and the GPU answers: back in the pool.
     let deadline = Instant::now() + Duration::from_secs(60);
     while slice_devices(&b).len() != 2 {
@@ -319,7 +317,7 @@ async fn gpushared_and_the_kubelet_killed_during_a_burst_of_prepares_lose_no_cla
     }
     // Each container was created once, even across the restarts.
     for n in &names {
-        let created = node(&b).runtime.created().into_iter().filter(|c| &c.pod == n).count();
+        let created = node(&b).runtime.recording().unwrap().created().into_iter().filter(|c| &c.pod == n).count();
         assert_eq!(created, 1, "{n} created {created} times");
     }
     // Deleting the pods unprepares every claim: nothing is left on either GPU.

@@ -132,8 +132,16 @@ async fn the_leaders_scheduler_and_extender_killed_mid_burst_lose_no_pod_and_ove
         if bound_in.is_none() && bound(&all) == FIT {
             bound_in = Some(led_at.elapsed());
         }
-        let running: BTreeMap<String, Created> =
-            b.node(NODE).unwrap().runtime.running().into_iter().map(|c| (c.pod.clone(), c)).collect();
+        let running: BTreeMap<String, Created> = b
+            .node(NODE)
+            .unwrap()
+            .runtime
+            .recording()
+            .unwrap()
+            .running()
+            .into_iter()
+            .map(|c| (c.pod.clone(), c))
+            .collect();
         let phases_running = all.values().filter(|p| p["status"]["phase"] == "Running").count();
         if running.len() == FIT && phases_running == FIT {
             break (running, all);
@@ -167,7 +175,7 @@ async fn the_leaders_scheduler_and_extender_killed_mid_burst_lose_no_pod_and_ove
     }
     assert_eq!(per_gpu.values().copied().collect::<Vec<_>>(), [15_300, 15_300], "{per_gpu:?}");
     // Each container was created once: no pod was admitted twice or replaced.
-    assert_eq!(b.node(NODE).unwrap().runtime.created().len(), FIT);
+    assert_eq!(b.node(NODE).unwrap().runtime.recording().unwrap().created().len(), FIT);
     // The ten that do not fit wait, unbound, told why.
     let waiting: Vec<&Value> = all.values().filter(|p| !p["spec"]["nodeName"].is_string()).collect();
     assert_eq!(waiting.len(), 10);

@@ -128,7 +128,7 @@ async fn the_real_kubelet_runs_each_container_on_the_gpu_of_its_assignment() {
 
     // The kubelet killed and started again: the pods keep running, nothing is created twice,
     // and a pod placed afterwards is admitted on the GPU of its assignment.
-    let created = the_node(&b).runtime.created().len();
+    let created = the_node(&b).runtime.recording().unwrap().created().len();
     b.nodes[0].kubelet.restart(&b.plane).unwrap_or_else(|e| panic!("{e:#}"));
     b.plane.create(&pod("kb-d", 5000)).unwrap();
     wait_bound(&b, &["kb-d".to_owned()]).await;
@@ -136,10 +136,10 @@ async fn the_real_kubelet_runs_each_container_on_the_gpu_of_its_assignment() {
     let containers = wait_running(&b, &all);
     check_containers(&b, &containers);
     assert_eq!(
-        the_node(&b).runtime.created().len(),
+        the_node(&b).runtime.recording().unwrap().created().len(),
         created + 1,
         "containers created again after the restart: {:?}",
-        the_node(&b).runtime.created()
+        the_node(&b).runtime.recording().unwrap().created()
     );
     wait_published(&b, &all);
 
@@ -147,9 +147,9 @@ async fn the_real_kubelet_runs_each_container_on_the_gpu_of_its_assignment() {
     b.plane.kubectl(&["delete", "pod", "kb-a", "-n", "default", "--grace-period=1"]).unwrap();
     wait_published(&b, &["kb-b", "kb-c", "kb-d"]);
     assert!(
-        the_node(&b).runtime.running().iter().all(|c| c.pod != "kb-a"),
+        the_node(&b).runtime.recording().unwrap().running().iter().all(|c| c.pod != "kb-a"),
         "kb-a still runs: {:?}",
-        the_node(&b).runtime.running()
+        the_node(&b).runtime.recording().unwrap().running()
     );
 }
 
@@ -172,7 +172,8 @@ fn mixed_pod(name: &str) -> serde_json::Value {
 fn check_every_container(b: &RealBox, name: &str) -> usize {
     let p = get(&b.plane, &["get", "pod", name, "-n", "default"]);
     let a = Assignment::decode(p["metadata"]["annotations"][ASSIGNMENT_KEY].as_str().unwrap()).unwrap();
-    let created: Vec<Created> = the_node(b).runtime.created().into_iter().filter(|c| c.pod == name).collect();
+    let created: Vec<Created> =
+        the_node(b).runtime.recording().unwrap().created().into_iter().filter(|c| c.pod == name).collect();
     for c in &created {
         let assigned = a
             .containers
@@ -201,16 +202,16 @@ async fn init_containers_sidecars_and_a_gpushared_restart_under_the_real_kubelet
     b.plane.create(&mixed_pod("mix-a")).unwrap();
     wait_bound(&b, &["mix-a".to_owned()]).await;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while the_node(&b).runtime.running().iter().filter(|c| c.pod == "mix-a").count() < 3 {
+    while the_node(&b).runtime.recording().unwrap().running().iter().filter(|c| c.pod == "mix-a").count() < 3 {
         assert!(
             Instant::now() < deadline,
             "mix-a's containers: {:?}\n{}",
-            the_node(&b).runtime.created(),
+            the_node(&b).runtime.recording().unwrap().created(),
             the_node(&b).daemon.log_tail(40)
         );
         std::thread::sleep(Duration::from_millis(250));
     }
-    assert_eq!(check_every_container(&b, "mix-a"), 4, "{:?}", the_node(&b).runtime.created());
+    assert_eq!(check_every_container(&b, "mix-a"), 4, "{:?}", the_node(&b).runtime.recording().unwrap().created());
     wait_published(&b, &["mix-a"]);
 
     // gpushared killed and started again: it comes back with its ledger, registers again, keeps
@@ -225,18 +226,18 @@ async fn init_containers_sidecars_and_a_gpushared_restart_under_the_real_kubelet
     b.plane.create(&mixed_pod("mix-b")).unwrap();
     wait_bound(&b, &["mix-b".to_owned()]).await;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while the_node(&b).runtime.running().iter().filter(|c| c.pod == "mix-b").count() < 3 {
+    while the_node(&b).runtime.recording().unwrap().running().iter().filter(|c| c.pod == "mix-b").count() < 3 {
         assert!(
             Instant::now() < deadline,
             "mix-b's containers: {:?}\npods: {}\nkubelet:\n{}\ngpushared:\n{}",
-            the_node(&b).runtime.created(),
+            the_node(&b).runtime.recording().unwrap().created(),
             get(&b.plane, &["get", "pods", "-n", "default"]),
             the_node(&b).kubelet.proc.log_tail(60),
             the_node(&b).daemon.log_tail(40)
         );
         std::thread::sleep(Duration::from_millis(250));
     }
-    assert_eq!(check_every_container(&b, "mix-b"), 4, "{:?}", the_node(&b).runtime.created());
+    assert_eq!(check_every_container(&b, "mix-b"), 4, "{:?}", the_node(&b).runtime.recording().unwrap().created());
     wait_published(&b, &["mix-a", "mix-b"]);
     assert!(b.nodes[0].daemon.exited().is_none(), "{}", the_node(&b).daemon.log_tail(40));
 }
@@ -303,7 +304,7 @@ async fn a_gpu_with_an_xid_leaves_the_kubelets_allocatable_and_comes_back() {
     std::thread::sleep(Duration::from_secs(3));
     let p = get(&b.plane, &["get", "pod", "x-c", "-n", "default"]);
     assert!(p["spec"]["nodeName"].is_null(), "x-c was placed beyond the kubelet's allocatable: {}", p["metadata"]);
-    assert!(the_node(&b).runtime.running().iter().any(|c| c.pod == "x-a"), "x-a stopped running");
+    assert!(the_node(&b).runtime.recording().unwrap().running().iter().any(|c| c.pod == "x-a"), "x-a stopped running");
 
     // No new fault for recovery_seconds and the GPU answers: healthy again, back in the
     // allocatable, and x-c placed and admitted.
@@ -383,7 +384,12 @@ async fn a_whole_gpu_beside_shared_ones_under_the_real_kubelet() {
         let p = get(&b.plane, &["get", "pod", name, "-n", "default"]);
         assert!(p["spec"]["nodeName"].is_null(), "{name} was placed: {}", p["metadata"]);
     }
-    assert_eq!(the_node(&b).runtime.running().len(), 3, "{:?}", the_node(&b).runtime.running());
+    assert_eq!(
+        the_node(&b).runtime.recording().unwrap().running().len(),
+        3,
+        "{:?}",
+        the_node(&b).runtime.recording().unwrap().running()
+    );
 }
 
 /// A kubelet left with `ResourceHealthStatus` on (the default from 1.36) writes each allocated
@@ -491,7 +497,10 @@ async fn a_grant_its_owner_forged_is_refused_by_gpushared_without_the_admission_
         let message = status["message"].as_str().unwrap_or_default();
         assert_eq!(status["reason"], "UnexpectedAdmissionError", "{name}: {status}");
         assert!(message.contains(reason), "{name}: {message}");
-        assert!(the_node(&b).runtime.created().iter().all(|c| c.pod != name), "{name} was created");
+        assert!(
+            the_node(&b).runtime.recording().unwrap().created().iter().all(|c| c.pod != name),
+            "{name} was created"
+        );
     }
     assert!(published(&b).is_empty(), "gpushared holds memory for {:?}", published(&b));
 }

@@ -66,7 +66,7 @@ fn wait_running(b: &RealBox, names: &[String]) {
                 let Some(node) = p["spec"]["nodeName"].as_str().and_then(|n| b.node(n)) else { return false };
                 p["metadata"]["name"] == name.as_str()
                     && p["status"]["phase"] == "Running"
-                    && node.runtime.running().iter().any(|c| &c.pod == name)
+                    && node.runtime.recording().unwrap().running().iter().any(|c| &c.pod == name)
             })
         });
         if ready {
@@ -100,7 +100,8 @@ fn check(b: &RealBox) {
         assert!(share.uuid.as_str().contains(node), "{name} on {node} assigned {}", share.uuid.as_str());
         *per_gpu.entry(share.uuid.as_str().to_owned()).or_default() += share.mib.get();
         per_node.entry(node.to_owned()).or_default().push(name.to_owned());
-        let created: Vec<_> = b.nodes.iter().flat_map(|n| n.runtime.created()).filter(|c| c.pod == name).collect();
+        let created: Vec<_> =
+            b.nodes.iter().flat_map(|n| n.runtime.recording().unwrap().created()).filter(|c| c.pod == name).collect();
         if p["status"]["phase"] != "Running" {
             continue;
         }
@@ -108,7 +109,10 @@ fn check(b: &RealBox) {
         let env = |k: &str| created[0].envs.get(k).cloned().unwrap_or_default();
         assert_eq!(env("NVIDIA_VISIBLE_DEVICES"), share.uuid.as_str(), "{name}");
         assert_eq!(env("GPUSHARE_MEMORY_MIB"), share.mib.get().to_string(), "{name}");
-        assert!(b.node(node).unwrap().runtime.running().iter().any(|c| c.pod == name), "{name} does not run on {node}");
+        assert!(
+            b.node(node).unwrap().runtime.recording().unwrap().running().iter().any(|c| c.pod == name),
+            "{name} does not run on {node}"
+        );
     }
     for (gpu, mib) in &per_gpu {
         let who: Vec<String> = pods["items"]
@@ -182,10 +186,14 @@ async fn the_extender_killed_and_the_control_plane_down_lose_nothing_on_real_kub
     // kube-apiserver down for 10 s, then kube-scheduler SIGKILLed and started again: the
     // kubelets and gpushared keep every pod running, nothing is created twice, and the next
     // pods are placed and admitted.
-    let running = b.nodes.iter().map(|n| n.runtime.running().len()).sum::<usize>();
+    let running = b.nodes.iter().map(|n| n.runtime.recording().unwrap().running().len()).sum::<usize>();
     b.plane.apiserver.kill();
     tokio::time::sleep(Duration::from_secs(10)).await;
-    assert_eq!(b.nodes.iter().map(|n| n.runtime.running().len()).sum::<usize>(), running, "containers stopped");
+    assert_eq!(
+        b.nodes.iter().map(|n| n.runtime.recording().unwrap().running().len()).sum::<usize>(),
+        running,
+        "containers stopped"
+    );
     b.plane.apiserver.kill_and_restart().unwrap();
     b.plane.wait_ready(Duration::from_secs(60)).unwrap();
     b.plane.scheduler.as_mut().unwrap().kill_and_restart().unwrap();
@@ -240,7 +248,10 @@ async fn a_node_whose_gpushared_hung_or_died_takes_no_new_pod_until_it_is_back()
     stays_unbound(&b, &pinned, 4);
     let reason = why_waiting(&b, "d-3");
     assert!(reason.contains("has not renewed"), "{reason}");
-    assert!(b.node(sick).unwrap().runtime.running().iter().any(|c| c.pod == "d-1"), "d-1 stopped running");
+    assert!(
+        b.node(sick).unwrap().runtime.recording().unwrap().running().iter().any(|c| c.pod == "d-1"),
+        "d-1 stopped running"
+    );
 
     // Going on (SIGCONT): it renews its heartbeat, the extender takes the node back, and d-3 is
     // placed there and admitted.
@@ -259,7 +270,7 @@ async fn a_node_whose_gpushared_hung_or_died_takes_no_new_pod_until_it_is_back()
     stays_unbound(&b, &pinned, 3);
     let reason = why_waiting(&b, "d-4");
     assert!(reason.contains("Insufficient gpushare.io/gpu-mem"), "{reason}");
-    let running = b.node(sick).unwrap().runtime.running();
+    let running = b.node(sick).unwrap().runtime.recording().unwrap().running();
     assert!(["d-1", "d-3"].iter().all(|n| running.iter().any(|c| c.pod == *n)), "{running:?}");
     b.nodes[0].daemon.kill_and_restart().unwrap();
     wait_bound(&b, &pinned).await;
@@ -299,7 +310,7 @@ async fn higher_priority_pods_preempt_gpu_holders_under_real_kubelets() {
     // another one at a time, and their GPUs follow the order of binding).
     let left = live_named(&b, "low-");
     assert!((3..=4).contains(&left.len()), "two victims, or three when two GPUs held them: {left:?}");
-    let running = b.node(node).unwrap().runtime.running();
+    let running = b.node(node).unwrap().runtime.recording().unwrap().running();
     assert_eq!(running.len(), left.len() + 1, "{running:?}");
     assert!(preempt_calls(&b).await >= 1, "the extender's preempt was never called");
 }

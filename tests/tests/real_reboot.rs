@@ -112,7 +112,10 @@ async fn after_a_reboot_every_pod_and_claim_comes_back_and_a_deleted_pod_holds_n
         plane.create(&pod("p-4", 10_000))
     })
     .unwrap_or_else(|e| panic!("{e:#}"));
-    assert!(node(&b).runtime.created().is_empty(), "the runtime kept containers across the reboot");
+    assert!(
+        node(&b).runtime.recording().unwrap().created().is_empty(),
+        "the runtime kept containers across the reboot"
+    );
     wait_bound(&b, &["p-4".to_owned()]).await;
 
     // Every pod runs again, on the GPU and with the budget it had; none failed admission.
@@ -126,7 +129,12 @@ async fn after_a_reboot_every_pod_and_claim_comes_back_and_a_deleted_pod_holds_n
     assert_eq!(grant(&after["p-4"]).1, "10000");
     // Each container was created once since the boot: the claims were prepared again (their
     // specs are back) before the runtime created their containers.
-    assert_eq!(node(&b).runtime.created().len(), after_names.len(), "{:?}", node(&b).runtime.created());
+    assert_eq!(
+        node(&b).runtime.recording().unwrap().created().len(),
+        after_names.len(),
+        "{:?}",
+        node(&b).runtime.recording().unwrap().created()
+    );
     assert_eq!(specs(), 4, "the CDI specs were not written again");
 
     // The ledger holds the running pods and claims, and nothing for p-3: the kubelet no

@@ -251,7 +251,7 @@ async fn init_containers() {
         let ctrs = [Ctr { name: "fetch", init: true, ..Ctr::main(1000) }, Ctr::main(4000)];
         let want = pods("init", 1, &ctrs);
         let node = b.node(NODE).unwrap();
-        node.runtime.finish_at_start("default", "init-0", "fetch");
+        node.runtime.recording().unwrap().finish_at_start("default", "init-0", "fetch");
         let seen = run(&b, system, &want, 1);
         let verdict = and_then(judge(&b, system, &gpus, &want, &seen), || {
             let init = seen[0].containers.iter().find(|c| c.name == "fetch");

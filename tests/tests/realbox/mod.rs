@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory};
 use gpushare_testkit::cri::Created;
-use gpushare_testkit::realbox::{RealCluster, RealOptions};
+use gpushare_testkit::realbox::{RealCluster, RealOptions, Runtime};
 use gpushare_testkit::realkube::{self, ControlPlane};
 use serde_json::{Value, json};
 
@@ -68,6 +68,20 @@ pub(crate) fn claim(name: &str, mib: u64) -> Value {
     })
 }
 
+/// A pod whose `containers` all run `sleep infinity` from `image` and use the claim `claim`.
+pub(crate) fn claim_pod(name: &str, claim: &str, containers: &[&str], image: &str) -> Value {
+    let containers: Vec<Value> = containers
+        .iter()
+        .map(|c| json!({"name": c, "image": image, "command": ["sleep", "infinity"], "resources": {"claims": [{"name": "gpu"}]}}))
+        .collect();
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"automountServiceAccountToken": false,
+                 "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}], "containers": containers},
+    })
+}
+
 pub(crate) fn get(plane: &ControlPlane, args: &[&str]) -> Value {
     let mut all = args.to_vec();
     all.extend(["-o", "json"]);
@@ -84,6 +98,11 @@ pub(crate) async fn up() -> Option<RealBox> {
 /// `extender_extra` added to the extender's configuration. `GPUSHARE_BOX_DIR` keeps every log,
 /// certificate and etcd's data to study.
 pub(crate) async fn up_with(scheduler_config: &str, extender_extra: &str) -> Option<RealBox> {
+    up_on(scheduler_config, extender_extra, Runtime::Recording).await
+}
+
+/// [`up_with`] with the nodes' container runtime `runtime`.
+pub(crate) async fn up_on(scheduler_config: &str, extender_extra: &str, runtime: Runtime) -> Option<RealBox> {
     if !realkube::available() {
         gpushare_testkit::skip_unless_ci("no Go to build the real Kubernetes components");
         return None;
@@ -92,6 +111,7 @@ pub(crate) async fn up_with(scheduler_config: &str, extender_extra: &str) -> Opt
         dir: gpushare_testkit::box_dir(),
         scheduler_config: scheduler_config.into(),
         extender_extra: extender_extra.into(),
+        runtime,
     };
     Some(RealCluster::up(&options).await.unwrap_or_else(|e| panic!("{e:#}")))
 }
@@ -104,6 +124,8 @@ pub(crate) fn wait_running(b: &RealBox, node: &str, names: &[&str], timeout: Dur
     loop {
         let running: BTreeMap<String, Created> = n
             .runtime
+            .recording()
+            .unwrap()
             .running()
             .into_iter()
             .filter(|c| names.contains(&c.pod.as_str()))

@@ -267,7 +267,7 @@ pub(crate) fn settle(b: &RealBox, pods: &[(String, Vec<Ctr>)], running: usize) -
 
 /// What became of each of `pods`, now.
 pub(crate) fn observe(b: &RealBox, pods: &[(String, Vec<Ctr>)]) -> Vec<Seen> {
-    let created = b.node(NODE).unwrap().runtime.created();
+    let created = b.node(NODE).unwrap().runtime.recording().unwrap().created();
     let items = get(&b.plane, &["get", "pods", "-n", "default"]);
     pods.iter()
         .map(|(name, _)| {

@@ -71,8 +71,8 @@ pub(crate) async fn demo(
         let inits = pod.pointer("/spec/initContainers").and_then(serde_json::Value::as_array).into_iter().flatten();
         for c in inits.filter(|c| c.get("restartPolicy").and_then(serde_json::Value::as_str) != Some("Always")) {
             let name = c.get("name").and_then(serde_json::Value::as_str).unwrap_or_default();
-            for node in &cluster.nodes {
-                node.runtime.finish_at_start(meta("namespace"), meta("name"), name);
+            for runtime in cluster.nodes.iter().filter_map(|n| n.runtime.recording()) {
+                runtime.finish_at_start(meta("namespace"), meta("name"), name);
             }
         }
     }
@@ -128,8 +128,8 @@ fn received(cluster: &RealCluster, pods: &[Pod]) -> BTreeMap<String, Vec<Receive
         })
         .collect();
     let mut out: BTreeMap<String, Vec<Received>> = BTreeMap::new();
-    for node in &cluster.nodes {
-        for c in node.runtime.created() {
+    for runtime in cluster.nodes.iter().filter_map(|n| n.runtime.recording()) {
+        for c in runtime.created() {
             let gpu = c.envs.contains_key("GPUSHARE_MEMORY_MIB") || c.envs.contains_key("NVIDIA_VISIBLE_DEVICES");
             let init = init.contains(&(c.pod_uid.clone(), c.container.clone()));
             out.entry(c.pod_uid).or_default().push(Received { name: c.container, init, gpu, env: c.envs });

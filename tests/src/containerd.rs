@@ -1,0 +1,458 @@
+//! containerd 2 with runc as one node's real container runtime (`tests/runtime/build`), and
+//! what the processes it ran reported about themselves.
+//!
+//! Each node gets a containerd of its own: its root, state, sockets and runc state under the
+//! node's `cri/` folder, CDI on with the node's CDI folder (where gpushared writes a claim's
+//! spec, the folder the recording runtime reads too), the box's images imported (no registry is
+//! reachable), and a pod network of its own: containerd runs in a network namespace of its own
+//! (`unshare --net`) where the CNI bridge plugin makes the node's bridge, so nodes side by side
+//! neither collide nor touch the machine's network. NRI is off (its socket is one per machine).
+//! The build machines' containers lack `CAP_SYS_RESOURCE`, so no process may lower its OOM score
+//! below its parent's: containerd keeps each container's at or above its own
+//! (`restrict_oom_score_adj`, as for a containerd that runs in a user namespace).
+//!
+//! Every container runs `probe` (tests/runtime/cmd/probe), which prints one line,
+//! `gpushare-probe {json}`, with the environment, device nodes, mounts and cgroups it sees; the
+//! kubelet's pod logs keep it, and [`seen`] reads it back: the suites check what reached the
+//! process, not what the kubelet asked for.
+//!
+//! The shims and containers outlive a killed containerd, as on a host. [`Containerd`] kills them
+//! when it is dropped or rebooted: every container in its runc state (`runc delete --force`),
+//! every shim that serves its socket, and every mount under its folder.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+
+use crate::cluster::Proc;
+use crate::realkube::{ControlPlane, built_by};
+
+/// The directory holding containerd, runc, the CNI plugins and `images.tar`:
+/// `$GPUSHARE_RUNTIME_BIN`, or what `tests/runtime/build` builds (cached).
+///
+/// # Errors
+/// If the build fails.
+pub fn binaries() -> anyhow::Result<PathBuf> {
+    built_by("GPUSHARE_RUNTIME_BIN", &Path::new(env!("CARGO_MANIFEST_DIR")).join("runtime").join("build"))
+}
+
+/// The image every suite's pod on containerd names (`tests/runtime/build` makes it): its
+/// entrypoint is the probe, and `/bin/sleep` and `/bin/true` are the probe too.
+pub const PROBE_IMAGE: &str = "registry.example/probe:1";
+
+/// The containerd namespace of the CRI plugin.
+const NAMESPACE: &str = "k8s.io";
+
+/// One node's containerd, serving while this lives.
+#[derive(Debug)]
+pub struct Containerd {
+    /// Its folder: configuration, root, state, sockets.
+    dir: PathBuf,
+    /// The binaries ([`binaries`]).
+    bin: PathBuf,
+    proc: Proc,
+}
+
+impl Containerd {
+    /// Starts node `node`'s containerd under `dir`, reading CDI specs from `cdi`, imports the
+    /// box's images and waits until it serves.
+    ///
+    /// # Errors
+    /// If it cannot be built or started, or does not serve within 30 s (with its log).
+    pub fn start(plane: &ControlPlane, node: &str, dir: &Path, cdi: &Path) -> anyhow::Result<Containerd> {
+        let bin = binaries()?;
+        for d in [dir, cdi, &dir.join("net.d")] {
+            std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+        }
+        std::fs::write(dir.join("config.toml"), config(dir, &bin, cdi))?;
+        std::fs::write(dir.join("net.d").join("10-box.conflist"), network(dir))?;
+        let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+        let proc = plane.spawn(
+            &format!("containerd-{node}"),
+            Path::new("unshare"),
+            vec![
+                "--net".into(),
+                "--".into(),
+                bin.join("containerd").display().to_string(),
+                format!("--config={}", dir.join("config.toml").display()),
+            ],
+            vec![("PATH".into(), path)],
+        )?;
+        let mut containerd = Containerd { dir: dir.to_owned(), bin, proc };
+        containerd.wait_serving()?;
+        containerd.ctr(&["images", "import", &containerd.bin.join("images.tar").display().to_string()])?;
+        Ok(containerd)
+    }
+
+    /// The socket, as the kubelet's `containerRuntimeEndpoint` names it.
+    #[must_use]
+    pub fn endpoint(&self) -> String {
+        format!("unix://{}", self.socket().display())
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.join("containerd.sock")
+    }
+
+    /// Loses what a host keeps in tmpfs, as on a reboot: containerd, every shim and container
+    /// are killed, and its state folder (`/run/containerd` on a host) is emptied; its root
+    /// (images, snapshots, its metadata) is kept. Then it starts again.
+    ///
+    /// # Errors
+    /// If it does not serve again within 30 s.
+    pub fn reboot(&mut self) -> anyhow::Result<()> {
+        self.proc.kill();
+        self.kill_containers();
+        let state = self.dir.join("state");
+        match std::fs::remove_dir_all(&state) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).with_context(|| format!("emptying {}", state.display())),
+        }
+        self.proc.start()?;
+        self.wait_serving()
+    }
+
+    /// Kills containerd alone (SIGKILL) and starts it again, as `systemctl restart containerd`
+    /// after a crash would: the shims and containers keep running.
+    ///
+    /// # Errors
+    /// If it does not serve again within 30 s.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.proc.kill();
+        self.proc.start()?;
+        self.wait_serving()
+    }
+
+    /// Its log.
+    #[must_use]
+    pub fn log_tail(&self, lines: usize) -> String {
+        self.proc.log_tail(lines)
+    }
+
+    fn wait_serving(&mut self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if self.ctr(&["version"]).is_ok() {
+                return Ok(());
+            }
+            if let Some(status) = self.proc.exited() {
+                bail!("containerd exited ({status}):\n{}", self.proc.log_tail(30));
+            }
+            if Instant::now() > deadline {
+                bail!("containerd does not serve {} after 30 s:\n{}", self.socket().display(), self.proc.log_tail(30));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Runs `ctr` against this containerd in the CRI plugin's namespace.
+    fn ctr(&self, args: &[&str]) -> anyhow::Result<String> {
+        let out = Command::new(self.bin.join("ctr"))
+            .arg(format!("--address={}", self.socket().display()))
+            .arg(format!("--namespace={NAMESPACE}"))
+            .args(args)
+            .output()
+            .context("running ctr")?;
+        if !out.status.success() {
+            bail!("ctr {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Kills every container of this containerd, its shims, and unmounts what they mounted.
+    fn kill_containers(&self) {
+        let runc_root = self.dir.join("runc").join(NAMESPACE);
+        let runc = |args: &[&str]| {
+            Command::new(self.bin.join("runc")).arg(format!("--root={}", runc_root.display())).args(args).output()
+        };
+        if let Ok(out) = runc(&["list", "--quiet"]) {
+            for id in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+                let _ = runc(&["delete", "--force", id]);
+            }
+        }
+        let address = self.socket().display().to_string();
+        for pid in processes_with_args(&["-address", &address]) {
+            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+        }
+        unmount_under(&self.dir);
+    }
+}
+
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        self.proc.kill();
+        self.kill_containers();
+    }
+}
+
+/// containerd's configuration for a node under `dir`.
+fn config(dir: &Path, bin: &Path, cdi: &Path) -> String {
+    let d = dir.display();
+    format!(
+        "version = 4\n\
+         root = '{d}/root'\n\
+         state = '{d}/state'\n\
+         imports = []\n\
+         [plugins.'io.containerd.server.v1.grpc']\n  address = '{d}/containerd.sock'\n\
+         [plugins.'io.containerd.server.v1.ttrpc']\n  address = '{d}/containerd.sock.ttrpc'\n\
+         [plugins.'io.containerd.internal.v1.opt']\n  path = '{d}/opt'\n\
+         [plugins.'io.containerd.nri.v1.nri']\n  disable = true\n\
+         [plugins.'io.containerd.cri.v1.images']\n  snapshotter = 'overlayfs'\n\
+         [plugins.'io.containerd.cri.v1.images'.pinned_images]\n  sandbox = 'registry.k8s.io/pause:3.10.2'\n\
+         [plugins.'io.containerd.cri.v1.runtime']\n  enable_cdi = true\n  cdi_spec_dirs = ['{cdi}']\n  \
+         netns_mounts_under_state_dir = true\n  restrict_oom_score_adj = true\n\
+         [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]\n  \
+         BinaryName = '{runc}'\n  Root = '{d}/runc'\n\
+         [plugins.'io.containerd.cri.v1.runtime'.cni]\n  bin_dirs = ['{bin}']\n  conf_dir = '{d}/net.d'\n",
+        cdi = cdi.display(),
+        runc = bin.join("runc").display(),
+        bin = bin.display(),
+    )
+}
+
+/// The node's pod network: a bridge in containerd's own network namespace, addresses from
+/// host-local.
+fn network(dir: &Path) -> String {
+    serde_json::json!({
+        "cniVersion": "1.0.0",
+        "name": "box",
+        "plugins": [
+            {"type": "bridge", "bridge": "box0", "isGateway": true,
+             "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.88.0.0/16"}]],
+                      "dataDir": dir.join("ipam").display().to_string()}},
+            {"type": "loopback"},
+        ],
+    })
+    .to_string()
+}
+
+/// The pids of the processes whose arguments hold `args` in a row.
+fn processes_with_args(args: &[&str]) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                let words: Vec<&[u8]> = c.split(|b| *b == 0).collect();
+                words.windows(args.len()).any(|w| w.iter().zip(args).all(|(a, b)| *a == b.as_bytes()))
+            })
+        })
+        .collect()
+}
+
+/// Unmounts (lazily) every mount point under `dir`, deepest first.
+fn unmount_under(dir: &Path) {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return };
+    let mut points: Vec<&str> =
+        info.lines().filter_map(|l| l.split(' ').nth(4)).filter(|p| Path::new(p).starts_with(dir)).collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+    for p in points {
+        let _ = Command::new("umount").args(["--lazy", p]).status();
+    }
+}
+
+/// One device node a process saw under `/dev`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize)]
+pub struct Device {
+    /// Its path in the container.
+    pub path: String,
+    /// `c` (character) or `b` (block).
+    pub kind: String,
+    /// Its major number.
+    pub major: u32,
+    /// Its minor number.
+    pub minor: u32,
+}
+
+/// One mount a process saw (a line of `/proc/self/mounts`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize)]
+pub struct Mount {
+    /// The source as the kernel names it (a device, `overlay`, `tmpfs`).
+    pub source: String,
+    /// Where it is in the container.
+    pub target: String,
+    /// Its file system type.
+    pub fstype: String,
+    /// Its options (`ro` or `rw` first).
+    pub options: String,
+}
+
+impl Mount {
+    /// Whether it is mounted read-only.
+    #[must_use]
+    pub fn read_only(&self) -> bool {
+        self.options.split(',').any(|o| o == "ro")
+    }
+}
+
+/// What one container's process reported about itself.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Seen {
+    /// The pod's namespace.
+    pub namespace: String,
+    /// The pod's name.
+    pub pod: String,
+    /// The pod's UID.
+    pub pod_uid: String,
+    /// The container's name.
+    pub container: String,
+    /// Which start of the container this was (0 first).
+    pub attempt: u32,
+    /// Its environment.
+    pub env: BTreeMap<String, String>,
+    /// The device nodes under its `/dev`.
+    pub devices: Vec<Device>,
+    /// Its mounts.
+    pub mounts: Vec<Mount>,
+    /// Its `/proc/self/cgroup`.
+    pub cgroup: String,
+    /// Its PID, as its PID namespace numbers it.
+    pub pid: u32,
+}
+
+impl Seen {
+    /// The mount at `target`, if the process saw one there.
+    #[must_use]
+    pub fn mount(&self, target: &str) -> Option<&Mount> {
+        self.mounts.iter().rev().find(|m| m.target == target)
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct Report {
+    env: BTreeMap<String, String>,
+    #[serde(default)]
+    devices: Option<Vec<Device>>,
+    #[serde(default)]
+    mounts: Option<Vec<Mount>>,
+    #[serde(default)]
+    cgroup: String,
+    pid: u32,
+}
+
+/// The marker of the probe's report line.
+const MARKER: &str = "gpushare-probe ";
+
+/// Every report under a kubelet's pod logs folder (`podLogsDir`): one per container start, in
+/// the kubelet's layout `<namespace>_<pod>_<uid>/<container>/<attempt>.log` of CRI log lines.
+///
+/// # Errors
+/// If the folder cannot be read, or a report line is not the probe's JSON.
+pub fn seen(logs: &Path) -> anyhow::Result<Vec<Seen>> {
+    let mut all = Vec::new();
+    let pods = match std::fs::read_dir(logs) {
+        Ok(d) => d,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(all),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", logs.display())),
+    };
+    for pod in pods {
+        let pod = pod?;
+        let name = pod.file_name().to_string_lossy().into_owned();
+        let mut parts = name.splitn(3, '_');
+        let (Some(namespace), Some(pod_name), Some(uid)) = (parts.next(), parts.next(), parts.next()) else {
+            continue;
+        };
+        for container in std::fs::read_dir(pod.path())? {
+            let container = container?;
+            if !container.file_type()?.is_dir() {
+                continue;
+            }
+            for log in std::fs::read_dir(container.path())? {
+                let log = log?.path();
+                let Some(attempt) = log.file_stem().and_then(|s| s.to_str()?.parse::<u32>().ok()) else { continue };
+                let text = std::fs::read_to_string(&log).with_context(|| format!("reading {}", log.display()))?;
+                // A CRI log line: `<time> stdout F <text>`.
+                for line in text.lines() {
+                    let Some(json) = line.split_once(MARKER).map(|(_, j)| j) else { continue };
+                    let r: Report = serde_json::from_str(json)
+                        .with_context(|| format!("a probe report in {} is not its JSON", log.display()))?;
+                    all.push(Seen {
+                        namespace: namespace.to_owned(),
+                        pod: pod_name.to_owned(),
+                        pod_uid: uid.to_owned(),
+                        container: container.file_name().to_string_lossy().into_owned(),
+                        attempt,
+                        env: r.env,
+                        devices: r.devices.unwrap_or_default(),
+                        mounts: r.mounts.unwrap_or_default(),
+                        cgroup: r.cgroup,
+                        pid: r.pid,
+                    });
+                }
+            }
+        }
+    }
+    all.sort_by(|a, b| {
+        (&a.namespace, &a.pod, &a.container, a.attempt).cmp(&(&b.namespace, &b.pod, &b.container, b.attempt))
+    });
+    Ok(all)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn seen_reads_each_report_from_the_kubelets_log_layout() {
+        let logs = tempfile::tempdir().unwrap();
+        let dir = logs.path().join("ml_train-0_u-1").join("main");
+        std::fs::create_dir_all(&dir).unwrap();
+        let report = r#"{"args":["/probe"],"env":{"GPUSHARE_MEMORY_MIB":"6000"},"devices":[{"path":"/dev/null","kind":"c","major":1,"minor":3}],"mounts":[{"source":"overlay","target":"/","fstype":"overlay","options":"rw,relatime"},{"source":"tmpfs","target":"/run/mps","fstype":"tmpfs","options":"ro,nosuid"}],"cgroup":"0::/","uid":0,"pid":1}"#;
+        std::fs::write(dir.join("0.log"), format!("2026-11-28T14:37:09.8Z stdout F {MARKER}{report}\n")).unwrap();
+        // A second start, and a line of another kind: only reports count.
+        std::fs::write(
+            dir.join("1.log"),
+            format!("2026-11-28T14:38:00Z stderr F noise\n2026-11-28T14:38:00Z stdout F {MARKER}{report}\n"),
+        )
+        .unwrap();
+        let seen = seen(logs.path()).unwrap();
+        assert_eq!(seen.len(), 2);
+        let s = &seen[1];
+        assert_eq!(
+            (s.namespace.as_str(), s.pod.as_str(), s.pod_uid.as_str(), s.container.as_str()),
+            ("ml", "train-0", "u-1", "main")
+        );
+        assert_eq!((seen[0].attempt, s.attempt, s.pid), (0, 1, 1));
+        assert_eq!(s.env["GPUSHARE_MEMORY_MIB"], "6000");
+        assert_eq!(s.devices[0], Device { path: "/dev/null".into(), kind: "c".into(), major: 1, minor: 3 });
+        assert!(s.mount("/run/mps").unwrap().read_only());
+        assert!(!s.mount("/").unwrap().read_only());
+        assert!(s.mount("/etc").is_none());
+    }
+
+    #[test]
+    fn a_report_that_is_not_the_probes_json_is_an_error_naming_its_file() {
+        let logs = tempfile::tempdir().unwrap();
+        let dir = logs.path().join("ml_p_u").join("main");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("0.log"), format!("t stdout F {MARKER}{{not json\n")).unwrap();
+        let err = format!("{:#}", seen(logs.path()).unwrap_err());
+        assert!(err.contains("0.log") && err.contains("not its JSON"), "{err}");
+        assert!(seen(&logs.path().join("absent")).unwrap().is_empty(), "no logs yet is no report");
+    }
+
+    #[test]
+    fn the_configuration_keeps_everything_under_the_nodes_folder() {
+        let c = config(Path::new("/n/cri"), Path::new("/b"), Path::new("/n/cri/cdi"));
+        for line in [
+            "root = '/n/cri/root'",
+            "state = '/n/cri/state'",
+            "address = '/n/cri/containerd.sock'",
+            "cdi_spec_dirs = ['/n/cri/cdi']",
+            "Root = '/n/cri/runc'",
+            "BinaryName = '/b/runc'",
+            "disable = true",
+        ] {
+            assert!(c.contains(line), "{line} missing from\n{c}");
+        }
+        let net: serde_json::Value = serde_json::from_str(&network(Path::new("/n/cri"))).unwrap();
+        assert_eq!(net["plugins"][0]["ipam"]["dataDir"], "/n/cri/ipam");
+    }
+}
