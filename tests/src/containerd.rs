@@ -13,7 +13,8 @@
 //!
 //! Every container runs `probe` (tests/runtime/cmd/probe), which prints one line,
 //! `gpushare-probe {json}`, with the environment, device nodes, mounts and cgroups it sees; the
-//! kubelet's pod logs keep it, and [`seen`] reads it back: the suites check what reached the
+//! kubelet's pod logs keep it, and [`seen`] reads it back (with, for each directory a container's
+//! `PROBE_WRITE` names, whether the process could write there): the suites check what reached the
 //! process, not what the kubelet asked for.
 //!
 //! The shims and containers outlive a killed containerd, as on a host. [`Containerd`] kills them
@@ -313,6 +314,9 @@ pub struct Seen {
     pub cgroup: String,
     /// Its PID, as its PID namespace numbers it.
     pub pid: u32,
+    /// For each directory its `PROBE_WRITE` named: `ok` if it could create a file there, or
+    /// the error that stopped it.
+    pub writes: BTreeMap<String, String>,
 }
 
 impl Seen {
@@ -333,6 +337,8 @@ struct Report {
     #[serde(default)]
     cgroup: String,
     pid: u32,
+    #[serde(default)]
+    writes: BTreeMap<String, String>,
 }
 
 /// The marker of the probe's report line.
@@ -382,6 +388,7 @@ pub fn seen(logs: &Path) -> anyhow::Result<Vec<Seen>> {
                         mounts: r.mounts.unwrap_or_default(),
                         cgroup: r.cgroup,
                         pid: r.pid,
+                        writes: r.writes,
                     });
                 }
             }
@@ -404,7 +411,7 @@ mod tests {
         let logs = tempfile::tempdir().unwrap();
         let dir = logs.path().join("ml_train-0_u-1").join("main");
         std::fs::create_dir_all(&dir).unwrap();
-        let report = r#"{"args":["/probe"],"env":{"GPUSHARE_MEMORY_MIB":"6000"},"devices":[{"path":"/dev/null","kind":"c","major":1,"minor":3}],"mounts":[{"source":"overlay","target":"/","fstype":"overlay","options":"rw,relatime"},{"source":"tmpfs","target":"/run/mps","fstype":"tmpfs","options":"ro,nosuid"}],"cgroup":"0::/","uid":0,"pid":1}"#;
+        let report = r#"{"args":["/probe"],"env":{"GPUSHARE_MEMORY_MIB":"6000"},"devices":[{"path":"/dev/null","kind":"c","major":1,"minor":3}],"mounts":[{"source":"overlay","target":"/","fstype":"overlay","options":"rw,relatime"},{"source":"tmpfs","target":"/run/mps","fstype":"tmpfs","options":"ro,nosuid"}],"cgroup":"0::/","uid":0,"pid":1,"writes":{"/run/mps":"open /run/mps/probe-1: read-only file system"}}"#;
         std::fs::write(dir.join("0.log"), format!("2026-11-28T14:37:09.8Z stdout F {MARKER}{report}\n")).unwrap();
         // A second start, and a line of another kind: only reports count.
         std::fs::write(
@@ -425,6 +432,7 @@ mod tests {
         assert!(s.mount("/run/mps").unwrap().read_only());
         assert!(!s.mount("/").unwrap().read_only());
         assert!(s.mount("/etc").is_none());
+        assert!(s.writes["/run/mps"].ends_with("read-only file system"));
     }
 
     #[test]

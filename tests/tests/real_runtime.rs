@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
 use gpushare_testkit::containerd::{PROBE_IMAGE, Seen};
 use gpushare_testkit::nvml::FakeGpu;
-use gpushare_testkit::realbox::{RealNode, Runtime, is_root, repo};
+use gpushare_testkit::realbox::{RealNode, Runtime, is_root, merge_toml, repo};
 use gpushare_testkit::realkube::DRA_MINOR;
 use serde_json::{Value, json};
 
@@ -26,7 +26,8 @@ fn node(b: &RealBox) -> &RealNode {
 }
 
 /// The box on containerd with one node of four 40 GB GPUs: 0 and 1 shared through the device
-/// plugin, 2 and 3 through DRA. `None` where this machine cannot run it.
+/// plugin, 2 and 3 through DRA; 1 and 3 are MPS GPUs (their clients mount the pipe directory).
+/// `None` where this machine cannot run it.
 async fn containerd_box() -> Option<RealBox> {
     if !is_root() {
         gpushare_testkit::skip_unless_ci("the real kubelet and containerd need root");
@@ -39,18 +40,34 @@ async fn containerd_box() -> Option<RealBox> {
     }
     b.plane.apply(&repo().join("etc/kubernetes/gpushare-deviceclass.yaml")).unwrap_or_else(|e| panic!("{e:#}"));
     let gpus: Vec<FakeGpu> = (0..4).map(|i| FakeGpu::new(NODE, i, GPU_MIB, "A100-PCIE-40GB")).collect();
-    let config = b.dra_config(NODE, &[2, 3]);
+    let pipe = pipe_directory(&b);
+    // gpushared-mps.service makes the pipe directory on a host (`install -d`).
+    std::fs::create_dir_all(&pipe).unwrap();
+    let host = b.plane.dir.join(NODE);
+    let mps = format!(
+        "[sharing]\nmps = [1, 3]\n[mps]\npipe_directory = \"{pipe}\"\nlog_directory = \"{log}\"\n\
+         environment_file = \"{env}\"\n",
+        log = host.join("mps-log").display(),
+        env = host.join("mps.env").display(),
+    );
+    let config = merge_toml(&mps, &b.dra_config(NODE, &[2, 3])).unwrap();
     b.add_node(NODE, &gpus, ("", &config)).unwrap_or_else(|e| panic!("{e:#}"));
     b.wait_allocatable(NODE, "gpushare.io/gpu-mem", "81920", Duration::from_secs(60))
         .unwrap_or_else(|e| panic!("{e:#}"));
     Some(b)
 }
 
-/// A pod of the probe image whose one container asks the device plugin for `mib` MiB.
-fn plugin_pod(name: &str, mib: u64) -> Value {
+/// The node's MPS pipe directory, mounted into MPS clients at the same path.
+fn pipe_directory(b: &RealBox) -> String {
+    b.plane.dir.join(NODE).join("mps-pipe").display().to_string()
+}
+
+/// A pod of the probe image whose one container asks the device plugin for `mib` MiB; its
+/// probe tries to write in `try_write`.
+fn plugin_pod(name: &str, mib: u64, try_write: &str) -> Value {
     json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
         "spec": {"automountServiceAccountToken": false,
-                 "containers": [{"name": "main", "image": PROBE_IMAGE,
+                 "containers": [{"name": "main", "image": PROBE_IMAGE, "env": [{"name": "PROBE_WRITE", "value": try_write}],
                                  "resources": {"limits": {"gpushare.io/gpu-mem": mib.to_string()}}}]}})
 }
 
@@ -94,20 +111,40 @@ fn uuid(index: u32) -> String {
     FakeGpu::new(NODE, index, GPU_MIB, "A100-PCIE-40GB").uuid
 }
 
-/// Checks that the process of `pod`'s container ran in a container of its own (the first
-/// process of its PID namespace, on the image's root) and saw its grant: the GPU and budget of
-/// the assignment the extender wrote.
-fn check_plugin_pod(b: &RealBox, pod: &str, seen: &Seen) {
+/// Checks that the process of `pod`'s container ran in a container of its own and saw its
+/// grant: the GPU and budget of the assignment the extender wrote, and on the MPS GPU (1) the
+/// pipe directory, mounted read-only so that the process cannot write there. Returns the GPU.
+fn check_plugin_pod(b: &RealBox, pod: &str, seen: &Seen) -> String {
     let p = get(&b.plane, &["get", "pod", pod, "-n", "default"]);
     let a = Assignment::decode(p["metadata"]["annotations"][ASSIGNMENT_KEY].as_str().unwrap()).unwrap();
     let share = &a.containers[0].gpus[0];
     let env = |k: &str| seen.env.get(k).cloned().unwrap_or_default();
     assert_eq!(env("NVIDIA_VISIBLE_DEVICES"), share.uuid.as_str(), "{pod}: {:?}", seen.env);
-    assert!([uuid(0), uuid(1)].contains(&env("NVIDIA_VISIBLE_DEVICES")), "{pod}: a device-plugin GPU");
     assert_eq!(env("GPUSHARE_MEMORY_MIB"), share.mib.get().to_string(), "{pod}");
     assert_eq!(env("CUDA_DEVICE_MEMORY_LIMIT_0"), format!("{}m", share.mib.get()), "{pod}");
     assert_eq!(env("GPUSHARE_POD"), format!("default/{pod}"), "{pod}");
     assert_real_container(pod, seen);
+    let gpu = env("NVIDIA_VISIBLE_DEVICES");
+    let pipe = pipe_directory(b);
+    if gpu == uuid(1) {
+        assert_mps_client(pod, seen, &pipe);
+        assert_eq!(env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"), format!("0={}M", share.mib.get()), "{pod}");
+    } else {
+        assert_eq!(gpu, uuid(0), "{pod}: a device-plugin GPU");
+        assert!(seen.mount(&pipe).is_none() && !seen.env.contains_key("CUDA_MPS_PIPE_DIRECTORY"), "{pod}: {seen:?}");
+        assert!(seen.writes[&pipe].contains("no such file or directory"), "{pod}: {:?}", seen.writes);
+    }
+    gpu
+}
+
+/// The process is an MPS client: it was told the pipe directory, sees it mounted read-only, and
+/// its own attempt to create a file there failed (it cannot stop the control daemon or replace
+/// its sockets, issue 35).
+fn assert_mps_client(pod: &str, seen: &Seen, pipe: &str) {
+    assert_eq!(seen.env.get("CUDA_MPS_PIPE_DIRECTORY").map(String::as_str), Some(pipe), "{pod}: {:?}", seen.env);
+    let mount = seen.mount(pipe).unwrap_or_else(|| panic!("{pod}: {pipe} is not mounted: {:?}", seen.mounts));
+    assert!(mount.read_only(), "{pod}: {mount:?}");
+    assert!(seen.writes[pipe].contains("read-only file system"), "{pod}: {:?}", seen.writes);
 }
 
 /// The process ran in a real container: PID 1 of its namespace, on an overlay root, with the
@@ -118,55 +155,77 @@ fn assert_real_container(pod: &str, seen: &Seen) {
     assert!(seen.mount("/etc/hosts").is_some(), "{pod}: no /etc/hosts from the kubelet: {:?}", seen.mounts);
 }
 
+/// A claim for `mib` MiB of the GPU the CEL `expression` selects.
+fn claim_where(name: &str, mib: u64, expression: &str) -> Value {
+    let mut c = claim(name, mib);
+    c["spec"]["devices"]["requests"][0]["exactly"]["selectors"] = json!([{"cel": {"expression": expression}}]);
+    c
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_containerd_each_process_sees_its_grant_and_a_restart_keeps_them_running() {
     let Some(mut b) = containerd_box().await else { return };
+    let pipe = pipe_directory(&b);
 
-    // Device plugin: Allocate's environment reaches each process.
+    // Device plugin: Allocate's environment and mounts reach each process. 30,000 and 20,000
+    // MiB cannot share a GPU, so both GPUs, the MPS one among them, are used.
     let plugin = [("cp-a", 6000), ("cp-b", 30000), ("cp-c", 20000)];
     for (name, mib) in plugin {
-        b.plane.create(&plugin_pod(name, mib)).unwrap();
+        b.plane.create(&plugin_pod(name, mib, &pipe)).unwrap();
     }
     wait_bound(&b, &plugin.map(|(n, _)| n.to_owned())).await;
+    let mut gpus = Vec::new();
     for (name, _) in plugin {
         let seen = wait_seen(&b, name, &["main"]);
-        check_plugin_pod(&b, name, &seen["main"]);
+        gpus.push(check_plugin_pod(&b, name, &seen["main"]));
     }
+    assert!(gpus.contains(&uuid(0)) && gpus.contains(&uuid(1)), "{gpus:?}");
 
-    // DRA: containerd resolves the claim's CDI device from the spec gpushared wrote, and both
-    // containers of the pod see the claim's GPU and budget.
-    b.plane.create(&claim("cc-3500", 3500)).unwrap();
+    // DRA: containerd resolves each claim's CDI device from the spec gpushared wrote. Both
+    // containers of a pod share a plain claim on GPU 2; a claim on the dra-mps GPU 3 makes its
+    // container an MPS client through the spec's read-only mount.
+    b.plane.create(&claim_where("cc-3500", 3500, r#"device.attributes["gpu.gpushare.io"].index == 2"#)).unwrap();
     b.plane.create(&claim_pod("cd-a", "cc-3500", &["main", "sidecar"])).unwrap();
+    b.plane
+        .create(&claim_where("cc-mps", 10_240, r#"device.attributes["gpu.gpushare.io"].sharing == "dra-mps""#))
+        .unwrap();
+    let mut mps_pod = claim_pod("cd-mps", "cc-mps", &["main"]);
+    mps_pod["spec"]["containers"][0]["env"] = json!([{"name": "PROBE_WRITE", "value": pipe}]);
+    b.plane.create(&mps_pod).unwrap();
     let seen = wait_seen(&b, "cd-a", &["main", "sidecar"]);
-    let c = get(&b.plane, &["get", "resourceclaim", "cc-3500", "-n", "default"]);
-    let device = c["status"]["allocation"]["devices"]["results"][0]["device"].as_str().unwrap().to_owned();
-    let index: u32 = device.strip_prefix("gpu-").unwrap().parse().unwrap();
-    assert!(index >= 2, "a DRA GPU: {c}");
     for (container, s) in &seen {
         let env = |k: &str| s.env.get(k).cloned().unwrap_or_default();
-        assert_eq!(env("NVIDIA_VISIBLE_DEVICES"), uuid(index), "{container}: {:?}", s.env);
+        assert_eq!(env("NVIDIA_VISIBLE_DEVICES"), uuid(2), "{container}: {:?}", s.env);
         assert_eq!(env("GPUSHARE_MEMORY_MIB"), "3500", "{container}");
         assert_eq!(env("CUDA_DEVICE_MEMORY_LIMIT_0"), "3500m", "{container}");
         assert_eq!(env("GPUSHARE_GPU_TOTAL_MIB"), GPU_MIB.to_string(), "{container}");
         assert_eq!(env("GPUSHARE_CLAIM"), "default/cc-3500", "{container}");
+        assert!(s.mount(&pipe).is_none(), "{container}: {:?}", s.mounts);
         assert_real_container("cd-a", s);
     }
+    let seen = wait_seen(&b, "cd-mps", &["main"]);
+    let s = &seen["main"];
+    assert_eq!(s.env.get("NVIDIA_VISIBLE_DEVICES"), Some(&uuid(3)), "{:?}", s.env);
+    assert_eq!(s.env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT").map(String::as_str), Some("0=10240M"), "{:?}", s.env);
+    assert_mps_client("cd-mps", s, &pipe);
 
     // containerd killed and started again: the shims keep the containers running, the kubelet
     // starts none of them again, and a pod placed afterwards runs with its grant.
     let before = node(&b).seen().unwrap().len();
     let n = b.nodes.iter_mut().find(|n| n.name == NODE).unwrap();
     n.runtime.containerd_mut().expect("the box runs containerd").restart().unwrap_or_else(|e| panic!("{e:#}"));
-    b.plane.create(&plugin_pod("cp-after", 8000)).unwrap();
+    b.plane.create(&plugin_pod("cp-after", 8000, &pipe)).unwrap();
     wait_bound(&b, &["cp-after".to_owned()]).await;
     let seen = wait_seen(&b, "cp-after", &["main"]);
     check_plugin_pod(&b, "cp-after", &seen["main"]);
     let all = node(&b).seen().unwrap();
     assert_eq!(all.len(), before + 1, "a container started again after containerd's restart: {all:#?}");
-    for (name, _) in plugin {
+    for name in ["cp-a", "cp-b", "cp-c", "cd-a", "cd-mps"] {
         let p = get(&b.plane, &["get", "pod", name, "-n", "default"]);
         assert_eq!(p["status"]["phase"], "Running", "{name}: {p}");
-        assert_eq!(p["status"]["containerStatuses"][0]["restartCount"], 0, "{name}: {p}");
+        let restarts: Vec<&Value> =
+            p["status"]["containerStatuses"].as_array().unwrap().iter().map(|c| &c["restartCount"]).collect();
+        assert!(restarts.iter().all(|r| **r == 0), "{name}: {p}");
     }
     b.shutdown();
 }

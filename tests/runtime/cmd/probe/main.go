@@ -10,7 +10,10 @@
 //	sleep    reports and waits for SIGTERM or SIGINT, then exits 0 (`sleep infinity`)
 //	probe    the same as sleep (the probe image's entrypoint)
 //
-// The report is the line `gpushare-probe {json}`.
+// The report is the line `gpushare-probe {json}`. Where the environment has PROBE_WRITE, a
+// colon-separated list of directories, the probe also tries to create a file in each and
+// reports, per directory, "ok" (the file is removed again) or the error: whether the process
+// itself can write there (an MPS client and its pipe directory).
 package main
 
 import (
@@ -50,6 +53,7 @@ type Report struct {
 	Cgroup  string            `json:"cgroup"`
 	UID     int               `json:"uid"`
 	PID     int               `json:"pid"`
+	Writes  map[string]string `json:"writes,omitempty"`
 }
 
 func main() {
@@ -108,6 +112,12 @@ func report() {
 			}
 		}
 	}
+	if dirs := os.Getenv("PROBE_WRITE"); dirs != "" {
+		r.Writes = map[string]string{}
+		for _, dir := range strings.Split(dirs, ":") {
+			r.Writes[dir] = tryWrite(dir)
+		}
+	}
 	if b, err := os.ReadFile("/proc/self/cgroup"); err == nil {
 		r.Cgroup = strings.TrimSpace(string(b))
 	}
@@ -117,6 +127,20 @@ func report() {
 		os.Exit(1)
 	}
 	fmt.Printf("gpushare-probe %s\n", out)
+}
+
+// tryWrite creates a file in dir and removes it: "ok", or the error that stopped it.
+func tryWrite(dir string) string {
+	f, err := os.CreateTemp(dir, "probe-")
+	if err != nil {
+		return err.Error()
+	}
+	name := f.Name()
+	f.Close()
+	if err := os.Remove(name); err != nil {
+		return "written, but not removed: " + err.Error()
+	}
+	return "ok"
 }
 
 func major(dev uint64) uint32 { return uint32((dev>>8)&0xfff) | uint32((dev>>32)&^0xfff) }
