@@ -18,7 +18,7 @@
 //! process, not what the kubelet asked for.
 //!
 //! The shims and containers outlive a killed containerd, as on a host. [`Containerd`] kills them
-//! when it is dropped or rebooted: every container in its runc state (`runc delete --force`),
+//! when it is dropped or halted: every container in its runc state (`runc delete --force`),
 //! every shim that serves its socket, and every mount under its folder.
 
 use std::collections::BTreeMap;
@@ -98,21 +98,28 @@ impl Containerd {
         self.dir.join("containerd.sock")
     }
 
-    /// Loses what a host keeps in tmpfs, as on a reboot: containerd, every shim and container
-    /// are killed, and its state folder (`/run/containerd` on a host) is emptied; its root
-    /// (images, snapshots, its metadata) is kept. Then it starts again.
+    /// Loses what a host keeps in tmpfs, as a power cut does: containerd, every shim and
+    /// container are killed, and its state folder (`/run/containerd` on a host) is emptied; its
+    /// root (images, snapshots, its metadata) is kept. [`Self::boot`] starts it again.
     ///
     /// # Errors
-    /// If it does not serve again within 30 s.
-    pub fn reboot(&mut self) -> anyhow::Result<()> {
+    /// If the state folder cannot be emptied.
+    pub fn halt(&mut self) -> anyhow::Result<()> {
         self.proc.kill();
         self.kill_containers();
         let state = self.dir.join("state");
         match std::fs::remove_dir_all(&state) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e).with_context(|| format!("emptying {}", state.display())),
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e).with_context(|| format!("emptying {}", state.display())),
         }
+    }
+
+    /// Starts containerd halted by [`Self::halt`] with the same configuration, as a boot does.
+    ///
+    /// # Errors
+    /// If it does not serve within 30 s.
+    pub fn boot(&mut self) -> anyhow::Result<()> {
         self.proc.start()?;
         self.wait_serving()
     }

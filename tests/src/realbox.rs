@@ -98,14 +98,27 @@ impl NodeRuntime {
         }
     }
 
-    /// Loses what the runtime keeps in tmpfs, as on a host's reboot, and serves again.
+    /// Loses what the runtime keeps in tmpfs, as a host's power cut does: the recording runtime
+    /// forgets every sandbox, container and record (and serves again, unused while the kubelet
+    /// is down); containerd is halted with its containers.
+    ///
+    /// # Errors
+    /// If the runtime cannot serve again or its state cannot be emptied.
+    pub fn halt(&mut self) -> anyhow::Result<()> {
+        match self {
+            NodeRuntime::Recording(r) => r.reboot(),
+            NodeRuntime::Containerd(c) => c.halt(),
+        }
+    }
+
+    /// Starts the runtime halted by [`Self::halt`], as a boot does.
     ///
     /// # Errors
     /// If it does not serve again.
-    pub fn reboot(&mut self) -> anyhow::Result<()> {
+    pub fn boot(&mut self) -> anyhow::Result<()> {
         match self {
-            NodeRuntime::Recording(r) => r.reboot(),
-            NodeRuntime::Containerd(c) => c.reboot(),
+            NodeRuntime::Recording(_) => Ok(()),
+            NodeRuntime::Containerd(c) => c.boot(),
         }
     }
 }
@@ -130,7 +143,7 @@ pub struct RealNode {
     pub host: PathBuf,
     /// The container runtime the kubelet drives.
     pub runtime: NodeRuntime,
-    /// `cri-proxy` in front of it, for a kubelet older than 1.31 ([`node_runtime`]).
+    /// `cri-proxy` in front of it, for a kubelet older than 1.31 ([`RealCluster::node_runtime`]).
     pub cri_proxy: Option<Proc>,
     /// The kubelet.
     pub kubelet: RealKubelet,
@@ -457,6 +470,7 @@ impl RealCluster {
         let node = self.nodes.iter_mut().find(|n| n.name == name).with_context(|| format!("no node {name}"))?;
         node.kubelet.halt();
         node.daemon.kill();
+        node.runtime.halt()?;
         let cdi = node.host.join("cri").join(crate::cri::CDI_DIR);
         match std::fs::remove_dir_all(&cdi) {
             Ok(()) => {}
@@ -466,7 +480,7 @@ impl RealCluster {
         while_down(&self.plane)?;
         // tmpfiles.d/gpushared.conf makes the CDI directory again at boot.
         std::fs::create_dir_all(&cdi).with_context(|| format!("creating {}", cdi.display()))?;
-        node.runtime.reboot()?;
+        node.runtime.boot()?;
         node.daemon.start()?;
         node.kubelet.boot(&self.plane)
     }

@@ -3,25 +3,93 @@
 //! goes (the runtime's containers, the CDI specs gpushared wrote), `/var/lib` stays (the
 //! kubelet's checkpoints, gpushared's ledger), and a pod is deleted and another bound while the
 //! node is down. Once it is up again, every container runs again on its own GPU with its
-//! budget, read from what the runtime created; each claim is prepared again before its
-//! containers start; the deleted pod holds nothing; the new pod is admitted.
+//! budget; each claim is prepared again before its containers start; the deleted pod holds
+//! nothing; the new pod is admitted. It runs twice: on the recording runtime (the grants read
+//! from what the runtime created) and on containerd and runc (read from what each new process
+//! saw, its containers killed by the power cut).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use gpushare_core::codec::node::NodeState;
-use gpushare_testkit::cri::{CDI_DIR, Created};
+use gpushare_testkit::containerd::PROBE_IMAGE;
+use gpushare_testkit::cri::CDI_DIR;
 use gpushare_testkit::nvml::FakeGpu;
-use gpushare_testkit::realbox::{RealNode, is_root, repo};
-use serde_json::{Value, json};
+use gpushare_testkit::realbox::{RealNode, Runtime, is_root, repo};
+use serde_json::Value;
 
 mod realbox;
-use realbox::{RealBox, claim, pod, up, wait_bound};
+use realbox::{RealBox, claim, get, pod, up_on, wait_bound};
 
-/// Waits until `names` run on the node (90 s: a reboot's pods and claims come back together).
-fn wait_running(b: &RealBox, names: &[&str]) -> BTreeMap<String, Created> {
-    realbox::wait_running(b, NODE, names, Duration::from_secs(90))
+/// Container starts per pod name.
+type Starts = BTreeMap<String, usize>;
+
+/// How many times each pod's container started since `before` was counted: on the recording
+/// runtime, every record it holds (a reboot empties it); on containerd, every report of a
+/// process beyond those of `before`.
+fn starts_since(b: &RealBox, before: &Starts) -> Starts {
+    let n = node(b);
+    let mut starts = Starts::new();
+    if let Some(r) = n.runtime.recording() {
+        for c in r.created() {
+            *starts.entry(c.pod).or_default() += 1;
+        }
+        return starts;
+    }
+    for s in n.seen().unwrap_or_else(|e| panic!("{e:#}")) {
+        *starts.entry(s.pod).or_default() += 1;
+    }
+    for (pod, count) in before {
+        if let Some(now) = starts.get_mut(pod) {
+            *now = now.saturating_sub(*count);
+        }
+    }
+    starts.retain(|_, count| *count > 0);
+    starts
+}
+
+/// What decides a running container's GPU and budget: (`NVIDIA_VISIBLE_DEVICES`,
+/// `GPUSHARE_MEMORY_MIB`) of its latest start, as the recording runtime was asked or as the
+/// process on containerd saw them.
+fn latest_grant(b: &RealBox, pod: &str) -> Option<(String, String)> {
+    let n = node(b);
+    let grant = |env: &BTreeMap<String, String>| {
+        let get = |k: &str| env.get(k).cloned().unwrap_or_default();
+        (get("NVIDIA_VISIBLE_DEVICES"), get("GPUSHARE_MEMORY_MIB"))
+    };
+    if let Some(r) = n.runtime.recording() {
+        return r.running().iter().rev().find(|c| c.pod == pod).map(|c| grant(&c.envs));
+    }
+    let seen = n.seen().unwrap_or_else(|e| panic!("{e:#}"));
+    seen.iter().filter(|s| s.pod == pod).max_by_key(|s| s.attempt).map(|s| grant(&s.env))
+}
+
+/// Waits until every pod of `names` is Running and its container started since `before`
+/// (90 s: a reboot's pods and claims come back together); returns their grants.
+fn wait_running(b: &RealBox, names: &[&str], before: &Starts) -> BTreeMap<String, (String, String)> {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let starts = starts_since(b, before);
+        let running: Vec<&str> = names
+            .iter()
+            .copied()
+            .filter(|name| {
+                starts.contains_key(*name)
+                    && get(&b.plane, &["get", "pod", name, "-n", "default"])["status"]["phase"] == "Running"
+            })
+            .collect();
+        if running.len() == names.len() {
+            return names.iter().map(|n| ((*n).to_owned(), latest_grant(b, n).unwrap_or_default())).collect();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "only {running:?} of {names:?} run after 90 s\nkubelet:\n{}\ngpushared:\n{}",
+            node(b).kubelet.proc.log_tail(30),
+            node(b).daemon.log_tail(20)
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
 }
 
 const NODE: &str = "node-r";
@@ -31,22 +99,11 @@ fn node(b: &RealBox) -> &RealNode {
     b.node(NODE).unwrap()
 }
 
-/// A pod whose one container uses the claim `claim`.
-fn claim_pod(name: &str, claim: &str) -> Value {
-    json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {"automountServiceAccountToken": false,
-                 "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
-                 "containers": [{"name": "main", "image": "busybox", "command": ["sleep", "infinity"],
-                                 "resources": {"claims": [{"name": "gpu"}]}}]},
-    })
-}
-
-/// What a container was given that decides its GPU and budget.
-fn grant(c: &Created) -> (String, String) {
-    let env = |k: &str| c.envs.get(k).cloned().unwrap_or_default();
-    (env("NVIDIA_VISIBLE_DEVICES"), env("GPUSHARE_MEMORY_MIB"))
+/// A pod of `image` whose one container asks the device plugin for `mib` MiB.
+fn plugin_pod(name: &str, mib: u64, image: &str) -> Value {
+    let mut p = pod(name, mib);
+    p["spec"]["containers"][0]["image"] = image.into();
+    p
 }
 
 /// The node's published state.
@@ -65,11 +122,21 @@ fn published(b: &RealBox) -> (Vec<String>, Vec<u64>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_reboot_every_pod_and_claim_comes_back_and_a_deleted_pod_holds_nothing() {
+    reboot_on(Runtime::Recording, "registry.example/app:1").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_reboot_on_containerd_every_process_comes_back_with_its_grant() {
+    reboot_on(Runtime::Containerd, PROBE_IMAGE).await;
+}
+
+/// The reboot on `runtime`, its pods of `image`.
+async fn reboot_on(runtime: Runtime, image: &str) {
     if !is_root() {
         gpushare_testkit::skip_unless_ci("the real kubelet needs root (it runs in a mount namespace of its own)");
         return;
     }
-    let Some(mut b) = up().await else { return };
+    let Some(mut b) = up_on("gpushare-scheduler-config.yaml", "", runtime).await else { return };
     if b.plane.minor < gpushare_testkit::realkube::DRA_MINOR {
         eprintln!(
             "skipped: the claims consume memory with DRAConsumableCapacity, on by default from Kubernetes 1.36 (this is 1.{})",
@@ -88,15 +155,15 @@ async fn after_a_reboot_every_pod_and_claim_comes_back_and_a_deleted_pod_holds_n
     let plugin_pods = ["p-0", "p-1", "p-2", "p-3"];
     let claim_pods = ["d-0", "d-1", "d-2", "d-3"];
     for name in plugin_pods {
-        b.plane.create(&pod(name, 10_000)).unwrap();
+        b.plane.create(&plugin_pod(name, 10_000, image)).unwrap();
     }
     for name in claim_pods {
         b.plane.create(&claim(&format!("c-{name}"), 6000)).unwrap();
-        b.plane.create(&claim_pod(name, &format!("c-{name}"))).unwrap();
+        b.plane.create(&realbox::claim_pod(name, &format!("c-{name}"), &["main"], image)).unwrap();
     }
     let all: Vec<&str> = plugin_pods.iter().chain(&claim_pods).copied().collect();
-    let before: BTreeMap<String, (String, String)> =
-        wait_running(&b, &all).iter().map(|(p, c)| (p.clone(), grant(c))).collect();
+    let before = wait_running(&b, &all, &Starts::new());
+    let starts_before = starts_since(&b, &Starts::new());
     for (p, (gpu, mib)) in &before {
         assert!(!gpu.is_empty(), "{p} runs with no GPU");
         assert_eq!(mib, if p.starts_with('p') { "10000" } else { "6000" }, "{p}");
@@ -109,41 +176,34 @@ async fn after_a_reboot_every_pod_and_claim_comes_back_and_a_deleted_pod_holds_n
     // collector or an operator with --force would) and p-4 is bound to the node.
     b.reboot(NODE, |plane| {
         plane.kubectl(&["delete", "pod", "p-3", "-n", "default", "--grace-period=0", "--force"])?;
-        plane.create(&pod("p-4", 10_000))
+        plane.create(&plugin_pod("p-4", 10_000, image))
     })
     .unwrap_or_else(|e| panic!("{e:#}"));
-    assert!(
-        node(&b).runtime.recording().unwrap().created().is_empty(),
-        "the runtime kept containers across the reboot"
-    );
     wait_bound(&b, &["p-4".to_owned()]).await;
 
     // Every pod runs again, on the GPU and with the budget it had; none failed admission.
     let after_names: Vec<&str> = ["p-0", "p-1", "p-2", "p-4"].iter().chain(&claim_pods).copied().collect();
-    let after = wait_running(&b, &after_names);
-    for (p, c) in &after {
+    let after = wait_running(&b, &after_names, &starts_before);
+    for (p, grant) in &after {
         if let Some(had) = before.get(p) {
-            assert_eq!(&grant(c), had, "{p} came back with another grant");
+            assert_eq!(grant, had, "{p} came back with another grant");
         }
     }
-    assert_eq!(grant(&after["p-4"]).1, "10000");
-    // Each container was created once since the boot: the claims were prepared again (their
-    // specs are back) before the runtime created their containers.
-    assert_eq!(
-        node(&b).runtime.recording().unwrap().created().len(),
-        after_names.len(),
-        "{:?}",
-        node(&b).runtime.recording().unwrap().created()
-    );
+    assert_eq!(after["p-4"].1, "10000");
+    // Each container was started once since the boot (the power cut killed the others): the
+    // claims were prepared again (their specs are back) before the runtime created their
+    // containers.
+    let starts = starts_since(&b, &starts_before);
+    let want: Starts = after_names.iter().map(|p| ((*p).to_owned(), 1)).collect();
+    assert_eq!(starts, want, "container starts since the boot");
     assert_eq!(specs(), 4, "the CDI specs were not written again");
 
     // The ledger holds the running pods and claims, and nothing for p-3: the kubelet no
     // longer lists it, and once the rows' grace period (30 s from the allocation) is over,
     // gpushared reconciles and releases them.
     let mut want_used = vec![0u64; 4];
-    for c in after.values() {
-        let (gpu, mib) = grant(c);
-        let index = gpus.iter().position(|g| g.uuid == gpu).unwrap_or_else(|| panic!("unknown GPU {gpu}"));
+    for (gpu, mib) in after.values() {
+        let index = gpus.iter().position(|g| g.uuid == *gpu).unwrap_or_else(|| panic!("unknown GPU {gpu}"));
         want_used[index] += mib.parse::<u64>().unwrap();
     }
     let want_pods: Vec<String> = ["p-0", "p-1", "p-2", "p-4"].map(str::to_owned).to_vec();
