@@ -21,7 +21,7 @@
 //! when it is dropped or halted: every container in its runc state (`runc delete --force`),
 //! every shim that serves its socket, and every mount under its folder.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 
 use crate::cluster::Proc;
+use crate::cri::api;
 use crate::realkube::{ControlPlane, built_by};
 
 /// The directory holding containerd, runc, the CNI plugins and `images.tar`:
@@ -46,6 +47,37 @@ pub const PROBE_IMAGE: &str = "registry.example/probe:1";
 
 /// The containerd namespace of the CRI plugin.
 const NAMESPACE: &str = "k8s.io";
+
+/// The labels the kubelet puts on each sandbox and container: its pod's UID, its name.
+const POD_UID: &str = "io.kubernetes.pod.uid";
+const CONTAINER_NAME: &str = "io.kubernetes.container.name";
+
+fn label(labels: &std::collections::HashMap<String, String>, key: &str) -> String {
+    labels.get(key).cloned().unwrap_or_default()
+}
+
+type Client = api::runtime_service_client::RuntimeServiceClient<tonic::transport::Channel>;
+
+/// Makes one call of containerd's CRI service at `socket`, on a runtime of its own: the suites
+/// call from synchronous code inside theirs.
+fn cri<T: Send, F: std::future::Future<Output = anyhow::Result<T>>>(
+    socket: &Path,
+    call: impl FnOnce(Client) -> F + Send,
+) -> anyhow::Result<T> {
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+                rt.block_on(async {
+                    let channel = gpushare_proto::uds::connect(socket).await?;
+                    call(Client::new(channel)).await
+                })
+            })
+            .join()
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the call panicked")))
+    })
+    .with_context(|| format!("calling containerd's CRI service at {}", socket.display()))
+}
 
 /// One node's containerd, serving while this lives.
 #[derive(Debug)]
@@ -133,6 +165,39 @@ impl Containerd {
         self.proc.kill();
         self.proc.start()?;
         self.wait_serving()
+    }
+
+    /// The containers running now, as containerd's CRI service lists them: (pod UID, container
+    /// name, attempt) of each, pod sandboxes aside.
+    ///
+    /// # Errors
+    /// If containerd does not answer.
+    pub fn running(&self) -> anyhow::Result<Vec<(String, String, u32)>> {
+        cri(&self.socket(), |mut client| async move {
+            let state = api::ContainerStateValue { state: api::ContainerState::ContainerRunning.into() };
+            let filter = api::ContainerFilter { state: Some(state), ..Default::default() };
+            let list = client.list_containers(api::ListContainersRequest { filter: Some(filter) }).await?;
+            Ok(list
+                .into_inner()
+                .containers
+                .into_iter()
+                .map(|c| {
+                    let attempt = c.metadata.as_ref().map_or(0, |m| m.attempt);
+                    (label(&c.labels, POD_UID), label(&c.labels, CONTAINER_NAME), attempt)
+                })
+                .collect())
+        })
+    }
+
+    /// The UIDs of the pods containerd holds a sandbox of, ready or not.
+    ///
+    /// # Errors
+    /// If containerd does not answer.
+    pub fn pod_uids(&self) -> anyhow::Result<BTreeSet<String>> {
+        cri(&self.socket(), |mut client| async move {
+            let list = client.list_pod_sandbox(api::ListPodSandboxRequest { filter: None }).await?;
+            Ok(list.into_inner().items.into_iter().map(|s| label(&s.labels, POD_UID)).collect())
+        })
     }
 
     /// Its log.

@@ -6,6 +6,7 @@
 //! and runc ([`crate::containerd`]), which run every container for real.
 //! The real-cluster suites and `gpushare-box demo --real` are built on it.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -19,7 +20,7 @@ use crate::containerd::Containerd;
 use crate::cri::RecordingRuntime;
 use crate::nvml::{self, FakeGpu};
 use crate::realkube::{self, ControlPlane};
-use crate::realkubelet::{DEFAULT_GATES, KubeletDirs, RealKubelet};
+use crate::realkubelet::{DEFAULT_GATES, DEFAULT_POD_LOGS, KubeletDirs, POD_LOGS_DIR_MINOR, RealKubelet};
 
 /// The repository the box's shipped files (`etc/`) come from.
 #[must_use]
@@ -153,16 +154,93 @@ pub struct RealNode {
     pub events: PathBuf,
 }
 
+/// One container start as the suites check it on either runtime: on the recording runtime, what
+/// `CreateContainer` was given; on containerd, what the process itself reported.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Started {
+    /// The pod's namespace.
+    pub namespace: String,
+    /// The pod's name.
+    pub pod: String,
+    /// The pod's UID.
+    pub pod_uid: String,
+    /// The container's name.
+    pub container: String,
+    /// Its environment.
+    pub envs: BTreeMap<String, String>,
+}
+
 impl RealNode {
     /// What each container's process reported about itself on a node that runs containerd,
     /// one entry per container start ([`crate::containerd::seen`], from the kubelet's pod
-    /// logs).
+    /// logs). A kubelet before 1.30 writes them to `/var/log/pods`, which the machine's nodes
+    /// share: there, the reports of the pods this node's containerd holds a sandbox of.
     ///
     /// # Errors
-    /// If the logs cannot be read or hold a report that is not the probe's.
+    /// If the logs cannot be read or hold a report that is not the probe's, or containerd does
+    /// not answer.
     pub fn seen(&self) -> anyhow::Result<Vec<crate::containerd::Seen>> {
-        crate::containerd::seen(&self.kubelet.dirs.logs)
+        let mut seen = crate::containerd::seen(&self.kubelet.dirs.logs)?;
+        if let (true, Some(containerd)) = (self.kubelet.minor < POD_LOGS_DIR_MINOR, self.runtime.containerd()) {
+            let uids = containerd.pod_uids()?;
+            let shared = crate::containerd::seen(Path::new(DEFAULT_POD_LOGS))?;
+            seen.extend(shared.into_iter().filter(|s| uids.contains(&s.pod_uid)));
+        }
+        Ok(seen)
     }
+
+    /// Every container start on the node so far: the recording runtime's records in order, or
+    /// containerd's processes' reports (by pod, container and attempt).
+    ///
+    /// # Errors
+    /// If containerd's processes' reports cannot be read.
+    pub fn started(&self) -> anyhow::Result<Vec<Started>> {
+        if let Some(r) = self.runtime.recording() {
+            return Ok(r
+                .created()
+                .into_iter()
+                .map(|c| started(c.namespace, c.pod, c.pod_uid, c.container, c.envs))
+                .collect());
+        }
+        Ok(self.seen()?.into_iter().map(|s| started(s.namespace, s.pod, s.pod_uid, s.container, s.env)).collect())
+    }
+
+    /// The containers running on the node now, the latest start of each. On containerd, those
+    /// its CRI service lists as running, with what their processes reported.
+    ///
+    /// # Errors
+    /// If containerd does not answer or the reports cannot be read.
+    pub fn running(&self) -> anyhow::Result<Vec<Started>> {
+        let containerd = match &self.runtime {
+            NodeRuntime::Recording(r) => {
+                return Ok(r
+                    .running()
+                    .into_iter()
+                    .map(|c| started(c.namespace, c.pod, c.pod_uid, c.container, c.envs))
+                    .collect());
+            }
+            NodeRuntime::Containerd(c) => c,
+        };
+        let seen = self.seen()?;
+        Ok(containerd
+            .running()?
+            .into_iter()
+            .filter_map(|(uid, name, attempt)| {
+                seen.iter().find(|s| s.pod_uid == uid && s.container == name && s.attempt == attempt)
+            })
+            .map(|s| started(s.namespace.clone(), s.pod.clone(), s.pod_uid.clone(), s.container.clone(), s.env.clone()))
+            .collect())
+    }
+}
+
+fn started(
+    namespace: String,
+    pod: String,
+    pod_uid: String,
+    container: String,
+    envs: BTreeMap<String, String>,
+) -> Started {
+    Started { namespace, pod, pod_uid, container, envs }
 }
 
 /// The real cluster: control plane, extender, kube-scheduler, and the nodes added to it.

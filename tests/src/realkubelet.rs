@@ -38,7 +38,7 @@ pub const DEVICE_PLUGIN_DIR: &str = "/var/lib/kubelet/device-plugins";
 pub struct KubeletDirs {
     /// `--root-dir`: pods, checkpoints, plugins.
     pub root: PathBuf,
-    /// The pod logs (`podLogsDir`).
+    /// The pod logs (`podLogsDir`; from kubelet 1.30 on, [`POD_LOGS_DIR_MINOR`]).
     pub logs: PathBuf,
 }
 
@@ -63,6 +63,13 @@ impl KubeletDirs {
     }
 }
 
+/// The first minor version whose kubelet writes pod logs where `podLogsDir` says ([`KubeletDirs::logs`]);
+/// an older one writes them to [`DEFAULT_POD_LOGS`], which every node of the machine shares.
+pub const POD_LOGS_DIR_MINOR: u32 = 30;
+
+/// Where a kubelet older than [`POD_LOGS_DIR_MINOR`] writes pod logs.
+pub const DEFAULT_POD_LOGS: &str = "/var/log/pods";
+
 /// The feature gates the kubelet runs with: per-device health in pod status off, as
 /// docs/install.md asks of kubelets serving gpushare in MiB (one device per MiB makes kubelet
 /// 1.36+ stall after a restart).
@@ -85,6 +92,8 @@ pub struct RealKubelet {
     pub port: u16,
     /// The port of its `/healthz`.
     healthz: u16,
+    /// Its minor version.
+    pub minor: u32,
 }
 
 impl RealKubelet {
@@ -174,7 +183,7 @@ impl RealKubelet {
             ],
         );
         let proc = plane.spawn(&format!("kubelet-{node}"), &program, args, vec![])?;
-        let mut kubelet = RealKubelet { node: node.to_owned(), dirs, proc, port, healthz };
+        let mut kubelet = RealKubelet { node: node.to_owned(), dirs, proc, port, healthz, minor: plane.minor };
         kubelet.wait_registered(plane, Duration::from_secs(60))?;
         // No node lifecycle controller runs to lift the taint a new node is registered with
         // once it is Ready: done here, as it would.

@@ -1,7 +1,7 @@
-//! gpushare under the real kubelet: a node of the real-cluster box runs the real kubelet (with
-//! the recording container runtime of `gpushare_testkit::cri`) and gpushared as that node. The
-//! real kube-scheduler places pods through the extender, the real kubelet admits them through
-//! gpushared's device plugin, and what each container was created with is checked against the
+//! gpushare under the real kubelet: a node of the real-cluster box runs the real kubelet (on
+//! containerd and runc, `gpushare_testkit::containerd`) and gpushared as that node. The real
+//! kube-scheduler places pods through the extender, the real kubelet admits them through
+//! gpushared's device plugin, and what each container's process saw is checked against the
 //! assignment the extender wrote: the GPU it sees and its budget.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -10,12 +10,12 @@ use std::time::{Duration, Instant};
 
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
-use gpushare_testkit::cri::Created;
+use gpushare_testkit::containerd::PROBE_IMAGE;
 use gpushare_testkit::nvml::FakeGpu;
-use gpushare_testkit::realbox::{RealNode, is_root};
+use gpushare_testkit::realbox::{RealNode, Runtime, Started, is_root};
 
 mod realbox;
-use realbox::{RealBox, get, pod, up, up_with, wait_bound};
+use realbox::{RealBox, get, pod, up_on, wait_bound};
 
 const NODE: &str = "node-k";
 
@@ -25,7 +25,7 @@ async fn real_box() -> Option<RealBox> {
         gpushare_testkit::skip_unless_ci("the real kubelet needs root (it runs in a mount namespace of its own)");
         return None;
     }
-    up().await
+    up_on("gpushare-scheduler-config.yaml", "", Runtime::Containerd).await
 }
 
 /// [`real_box`] set up as a cluster moving from Alibaba's gpushare: the shipped Alibaba
@@ -35,7 +35,8 @@ async fn alibaba_box() -> Option<RealBox> {
         gpushare_testkit::skip_unless_ci("the real kubelet needs root (it runs in a mount namespace of its own)");
         return None;
     }
-    up_with("gpushare-scheduler-config-alibaba.yaml", "[resources]\ncompatibility = \"alibaba\"\n").await
+    up_on("gpushare-scheduler-config-alibaba.yaml", "[resources]\ncompatibility = \"alibaba\"\n", Runtime::Containerd)
+        .await
 }
 
 /// Adds the node with the real kubelet and gpushared on two T4s; waits until the kubelet
@@ -58,13 +59,13 @@ fn the_node(b: &RealBox) -> &RealNode {
 
 /// Waits until every pod of `names` is Running with one running container each; returns
 /// their containers as the runtime created them, by pod name.
-fn wait_running(b: &RealBox, names: &[&str]) -> BTreeMap<String, Created> {
+fn wait_running(b: &RealBox, names: &[&str]) -> BTreeMap<String, Started> {
     realbox::wait_running(b, NODE, names, Duration::from_secs(60))
 }
 
 /// Checks that each container got the GPU of its pod's assignment and the budget of it, and
 /// that no GPU holds more than it has.
-fn check_containers(b: &RealBox, containers: &BTreeMap<String, Created>) {
+fn check_containers(b: &RealBox, containers: &BTreeMap<String, Started>) {
     let mut per_gpu: BTreeMap<String, u64> = BTreeMap::new();
     for (name, c) in containers {
         let p = get(&b.plane, &["get", "pod", name, "-n", "default"]);
@@ -128,7 +129,7 @@ async fn the_real_kubelet_runs_each_container_on_the_gpu_of_its_assignment() {
 
     // The kubelet killed and started again: the pods keep running, nothing is created twice,
     // and a pod placed afterwards is admitted on the GPU of its assignment.
-    let created = the_node(&b).runtime.recording().unwrap().created().len();
+    let created = the_node(&b).started().unwrap().len();
     b.nodes[0].kubelet.restart(&b.plane).unwrap_or_else(|e| panic!("{e:#}"));
     b.plane.create(&pod("kb-d", 5000)).unwrap();
     wait_bound(&b, &["kb-d".to_owned()]).await;
@@ -136,10 +137,10 @@ async fn the_real_kubelet_runs_each_container_on_the_gpu_of_its_assignment() {
     let containers = wait_running(&b, &all);
     check_containers(&b, &containers);
     assert_eq!(
-        the_node(&b).runtime.recording().unwrap().created().len(),
+        the_node(&b).started().unwrap().len(),
         created + 1,
         "containers created again after the restart: {:?}",
-        the_node(&b).runtime.recording().unwrap().created()
+        the_node(&b).started().unwrap()
     );
     wait_published(&b, &all);
 
@@ -147,9 +148,9 @@ async fn the_real_kubelet_runs_each_container_on_the_gpu_of_its_assignment() {
     b.plane.kubectl(&["delete", "pod", "kb-a", "-n", "default", "--grace-period=1"]).unwrap();
     wait_published(&b, &["kb-b", "kb-c", "kb-d"]);
     assert!(
-        the_node(&b).runtime.recording().unwrap().running().iter().all(|c| c.pod != "kb-a"),
+        the_node(&b).running().unwrap().iter().all(|c| c.pod != "kb-a"),
         "kb-a still runs: {:?}",
-        the_node(&b).runtime.recording().unwrap().running()
+        the_node(&b).running().unwrap()
     );
 }
 
@@ -160,11 +161,11 @@ fn mixed_pod(name: &str) -> serde_json::Value {
     serde_json::json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
         "spec": {"automountServiceAccountToken": false,
                  "initContainers": [
-                     {"name": "fetch", "image": "registry.example/fetch:1", "command": ["true"], "resources": gpu(4000)},
-                     {"name": "proxy", "image": "registry.example/proxy:1", "restartPolicy": "Always", "resources": gpu(1000)}],
+                     {"name": "fetch", "image": PROBE_IMAGE, "command": ["true"], "resources": gpu(4000)},
+                     {"name": "proxy", "image": PROBE_IMAGE, "restartPolicy": "Always", "resources": gpu(1000)}],
                  "containers": [
-                     {"name": "main", "image": "registry.example/app:1", "resources": gpu(3000)},
-                     {"name": "worker", "image": "registry.example/app:1", "resources": gpu(2000)}]}})
+                     {"name": "main", "image": PROBE_IMAGE, "resources": gpu(3000)},
+                     {"name": "worker", "image": PROBE_IMAGE, "resources": gpu(2000)}]}})
 }
 
 /// Checks every container the runtime created for pod `name` against its assignment: the GPU it
@@ -172,8 +173,7 @@ fn mixed_pod(name: &str) -> serde_json::Value {
 fn check_every_container(b: &RealBox, name: &str) -> usize {
     let p = get(&b.plane, &["get", "pod", name, "-n", "default"]);
     let a = Assignment::decode(p["metadata"]["annotations"][ASSIGNMENT_KEY].as_str().unwrap()).unwrap();
-    let created: Vec<Created> =
-        the_node(b).runtime.recording().unwrap().created().into_iter().filter(|c| c.pod == name).collect();
+    let created: Vec<Started> = the_node(b).started().unwrap().into_iter().filter(|c| c.pod == name).collect();
     for c in &created {
         let assigned = a
             .containers
@@ -202,16 +202,16 @@ async fn init_containers_sidecars_and_a_gpushared_restart_under_the_real_kubelet
     b.plane.create(&mixed_pod("mix-a")).unwrap();
     wait_bound(&b, &["mix-a".to_owned()]).await;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while the_node(&b).runtime.recording().unwrap().running().iter().filter(|c| c.pod == "mix-a").count() < 3 {
+    while the_node(&b).running().unwrap().iter().filter(|c| c.pod == "mix-a").count() < 3 {
         assert!(
             Instant::now() < deadline,
             "mix-a's containers: {:?}\n{}",
-            the_node(&b).runtime.recording().unwrap().created(),
+            the_node(&b).started().unwrap(),
             the_node(&b).daemon.log_tail(40)
         );
         std::thread::sleep(Duration::from_millis(250));
     }
-    assert_eq!(check_every_container(&b, "mix-a"), 4, "{:?}", the_node(&b).runtime.recording().unwrap().created());
+    assert_eq!(check_every_container(&b, "mix-a"), 4, "{:?}", the_node(&b).started().unwrap());
     wait_published(&b, &["mix-a"]);
 
     // gpushared killed and started again: it comes back with its ledger, registers again, keeps
@@ -226,18 +226,18 @@ async fn init_containers_sidecars_and_a_gpushared_restart_under_the_real_kubelet
     b.plane.create(&mixed_pod("mix-b")).unwrap();
     wait_bound(&b, &["mix-b".to_owned()]).await;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while the_node(&b).runtime.recording().unwrap().running().iter().filter(|c| c.pod == "mix-b").count() < 3 {
+    while the_node(&b).running().unwrap().iter().filter(|c| c.pod == "mix-b").count() < 3 {
         assert!(
             Instant::now() < deadline,
             "mix-b's containers: {:?}\npods: {}\nkubelet:\n{}\ngpushared:\n{}",
-            the_node(&b).runtime.recording().unwrap().created(),
+            the_node(&b).started().unwrap(),
             get(&b.plane, &["get", "pods", "-n", "default"]),
             the_node(&b).kubelet.proc.log_tail(60),
             the_node(&b).daemon.log_tail(40)
         );
         std::thread::sleep(Duration::from_millis(250));
     }
-    assert_eq!(check_every_container(&b, "mix-b"), 4, "{:?}", the_node(&b).runtime.recording().unwrap().created());
+    assert_eq!(check_every_container(&b, "mix-b"), 4, "{:?}", the_node(&b).started().unwrap());
     wait_published(&b, &["mix-a", "mix-b"]);
     assert!(b.nodes[0].daemon.exited().is_none(), "{}", the_node(&b).daemon.log_tail(40));
 }
@@ -304,7 +304,7 @@ async fn a_gpu_with_an_xid_leaves_the_kubelets_allocatable_and_comes_back() {
     std::thread::sleep(Duration::from_secs(3));
     let p = get(&b.plane, &["get", "pod", "x-c", "-n", "default"]);
     assert!(p["spec"]["nodeName"].is_null(), "x-c was placed beyond the kubelet's allocatable: {}", p["metadata"]);
-    assert!(the_node(&b).runtime.recording().unwrap().running().iter().any(|c| c.pod == "x-a"), "x-a stopped running");
+    assert!(the_node(&b).running().unwrap().iter().any(|c| c.pod == "x-a"), "x-a stopped running");
 
     // No new fault for recovery_seconds and the GPU answers: healthy again, back in the
     // allocatable, and x-c placed and admitted.
@@ -323,7 +323,7 @@ async fn alibaba_style_pods_run_under_the_real_kubelet_with_the_compatibility_se
     let alibaba_pod = |name: &str, mib: u64| {
         serde_json::json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
             "spec": {"automountServiceAccountToken": false,
-                     "containers": [{"name": "main", "image": "registry.example/app:1",
+                     "containers": [{"name": "main", "image": PROBE_IMAGE,
                                      "resources": {"limits": {"aliyun.com/gpu-mem": mib.to_string()}}}]}})
     };
     let names = ["ali-a", "ali-b", "ali-c"];
@@ -359,7 +359,7 @@ async fn a_whole_gpu_beside_shared_ones_under_the_real_kubelet() {
     let whole_pod = |name: &str| {
         serde_json::json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
             "spec": {"automountServiceAccountToken": false,
-                     "containers": [{"name": "main", "image": "registry.example/train:1",
+                     "containers": [{"name": "main", "image": PROBE_IMAGE,
                                      "resources": {"limits": {"gpushare.io/gpu": "1"}}}]}})
     };
     b.plane.create(&pod("s-a", 6000)).unwrap();
@@ -367,7 +367,7 @@ async fn a_whole_gpu_beside_shared_ones_under_the_real_kubelet() {
     b.plane.create(&whole_pod("w-a")).unwrap();
     wait_bound(&b, &["s-a".to_owned(), "s-b".to_owned(), "w-a".to_owned()]).await;
     let running = wait_running(&b, &["s-a", "s-b", "w-a"]);
-    let (shares, wholes): (BTreeMap<String, Created>, BTreeMap<String, Created>) =
+    let (shares, wholes): (BTreeMap<String, Started>, BTreeMap<String, Started>) =
         running.into_iter().partition(|(name, _)| name.starts_with("s-"));
     check_containers(&b, &shares);
     for (name, c) in &shares {
@@ -384,12 +384,7 @@ async fn a_whole_gpu_beside_shared_ones_under_the_real_kubelet() {
         let p = get(&b.plane, &["get", "pod", name, "-n", "default"]);
         assert!(p["spec"]["nodeName"].is_null(), "{name} was placed: {}", p["metadata"]);
     }
-    assert_eq!(
-        the_node(&b).runtime.recording().unwrap().running().len(),
-        3,
-        "{:?}",
-        the_node(&b).runtime.recording().unwrap().running()
-    );
+    assert_eq!(the_node(&b).running().unwrap().len(), 3, "{:?}", the_node(&b).running().unwrap());
 }
 
 /// A kubelet left with `ResourceHealthStatus` on (the default from 1.36) writes each allocated
@@ -461,7 +456,7 @@ async fn a_grant_its_owner_forged_is_refused_by_gpushared_without_the_admission_
         serde_json::json!({"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": "default", "annotations": {ASSIGNMENT_KEY: grant.to_string()}},
             "spec": {"nodeName": NODE, "automountServiceAccountToken": false,
-                     "containers": [{"name": "main", "image": "registry.example/app:1",
+                     "containers": [{"name": "main", "image": PROBE_IMAGE,
                                      "resources": {"limits": limits}}]}})
     };
     let cases = [
@@ -497,10 +492,7 @@ async fn a_grant_its_owner_forged_is_refused_by_gpushared_without_the_admission_
         let message = status["message"].as_str().unwrap_or_default();
         assert_eq!(status["reason"], "UnexpectedAdmissionError", "{name}: {status}");
         assert!(message.contains(reason), "{name}: {message}");
-        assert!(
-            the_node(&b).runtime.recording().unwrap().created().iter().all(|c| c.pod != name),
-            "{name} was created"
-        );
+        assert!(the_node(&b).started().unwrap().iter().all(|c| c.pod != name), "{name} was created");
     }
     assert!(published(&b).is_empty(), "gpushared holds memory for {:?}", published(&b));
 }

@@ -1,6 +1,6 @@
 //! Faults and preemption on the real cluster with real kubelets: the extender killed while pods
 //! wait, the API server down for 10 s, kube-scheduler killed, a node whose gpushared hung or
-//! died, and GPU holders preempted by a pod of higher priority. Two nodes, each the real kubelet (with the recording runtime) and gpushared on two T4s. After
+//! died, and GPU holders preempted by a pod of higher priority. Two nodes, each the real kubelet (on containerd and runc) and gpushared on two T4s. After
 //! each fault the invariants are checked from the outside: every pod that is bound runs on its
 //! node with the GPU and budget of its assignment, no container is created twice, no GPU holds
 //! more than it has, and each gpushared publishes exactly the pods of its node.
@@ -12,11 +12,11 @@ use std::time::{Duration, Instant};
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
 use gpushare_testkit::cluster::http_get;
 use gpushare_testkit::nvml::FakeGpu;
-use gpushare_testkit::realbox::is_root;
+use gpushare_testkit::realbox::{Runtime, is_root};
 use serde_json::{Value, json};
 
 mod realbox;
-use realbox::{RealBox, get, live_named, pod, preempt_calls, priority_classes, up, wait_bound};
+use realbox::{RealBox, get, live_named, pod, preempt_calls, priority_classes, up_on, wait_bound};
 
 const NODES: [&str; 2] = ["fa-a", "fa-b"];
 const T4: u64 = 15360;
@@ -28,7 +28,7 @@ async fn two_nodes(config_extra: &str) -> Option<RealBox> {
         gpushare_testkit::skip_unless_ci("the real kubelet needs root (it runs in a mount namespace of its own)");
         return None;
     }
-    let mut b = up().await?;
+    let mut b = up_on("gpushare-scheduler-config.yaml", "", Runtime::Containerd).await?;
     for node in NODES {
         let gpus = [FakeGpu::new(node, 0, T4, "Tesla T4"), FakeGpu::new(node, 1, T4, "Tesla T4")];
         b.add_node(node, &gpus, ("", config_extra)).unwrap_or_else(|e| panic!("{e:#}"));
@@ -66,7 +66,7 @@ fn wait_running(b: &RealBox, names: &[String]) {
                 let Some(node) = p["spec"]["nodeName"].as_str().and_then(|n| b.node(n)) else { return false };
                 p["metadata"]["name"] == name.as_str()
                     && p["status"]["phase"] == "Running"
-                    && node.runtime.recording().unwrap().running().iter().any(|c| &c.pod == name)
+                    && node.running().unwrap().iter().any(|c| &c.pod == name)
             })
         });
         if ready {
@@ -100,8 +100,7 @@ fn check(b: &RealBox) {
         assert!(share.uuid.as_str().contains(node), "{name} on {node} assigned {}", share.uuid.as_str());
         *per_gpu.entry(share.uuid.as_str().to_owned()).or_default() += share.mib.get();
         per_node.entry(node.to_owned()).or_default().push(name.to_owned());
-        let created: Vec<_> =
-            b.nodes.iter().flat_map(|n| n.runtime.recording().unwrap().created()).filter(|c| c.pod == name).collect();
+        let created: Vec<_> = b.nodes.iter().flat_map(|n| n.started().unwrap()).filter(|c| c.pod == name).collect();
         if p["status"]["phase"] != "Running" {
             continue;
         }
@@ -110,7 +109,7 @@ fn check(b: &RealBox) {
         assert_eq!(env("NVIDIA_VISIBLE_DEVICES"), share.uuid.as_str(), "{name}");
         assert_eq!(env("GPUSHARE_MEMORY_MIB"), share.mib.get().to_string(), "{name}");
         assert!(
-            b.node(node).unwrap().runtime.recording().unwrap().running().iter().any(|c| c.pod == name),
+            b.node(node).unwrap().running().unwrap().iter().any(|c| c.pod == name),
             "{name} does not run on {node}"
         );
     }
@@ -186,14 +185,10 @@ async fn the_extender_killed_and_the_control_plane_down_lose_nothing_on_real_kub
     // kube-apiserver down for 10 s, then kube-scheduler SIGKILLed and started again: the
     // kubelets and gpushared keep every pod running, nothing is created twice, and the next
     // pods are placed and admitted.
-    let running = b.nodes.iter().map(|n| n.runtime.recording().unwrap().running().len()).sum::<usize>();
+    let running = b.nodes.iter().map(|n| n.running().unwrap().len()).sum::<usize>();
     b.plane.apiserver.kill();
     tokio::time::sleep(Duration::from_secs(10)).await;
-    assert_eq!(
-        b.nodes.iter().map(|n| n.runtime.recording().unwrap().running().len()).sum::<usize>(),
-        running,
-        "containers stopped"
-    );
+    assert_eq!(b.nodes.iter().map(|n| n.running().unwrap().len()).sum::<usize>(), running, "containers stopped");
     b.plane.apiserver.kill_and_restart().unwrap();
     b.plane.wait_ready(Duration::from_secs(60)).unwrap();
     b.plane.scheduler.as_mut().unwrap().kill_and_restart().unwrap();
@@ -248,10 +243,7 @@ async fn a_node_whose_gpushared_hung_or_died_takes_no_new_pod_until_it_is_back()
     stays_unbound(&b, &pinned, 4);
     let reason = why_waiting(&b, "d-3");
     assert!(reason.contains("has not renewed"), "{reason}");
-    assert!(
-        b.node(sick).unwrap().runtime.recording().unwrap().running().iter().any(|c| c.pod == "d-1"),
-        "d-1 stopped running"
-    );
+    assert!(b.node(sick).unwrap().running().unwrap().iter().any(|c| c.pod == "d-1"), "d-1 stopped running");
 
     // Going on (SIGCONT): it renews its heartbeat, the extender takes the node back, and d-3 is
     // placed there and admitted.
@@ -270,7 +262,7 @@ async fn a_node_whose_gpushared_hung_or_died_takes_no_new_pod_until_it_is_back()
     stays_unbound(&b, &pinned, 3);
     let reason = why_waiting(&b, "d-4");
     assert!(reason.contains("Insufficient gpushare.io/gpu-mem"), "{reason}");
-    let running = b.node(sick).unwrap().runtime.recording().unwrap().running();
+    let running = b.node(sick).unwrap().running().unwrap();
     assert!(["d-1", "d-3"].iter().all(|n| running.iter().any(|c| c.pod == *n)), "{running:?}");
     b.nodes[0].daemon.kill_and_restart().unwrap();
     wait_bound(&b, &pinned).await;
@@ -310,7 +302,7 @@ async fn higher_priority_pods_preempt_gpu_holders_under_real_kubelets() {
     // another one at a time, and their GPUs follow the order of binding).
     let left = live_named(&b, "low-");
     assert!((3..=4).contains(&left.len()), "two victims, or three when two GPUs held them: {left:?}");
-    let running = b.node(node).unwrap().runtime.recording().unwrap().running();
+    let running = b.node(node).unwrap().running().unwrap();
     assert_eq!(running.len(), left.len() + 1, "{running:?}");
     assert!(preempt_calls(&b).await >= 1, "the extender's preempt was never called");
 }

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_core::{Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory};
-use gpushare_testkit::cri::Created;
-use gpushare_testkit::realbox::{RealCluster, RealOptions, Runtime};
+use gpushare_testkit::containerd::PROBE_IMAGE;
+use gpushare_testkit::realbox::{RealCluster, RealOptions, Runtime, Started};
 use gpushare_testkit::realkube::{self, ControlPlane};
 use serde_json::{Value, json};
 
@@ -52,7 +52,7 @@ pub(crate) fn ready_status(gpu_mem: &str) -> Value {
 pub(crate) fn pod(name: &str, mib: u64) -> Value {
     json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
         "spec": {"automountServiceAccountToken": false,
-                 "containers": [{"name": "main", "image": "registry.example/app:1",
+                 "containers": [{"name": "main", "image": PROBE_IMAGE,
                                  "resources": {"limits": {"gpushare.io/gpu-mem": mib.to_string()}}}]}})
 }
 
@@ -118,15 +118,13 @@ pub(crate) async fn up_on(scheduler_config: &str, extender_extra: &str, runtime:
 
 /// Waits up to `timeout` until every pod of `names` is Running with its one container running
 /// in `node`'s runtime, failing at once if one of them failed; returns the containers by pod name.
-pub(crate) fn wait_running(b: &RealBox, node: &str, names: &[&str], timeout: Duration) -> BTreeMap<String, Created> {
+pub(crate) fn wait_running(b: &RealBox, node: &str, names: &[&str], timeout: Duration) -> BTreeMap<String, Started> {
     let n = b.node(node).unwrap();
     let deadline = Instant::now() + timeout;
     loop {
-        let running: BTreeMap<String, Created> = n
-            .runtime
-            .recording()
-            .unwrap()
+        let running: BTreeMap<String, Started> = n
             .running()
+            .unwrap_or_else(|e| panic!("{e:#}"))
             .into_iter()
             .filter(|c| names.contains(&c.pod.as_str()))
             .map(|c| (c.pod.clone(), c))
