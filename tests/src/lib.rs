@@ -1,7 +1,8 @@
 //! The cluster in a box: stand-ins that speak the real protocols, for tests and the demo.
 //!
 //! - [`apiserver`]: the Kubernetes API server's HTTP/JSON for Pods and Nodes;
-//! - [`containerd`]: containerd and runc as a real node's runtime, and what the processes it ran reported about themselves;
+//! - [`containerd`]: containerd and runc as a real node's runtime;
+//! - [`probe`]: what each container's process on containerd reported about itself;
 //! - [`cri`]: a container runtime for the real kubelet that runs nothing and records what each container was given;
 //! - [`call_timer`]: a relay that times each call kube-scheduler makes to an extender, by verb, the same way for every extender;
 //! - [`cdi`]: the runtime's CDI: the devices the kubelet names, applied from the specs of one directory;
@@ -36,6 +37,7 @@ pub mod null_plugin;
 pub mod nvidia_dra;
 pub mod nvml;
 pub mod peers;
+pub mod probe;
 pub mod realbox;
 pub mod realkube;
 pub mod realkubelet;

@@ -172,18 +172,18 @@ pub struct Started {
 
 impl RealNode {
     /// What each container's process reported about itself on a node that runs containerd,
-    /// one entry per container start ([`crate::containerd::seen`], from the kubelet's pod
+    /// one entry per container start ([`crate::probe::seen`], from the kubelet's pod
     /// logs). A kubelet before 1.30 writes them to `/var/log/pods`, which the machine's nodes
     /// share: there, the reports of the pods this node's containerd holds a sandbox of.
     ///
     /// # Errors
     /// If the logs cannot be read or hold a report that is not the probe's, or containerd does
     /// not answer.
-    pub fn seen(&self) -> anyhow::Result<Vec<crate::containerd::Seen>> {
-        let mut seen = crate::containerd::seen(&self.kubelet.dirs.logs)?;
+    pub fn seen(&self) -> anyhow::Result<Vec<crate::probe::Seen>> {
+        let mut seen = crate::probe::seen(&self.kubelet.dirs.logs)?;
         if let (true, Some(containerd)) = (self.kubelet.minor < POD_LOGS_DIR_MINOR, self.runtime.containerd()) {
             let uids = containerd.pod_uids()?;
-            let shared = crate::containerd::seen(Path::new(DEFAULT_POD_LOGS))?;
+            let shared = crate::probe::seen(Path::new(DEFAULT_POD_LOGS))?;
             seen.extend(shared.into_iter().filter(|s| uids.contains(&s.pod_uid)));
         }
         Ok(seen)

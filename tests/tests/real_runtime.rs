@@ -9,8 +9,9 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
-use gpushare_testkit::containerd::{PROBE_IMAGE, Seen};
+use gpushare_testkit::containerd::PROBE_IMAGE;
 use gpushare_testkit::nvml::FakeGpu;
+use gpushare_testkit::probe::Seen;
 use gpushare_testkit::realbox::{RealNode, Runtime, is_root, merge_toml, repo};
 use gpushare_testkit::realkube::DRA_MINOR;
 use serde_json::{Value, json};
