@@ -2,22 +2,22 @@
 //! real-cluster box serves its GPUs through DRA (`[sharing] dra`); gpushared publishes the
 //! node's ResourceSlice and registers with the kubelet's plugin watcher; kube-scheduler
 //! allocates each ResourceClaim a share of one GPU's `memory` capacity; the kubelet asks
-//! gpushared to prepare it and hands the runtime the CDI device, which the box's runtime
-//! resolves from gpushared's spec. What each container was created with is checked: the GPU the
-//! scheduler allocated and the claim's budget.
+//! gpushared to prepare it and hands the runtime the CDI device, which containerd resolves from
+//! gpushared's spec. What each container's process saw is checked: the GPU the scheduler
+//! allocated and the claim's budget.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use gpushare_testkit::cri::Created;
+use gpushare_testkit::containerd::PROBE_IMAGE;
 use gpushare_testkit::nvml::FakeGpu;
-use gpushare_testkit::realbox::{RealNode, is_root, merge_toml, repo};
+use gpushare_testkit::realbox::{RealNode, Runtime, Started, is_root, merge_toml, repo};
 use gpushare_testkit::realkube::DRA_MINOR;
 use serde_json::{Value, json};
 
 mod realbox;
-use realbox::{RealBox, claim, get, up};
+use realbox::{RealBox, claim, get, up_on};
 
 const NODE: &str = "node-d";
 const GPU_MIB: u64 = 40_960;
@@ -35,7 +35,7 @@ async fn dra_box_with(count: u32, mib: u64, config_extra: &str) -> Option<RealBo
         gpushare_testkit::skip_unless_ci("the real kubelet needs root (it runs in a mount namespace of its own)");
         return None;
     }
-    let mut b = up().await?;
+    let mut b = up_on("gpushare-scheduler-config.yaml", "", Runtime::Containerd).await?;
     if b.plane.minor < DRA_MINOR {
         eprintln!(
             "skipped: claims consume memory with DRAConsumableCapacity, on by default from Kubernetes 1.36 (this is 1.{})",
@@ -93,19 +93,17 @@ fn node(b: &RealBox) -> &RealNode {
 
 /// A pod whose `containers` all use the claim `claim`.
 fn pod(name: &str, claim: &str, containers: &[&str]) -> Value {
-    realbox::claim_pod(name, claim, containers, "busybox")
+    realbox::claim_pod(name, claim, containers, PROBE_IMAGE)
 }
 
 /// Waits until `pod` has `count` running containers; returns them by container name.
-fn wait_running(b: &RealBox, pod: &str, count: usize) -> BTreeMap<String, Created> {
+fn wait_running(b: &RealBox, pod: &str, count: usize) -> BTreeMap<String, Started> {
     let n = node(b);
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let running: BTreeMap<String, Created> = n
-            .runtime
-            .recording()
-            .unwrap()
+        let running: BTreeMap<String, Started> = n
             .running()
+            .unwrap_or_else(|e| panic!("{e:#}"))
             .into_iter()
             .filter(|c| c.pod == pod)
             .map(|c| (c.container.clone(), c))
@@ -148,9 +146,10 @@ async fn a_claim_for_3500_mib_runs_with_its_gpu_and_budget_and_its_containers_sh
     assert_eq!(slice["devices"][0]["capacity"]["memory"]["value"], "40Gi", "{slice}");
     let index: u32 = device.strip_prefix("gpu-").unwrap().parse().unwrap();
     let uuid = FakeGpu::new(NODE, index, GPU_MIB, "A100-PCIE-40GB").uuid;
+    // containerd resolved the claim's CDI device from gpushared's spec: its environment is in
+    // each process.
     for (name, c) in &running {
         let env = |k: &str| c.envs.get(k).cloned().unwrap_or_default();
-        assert_eq!(c.cdi_devices, [format!("gpushare.io/gpu=claim-{}", claim_uid(&b, "c-3500"))], "{name}");
         assert_eq!(env("NVIDIA_VISIBLE_DEVICES"), uuid, "{name}: {:?}", c.envs);
         assert_eq!(env("GPUSHARE_MEMORY_MIB"), "3500", "{name}");
         assert_eq!(env("CUDA_DEVICE_MEMORY_LIMIT_0"), "3500m", "{name}");
@@ -271,7 +270,7 @@ async fn an_xid_takes_the_gpu_out_of_the_pool_until_it_recovers() {
     b.plane.create(&pod("p-2", "c-2", &["main"])).unwrap();
     wait_running(&b, "p-2", 1);
     assert_eq!(allocated(&b, "c-2").0, healthy);
-    assert!(node(&b).runtime.recording().unwrap().running().iter().any(|c| c.pod == "p-1"), "p-1 runs on");
+    assert!(node(&b).running().unwrap().iter().any(|c| c.pod == "p-1"), "p-1 runs on");
     // No new fault for recovery_seconds and the GPU answers: back in the pool.
     let deadline = Instant::now() + Duration::from_secs(60);
     while slice_devices(&b).len() != 2 {
@@ -315,10 +314,10 @@ async fn gpushared_and_the_kubelet_killed_during_a_burst_of_prepares_lose_no_cla
         assert!(Instant::now() < deadline, "published {:?}, allocated {per_gpu:?}", published_used(&b));
         std::thread::sleep(Duration::from_millis(250));
     }
-    // Each container was created once, even across the restarts.
+    // Each container was started once, even across the restarts.
     for n in &names {
-        let created = node(&b).runtime.recording().unwrap().created().into_iter().filter(|c| &c.pod == n).count();
-        assert_eq!(created, 1, "{n} created {created} times");
+        let started = node(&b).started().unwrap().into_iter().filter(|c| &c.pod == n).count();
+        assert_eq!(started, 1, "{n} started {started} times");
     }
     // Deleting the pods unprepares every claim: nothing is left on either GPU.
     b.plane.kubectl(&["delete", "pods", "--all", "--wait=true", "--timeout=90s"]).unwrap();
@@ -348,19 +347,6 @@ async fn an_8x80gb_node_takes_claims_at_mib_granularity() {
     b.shutdown();
 }
 
-/// What a process in the container, as root, can write through the mount of `dir` the runtime
-/// was told to make: the mount made as a runtime makes it (a bind mount, then remounted
-/// read-only when `read_only`), in a mount namespace of its own (`unshare`), and a file
-/// created through it. Returns what the shell printed.
-fn write_through_mount(dir: &str, read_only: bool) -> String {
-    let script = r#"mount --bind "$0" "$0" && { [ "$1" = rw ] || mount -o remount,bind,ro "$0"; } && touch "$0/evil""#;
-    let out = std::process::Command::new("unshare")
-        .args(["--mount", "--propagation=private", "sh", "-c", script, dir, if read_only { "ro" } else { "rw" }])
-        .output()
-        .unwrap();
-    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_on_a_dra_mps_gpu_is_an_mps_client_with_its_pipe_directory() {
     // GPU 1 is named in [sharing] mps too: dra-mps. MPS's directories go under the node's.
@@ -369,6 +355,8 @@ async fn a_claim_on_a_dra_mps_gpu_is_an_mps_client_with_its_pipe_directory() {
     let Some(mut b) = dra_box_with(2, GPU_MIB, &format!("{config}[sharing]\nmps = [1]\n")).await else { return };
     let host = b.plane.dir.join(NODE);
     let pipe = host.join("mps-pipe").display().to_string();
+    // gpushared-mps.service makes the directory (`install -d`) on a host.
+    std::fs::create_dir_all(&pipe).unwrap();
     // One claim per GPU, each chosen by the slice's attributes (the sharing mode, the index).
     for (name, expression) in [
         ("c-mps", r#"device.attributes["gpu.gpushare.io"].sharing == "dra-mps""#),
@@ -377,7 +365,10 @@ async fn a_claim_on_a_dra_mps_gpu_is_an_mps_client_with_its_pipe_directory() {
         let mut c = claim(name, 10_240);
         c["spec"]["devices"]["requests"][0]["exactly"]["selectors"] = json!([{"cel": {"expression": expression}}]);
         b.plane.create(&c).unwrap();
-        b.plane.create(&pod(&name.replace("c-", "p-"), name, &["main"])).unwrap();
+        // Each process tries to write in the pipe directory.
+        let mut p = pod(&name.replace("c-", "p-"), name, &["main"]);
+        p["spec"]["containers"][0]["env"] = json!([{"name": "PROBE_WRITE", "value": pipe}]);
+        b.plane.create(&p).unwrap();
     }
     let mps = wait_running(&b, "p-mps", 1);
     let plain = wait_running(&b, "p-plain", 1);
@@ -387,21 +378,21 @@ async fn a_claim_on_a_dra_mps_gpu_is_an_mps_client_with_its_pipe_directory() {
     assert_eq!(c.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=10240M", "{:?}", c.envs);
     assert_eq!(c.envs["CUDA_MPS_PIPE_DIRECTORY"], pipe);
     assert_eq!(c.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], "25");
-    assert!(c.mounts.contains(&(pipe.clone(), pipe.clone())), "{:?}", c.mounts);
-    // Read-only (issue 35): a client cannot stop the control daemon or replace its sockets.
-    assert!(c.read_only_mounts.contains(&pipe), "{:?}", c.read_only_mounts);
-    // gpushared-mps.service makes the directory (`install -d`) on a host.
-    std::fs::create_dir_all(&pipe).unwrap();
-    let refused = write_through_mount(&pipe, true);
-    assert!(refused.contains("Read-only file system"), "{refused}");
-    assert!(!std::path::Path::new(&pipe).join("evil").exists());
-    // The same write through a read-write mount lands: the refusal is the mount's.
-    let landed = write_through_mount(&pipe, false);
-    assert!(std::path::Path::new(&pipe).join("evil").exists(), "{landed}");
-    std::fs::remove_file(std::path::Path::new(&pipe).join("evil")).unwrap();
+    // The process sees the directory mounted read-only (issue 35), and its own attempt to
+    // create a file there failed on that: it cannot stop the control daemon or replace its
+    // sockets.
+    let seen = node(&b).seen().unwrap();
+    let report = |pod: &str| seen.iter().find(|s| s.pod == pod).unwrap_or_else(|| panic!("no report of {pod}"));
+    let client = report("p-mps");
+    let mount = client.mount(&pipe).unwrap_or_else(|| panic!("{pipe} not mounted: {:?}", client.mounts));
+    assert!(mount.read_only(), "{mount:?}");
+    assert!(client.writes[&pipe].contains("read-only file system"), "{:?}", client.writes);
+    assert!(std::fs::read_dir(&pipe).unwrap().next().is_none(), "a file was left in {pipe}");
     let c = &plain["main"];
     assert!(!c.envs.contains_key("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"), "{c:?}");
-    assert!(!c.mounts.iter().any(|(host, _)| *host == pipe), "{c:?}");
+    let other = report("p-plain");
+    assert!(other.mount(&pipe).is_none(), "{:?}", other.mounts);
+    assert!(other.writes[&pipe].contains("no such file or directory"), "{:?}", other.writes);
     // gpushared-mps.service's environment names the MPS GPU.
     let env = std::fs::read_to_string(host.join("mps.env")).unwrap();
     assert!(env.contains("GPU-fake-node-d-1") && !env.contains("GPU-fake-node-d-0"), "{env}");
@@ -467,7 +458,7 @@ async fn a_claim_of_two_requests_reaches_each_container_whichever_request_it_nam
             Some(r) => json!({"name": "gpu", "request": r}),
             None => json!({"name": "gpu"}),
         };
-        json!({"name": name, "image": "busybox", "command": ["sleep", "infinity"], "resources": {"claims": [claim]}})
+        json!({"name": name, "image": PROBE_IMAGE, "command": ["sleep", "infinity"], "resources": {"claims": [claim]}})
     };
     b.plane
         .create(&json!({
@@ -486,13 +477,11 @@ async fn a_claim_of_two_requests_reaches_each_container_whichever_request_it_nam
         .map(|r| (r["request"].as_str().unwrap(), r["consumedCapacity"]["memory"].as_str().unwrap()))
         .collect();
     assert_eq!(got, [("a", "1000Mi"), ("b/small", "2000Mi")], "{c}");
-    // Every container gets the claim's one CDI device, so the claim's GPUs and all its memory
-    // (named twice for the container that uses the whole claim: once per request).
-    let id = format!("gpushare.io/gpu=claim-{}", claim_uid(&b, "c-two"));
+    // Every container gets the claim's one CDI device (the kubelet names it twice for the
+    // container that uses the whole claim, once per request, and containerd takes that), so each
+    // process sees the claim's GPUs and all its memory.
     let gpus: std::collections::BTreeSet<&str> = results.iter().map(|r| r["device"].as_str().unwrap()).collect();
     for (name, c) in &running {
-        let want = if name == "all" { vec![id.clone(), id.clone()] } else { vec![id.clone()] };
-        assert_eq!(c.cdi_devices, want, "{name}");
         assert_eq!(c.envs.get("GPUSHARE_MEMORY_TOTAL_MIB").map(String::as_str), Some("3000"), "{name}: {:?}", c.envs);
         let visible = c.envs.get("NVIDIA_VISIBLE_DEVICES").map_or(0, |v| v.split(',').count());
         assert_eq!(visible, gpus.len(), "{name}: one entry per GPU, {:?}", c.envs);
