@@ -168,6 +168,21 @@ fn mixed_pod(name: &str) -> serde_json::Value {
                      {"name": "worker", "image": PROBE_IMAGE, "resources": gpu(2000)}]}})
 }
 
+/// Waits up to 30 s until pod `name`'s containers have started `count` times in all (on
+/// containerd, until each process's report is in the pod's logs: the runtime writes them as it
+/// copies the processes' output).
+fn wait_started(b: &RealBox, name: &str, count: usize) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let started = the_node(b).started().unwrap();
+        if started.iter().filter(|c| c.pod == name).count() >= count {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{name}: not {count} container starts after 30 s: {started:?}");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
 /// Checks every container the runtime created for pod `name` against its assignment: the GPU it
 /// sees and its budget. Returns how many there were.
 fn check_every_container(b: &RealBox, name: &str) -> usize {
@@ -211,6 +226,7 @@ async fn init_containers_sidecars_and_a_gpushared_restart_under_the_real_kubelet
         );
         std::thread::sleep(Duration::from_millis(250));
     }
+    wait_started(&b, "mix-a", 4);
     assert_eq!(check_every_container(&b, "mix-a"), 4, "{:?}", the_node(&b).started().unwrap());
     wait_published(&b, &["mix-a"]);
 
@@ -237,6 +253,7 @@ async fn init_containers_sidecars_and_a_gpushared_restart_under_the_real_kubelet
         );
         std::thread::sleep(Duration::from_millis(250));
     }
+    wait_started(&b, "mix-b", 4);
     assert_eq!(check_every_container(&b, "mix-b"), 4, "{:?}", the_node(&b).started().unwrap());
     wait_published(&b, &["mix-a", "mix-b"]);
     assert!(b.nodes[0].daemon.exited().is_none(), "{}", the_node(&b).daemon.log_tail(40));

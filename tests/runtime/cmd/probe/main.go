@@ -6,7 +6,8 @@
 // What it does depends on the name it is run by (the image links every name to it):
 //
 //	pause    waits for SIGTERM or SIGINT and exits 0 (the pod sandbox)
-//	true     reports and exits 0
+//	true     reports, lingers 200 ms (its runtime copies the line to the log while it lives:
+//	         an init container's report is not left to the copy after its exit), exits 0
 //	sleep    reports and waits for SIGTERM or SIGINT, then exits 0 (`sleep infinity`)
 //	probe    the same as sleep (the probe image's entrypoint)
 //
@@ -26,6 +27,7 @@ import (
 	"sort"
 	"strings"
 	"syscall"
+	"time"
 )
 
 // Device is one device node under /dev.
@@ -64,6 +66,7 @@ func main() {
 		return
 	case "true":
 		report()
+		time.Sleep(200 * time.Millisecond)
 		return
 	default:
 		report()
