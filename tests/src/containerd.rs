@@ -18,7 +18,6 @@
 //! when it is dropped or halted: every container in its runc state (`runc delete --force`),
 //! every shim that serves its socket, and every mount under its folder.
 
-use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -155,17 +154,6 @@ impl Containerd {
         })
     }
 
-    /// The UIDs of the pods containerd holds a sandbox of, ready or not.
-    ///
-    /// # Errors
-    /// If containerd does not answer.
-    pub fn pod_uids(&self) -> anyhow::Result<BTreeSet<String>> {
-        cri(&self.socket(), |mut client| async move {
-            let list = client.list_pod_sandbox(api::ListPodSandboxRequest { filter: None }).await?;
-            Ok(list.into_inner().items.into_iter().map(|s| label(&s.labels, POD_UID)).collect())
-        })
-    }
-
     /// Its log.
     #[must_use]
     pub fn log_tail(&self, lines: usize) -> String {
@@ -228,7 +216,7 @@ impl Drop for Containerd {
     }
 }
 
-/// The label the kubelet puts on each sandbox and container: its pod's UID.
+/// The label the kubelet puts on each container: its pod's UID.
 const POD_UID: &str = "io.kubernetes.pod.uid";
 
 /// The label the kubelet puts on each container: its name in the pod.

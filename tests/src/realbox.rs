@@ -20,7 +20,7 @@ use crate::containerd::Containerd;
 use crate::cri::RecordingRuntime;
 use crate::nvml::{self, FakeGpu};
 use crate::realkube::{self, ControlPlane};
-use crate::realkubelet::{DEFAULT_GATES, DEFAULT_POD_LOGS, KubeletDirs, POD_LOGS_DIR_MINOR, RealKubelet};
+use crate::realkubelet::{DEFAULT_GATES, KubeletDirs, POD_LOGS_DIR_MINOR, RealKubelet};
 
 /// The repository the box's shipped files (`etc/`) come from.
 #[must_use]
@@ -172,21 +172,12 @@ pub struct Started {
 
 impl RealNode {
     /// What each container's process reported about itself on a node that runs containerd,
-    /// one entry per container start ([`crate::probe::seen`], from the kubelet's pod
-    /// logs). A kubelet before 1.30 writes them to `/var/log/pods`, which the machine's nodes
-    /// share: there, the reports of the pods this node's containerd holds a sandbox of.
+    /// one entry per container start ([`crate::probe::seen`], from the kubelet's pod logs).
     ///
     /// # Errors
-    /// If the logs cannot be read or hold a report that is not the probe's, or containerd does
-    /// not answer.
+    /// If the logs cannot be read or hold a report that is not the probe's.
     pub fn seen(&self) -> anyhow::Result<Vec<crate::probe::Seen>> {
-        let mut seen = crate::probe::seen(&self.kubelet.dirs.logs)?;
-        if let (true, Some(containerd)) = (self.kubelet.minor < POD_LOGS_DIR_MINOR, self.runtime.containerd()) {
-            let uids = containerd.pod_uids()?;
-            let shared = crate::probe::seen(Path::new(DEFAULT_POD_LOGS))?;
-            seen.extend(shared.into_iter().filter(|s| uids.contains(&s.pod_uid)));
-        }
-        Ok(seen)
+        crate::probe::seen(&self.kubelet.dirs.logs)
     }
 
     /// Every container start on the node so far: the recording runtime's records in order, or
@@ -566,8 +557,8 @@ impl RealCluster {
     /// Node `name`'s container runtime, as its kubelet reaches it: (the runtime, the
     /// `cri-proxy` in front of it if any, the kubelet's `containerRuntimeEndpoint`).
     ///
-    /// containerd ([`Runtime::Containerd`]) serves `host/cri/containerd.sock` and reads the CDI
-    /// specs of `host/cri/cdi`. The recording runtime serves `host/cri/cri.sock`; for a kubelet
+    /// containerd ([`Runtime::Containerd`], with a kubelet of 1.30 or later) serves
+    /// `host/cri/containerd.sock` and reads the CDI specs of `host/cri/cdi`. The recording runtime serves `host/cri/cri.sock`; for a kubelet
     /// older than 1.31, which sends the socket's path as the HTTP/2 authority (the recording
     /// runtime refuses it), it serves `host/cri/runtime.sock` behind `cri-proxy` (built with the
     /// components) on `host/cri/cri.sock`.
@@ -576,7 +567,10 @@ impl RealCluster {
     /// If a socket cannot be bound or the runtime or the proxy does not start.
     pub fn node_runtime(&self, name: &str, host: &Path) -> anyhow::Result<(NodeRuntime, Option<Proc>, String)> {
         let plane = &self.plane;
-        if self.runtime == Runtime::Containerd {
+        // A kubelet before 1.30 writes pod logs to the machine's /var/log/pods and removes the
+        // log folders of pods it does not know, other nodes' among them: their processes'
+        // reports could not be read back, so such a node runs on the recording runtime.
+        if self.runtime == Runtime::Containerd && plane.minor >= POD_LOGS_DIR_MINOR {
             let cri = host.join("cri");
             let containerd = Containerd::start(plane, name, &cri, &cri.join(crate::cri::CDI_DIR))?;
             let endpoint = containerd.endpoint();

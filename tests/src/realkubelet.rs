@@ -63,12 +63,10 @@ impl KubeletDirs {
     }
 }
 
-/// The first minor version whose kubelet writes pod logs where `podLogsDir` says ([`KubeletDirs::logs`]);
-/// an older one writes them to [`DEFAULT_POD_LOGS`], which every node of the machine shares.
+/// The first minor version whose kubelet writes pod logs where `podLogsDir` says
+/// ([`KubeletDirs::logs`]); an older one writes them to `/var/log/pods`, which every node of the
+/// machine shares, and removes the log folders of pods it does not know, other nodes' among them.
 pub const POD_LOGS_DIR_MINOR: u32 = 30;
-
-/// Where a kubelet older than [`POD_LOGS_DIR_MINOR`] writes pod logs.
-pub const DEFAULT_POD_LOGS: &str = "/var/log/pods";
 
 /// The feature gates the kubelet runs with: per-device health in pod status off, as
 /// docs/install.md asks of kubelets serving gpushare in MiB (one device per MiB makes kubelet
@@ -92,8 +90,6 @@ pub struct RealKubelet {
     pub port: u16,
     /// The port of its `/healthz`.
     healthz: u16,
-    /// Its minor version.
-    pub minor: u32,
 }
 
 impl RealKubelet {
@@ -183,7 +179,7 @@ impl RealKubelet {
             ],
         );
         let proc = plane.spawn(&format!("kubelet-{node}"), &program, args, vec![])?;
-        let mut kubelet = RealKubelet { node: node.to_owned(), dirs, proc, port, healthz, minor: plane.minor };
+        let mut kubelet = RealKubelet { node: node.to_owned(), dirs, proc, port, healthz };
         kubelet.wait_registered(plane, Duration::from_secs(60))?;
         // No node lifecycle controller runs to lift the taint a new node is registered with
         // once it is Ready: done here, as it would.
