@@ -187,13 +187,9 @@ impl RealNode {
     /// If containerd's processes' reports cannot be read.
     pub fn started(&self) -> anyhow::Result<Vec<Started>> {
         if let Some(r) = self.runtime.recording() {
-            return Ok(r
-                .created()
-                .into_iter()
-                .map(|c| started(c.namespace, c.pod, c.pod_uid, c.container, c.envs))
-                .collect());
+            return Ok(r.created().into_iter().map(Started::from).collect());
         }
-        Ok(self.seen()?.into_iter().map(|s| started(s.namespace, s.pod, s.pod_uid, s.container, s.env)).collect())
+        Ok(self.seen()?.into_iter().map(Started::from).collect())
     }
 
     /// The containers running on the node now, the latest start of each. On containerd, those
@@ -204,11 +200,7 @@ impl RealNode {
     pub fn running(&self) -> anyhow::Result<Vec<Started>> {
         let containerd = match &self.runtime {
             NodeRuntime::Recording(r) => {
-                return Ok(r
-                    .running()
-                    .into_iter()
-                    .map(|c| started(c.namespace, c.pod, c.pod_uid, c.container, c.envs))
-                    .collect());
+                return Ok(r.running().into_iter().map(Started::from).collect());
             }
             NodeRuntime::Containerd(c) => c,
         };
@@ -217,21 +209,23 @@ impl RealNode {
             .running()?
             .into_iter()
             .filter_map(|(uid, name, attempt)| {
-                seen.iter().find(|s| s.pod_uid == uid && s.container == name && s.attempt == attempt)
+                seen.iter().find(|s| s.pod_uid == uid && s.container == name && s.attempt == attempt).cloned()
             })
-            .map(|s| started(s.namespace.clone(), s.pod.clone(), s.pod_uid.clone(), s.container.clone(), s.env.clone()))
+            .map(Started::from)
             .collect())
     }
 }
 
-fn started(
-    namespace: String,
-    pod: String,
-    pod_uid: String,
-    container: String,
-    envs: BTreeMap<String, String>,
-) -> Started {
-    Started { namespace, pod, pod_uid, container, envs }
+impl From<crate::cri::Created> for Started {
+    fn from(c: crate::cri::Created) -> Self {
+        Started { namespace: c.namespace, pod: c.pod, pod_uid: c.pod_uid, container: c.container, envs: c.envs }
+    }
+}
+
+impl From<crate::probe::Seen> for Started {
+    fn from(s: crate::probe::Seen) -> Self {
+        Started { namespace: s.namespace, pod: s.pod, pod_uid: s.pod_uid, container: s.container, envs: s.env }
+    }
 }
 
 /// The real cluster: control plane, extender, kube-scheduler, and the nodes added to it.
