@@ -140,6 +140,9 @@ pub struct Config {
     /// The DRA driver, for the GPUs `[sharing] dra` names (docs/dra.md).
     #[serde(default)]
     pub dra: DraConfig,
+    /// The NVIDIA device nodes gpushared names to the runtime itself, if any.
+    #[serde(default)]
+    pub device_nodes: DeviceNodesConfig,
 }
 
 /// `[dbus]`: the local status API.
@@ -536,9 +539,11 @@ impl Config {
     }
 }
 
+mod devices;
 mod dra;
 mod health;
 mod sharing;
+pub use devices::{DeviceNode, DeviceNodesConfig};
 pub use dra::DraConfig;
 pub use health::{DEFAULT_IGNORED_XIDS, HealthConfig, OveruseAction, OveruseConfig};
 pub use sharing::{GpuRef, MpsConfig, SharingConfig, ThreadShare};

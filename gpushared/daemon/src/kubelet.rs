@@ -14,3 +14,21 @@ pub mod pod_resources;
 pub mod streams;
 pub mod watch;
 pub mod whole;
+
+use gpushare_proto::deviceplugin::DeviceSpec;
+
+use crate::config::DeviceNode;
+
+/// The device nodes of an `Allocate` answer, as the kubelet hands them to the runtime: each GPU's
+/// node, and the control nodes the host has now, read and written.
+fn device_specs(nodes: &[DeviceNode]) -> Vec<DeviceSpec> {
+    nodes
+        .iter()
+        .filter(|n| n.named())
+        .map(|n| DeviceSpec {
+            container_path: n.container_path.display().to_string(),
+            host_path: n.host_path.display().to_string(),
+            permissions: "rw".to_owned(),
+        })
+        .collect()
+}

@@ -23,7 +23,7 @@ use tokio::sync::watch;
 
 use crate::allocation::ledger::{ClaimRow, HistoryReader, Ledger, LedgerError, NewRow, Row, request_key};
 use crate::allocation::pods::PodStore;
-use crate::config::{Compatibility, MpsConfig};
+use crate::config::{Compatibility, DeviceNodesConfig, MpsConfig};
 
 mod admission;
 mod claims;
@@ -70,6 +70,7 @@ pub struct Allocator {
     names: ResourceNames,
     compat: Compatibility,
     mps: MpsConfig,
+    nodes: DeviceNodesConfig,
     inventory: NodeInventory,
     devices: DeviceMap,
     pods: PodStore,
@@ -123,6 +124,7 @@ impl Allocator {
             names,
             compat,
             mps: MpsConfig::default(),
+            nodes: DeviceNodesConfig::default(),
             inventory,
             devices,
             pods,
@@ -148,6 +150,19 @@ impl Allocator {
     pub fn with_mps(mut self, mps: MpsConfig) -> Self {
         self.mps = mps;
         self
+    }
+
+    /// The same service naming the device nodes `nodes` says.
+    #[must_use]
+    pub fn with_device_nodes(mut self, nodes: DeviceNodesConfig) -> Self {
+        self.nodes = nodes;
+        self
+    }
+
+    /// Which device nodes are named to the runtime.
+    #[must_use]
+    pub fn device_nodes(&self) -> &DeviceNodesConfig {
+        &self.nodes
     }
 
     /// This node's name.
@@ -191,7 +206,13 @@ impl Allocator {
     }
 
     fn environment(&self) -> env::Environment<'_> {
-        env::Environment { node: &self.node, inventory: &self.inventory, mps: &self.mps, compat: self.compat }
+        env::Environment {
+            node: &self.node,
+            inventory: &self.inventory,
+            mps: &self.mps,
+            nodes: &self.nodes,
+            compat: self.compat,
+        }
     }
 
     /// Live ledger rows.

@@ -67,7 +67,8 @@ impl<S: ClaimSource> Driver<S> {
         };
         // Written again on a repeated prepare: a spec lost with /var/run is back.
         let mounts: Vec<(PathBuf, bool)> = prepared.mounts.iter().map(|m| (m.path.clone(), m.read_only)).collect();
-        cdi::write(&self.cdi_dir, &claim.uid, &prepared.envs, &mounts)?;
+        let edits = cdi::Edits { envs: &prepared.envs, mounts: &mounts, devices: &prepared.devices };
+        cdi::write(&self.cdi_dir, &claim.uid, edits)?;
         Ok(self.devices(claim, &prepared))
     }
 

@@ -403,6 +403,7 @@ impl DevicePlugin for Plugin {
                                     read_only: m.read_only,
                                 })
                                 .collect(),
+                            devices: super::device_specs(&a.devices),
                             ..Default::default()
                         })
                     })

@@ -134,6 +134,7 @@ impl DevicePlugin for WholePlugin {
                 return Err(Status::invalid_argument("a container request with no device IDs"));
             }
             let mut uuids = Vec::with_capacity(r.devices_ids.len());
+            let mut minors = Vec::with_capacity(r.devices_ids.len());
             for id in &r.devices_ids {
                 let Some((pos, g)) = gpus.iter().enumerate().find(|(_, g)| g.uuid.as_str() == id) else {
                     return Err(Status::invalid_argument(format!("{id:?} is not a GPU of this node")));
@@ -148,10 +149,12 @@ impl DevicePlugin for WholePlugin {
                     return Err(Status::failed_precondition(why));
                 }
                 uuids.push(id.clone());
+                minors.push(g.minor.unwrap_or(g.index));
                 handed.push(format!("GPU{} ({id})", g.index));
             }
             let envs = std::collections::HashMap::from([("NVIDIA_VISIBLE_DEVICES".to_owned(), uuids.join(","))]);
-            responses.push(ContainerAllocateResponse { envs, ..Default::default() });
+            let devices = super::device_specs(&self.alloc.device_nodes().nodes(&minors));
+            responses.push(ContainerAllocateResponse { envs, devices, ..Default::default() });
         }
         let gpus = handed.join(", ");
         // Success only once the ledger has the hand-out (invariant 2): the kubelet retries an

@@ -39,6 +39,8 @@ pub struct PreparedShare {
     pub envs: BTreeMap<String, String>,
     /// Host directories its containers mount (the MPS pipe directory on `dra-mps` GPUs).
     pub mounts: Vec<super::Mount>,
+    /// The device nodes its containers get (`[device_nodes]`).
+    pub devices: Vec<crate::config::DeviceNode>,
 }
 
 /// Why a claim cannot be prepared. Each says what an operator can do.
@@ -218,8 +220,8 @@ impl Allocator {
             .iter()
             .map(|r| GpuShare { index: r.share.gpu_index, uuid: r.share.gpu_uuid.clone(), mib: r.share.mib })
             .collect();
-        let (envs, mounts) = self.environment().claim_answer(name, &shares);
-        PreparedShare { rows, envs, mounts }
+        let edits = self.environment().claim_answer(name, &shares);
+        PreparedShare { rows, envs: edits.envs, mounts: edits.mounts, devices: edits.devices }
     }
 }
 

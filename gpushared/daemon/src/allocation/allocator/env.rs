@@ -12,7 +12,7 @@ use gpushare_core::{GpuUuid, Mib, NodeInventory};
 
 use crate::allocation::ledger::Row;
 use crate::allocation::pods::StoredPod;
-use crate::config::{Compatibility, MpsConfig};
+use crate::config::{Compatibility, DeviceNode, DeviceNodesConfig, MpsConfig};
 
 /// A container's answer: the environment the kubelet puts into it, and what it mounts.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -21,6 +21,8 @@ pub struct Answer {
     pub envs: BTreeMap<String, String>,
     /// Host directories mounted into the container (the MPS pipe directory on MPS GPUs).
     pub mounts: Vec<Mount>,
+    /// The device nodes it gets (`[device_nodes]`; none unless enabled).
+    pub devices: Vec<DeviceNode>,
     /// Which pod and container it was for.
     pub pod: PodRef,
     /// The container.
@@ -36,7 +38,19 @@ pub struct Mount {
     pub read_only: bool,
 }
 
-/// What builds the answers of one node: its GPUs, the MPS settings and the compatibility mode.
+/// What a prepared claim's CDI device carries.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct ClaimEdits {
+    /// Its environment.
+    pub envs: BTreeMap<String, String>,
+    /// Its mounts.
+    pub mounts: Vec<Mount>,
+    /// Its device nodes.
+    pub devices: Vec<DeviceNode>,
+}
+
+/// What builds the answers of one node: its GPUs, the MPS settings, the device nodes named and
+/// the compatibility mode.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Environment<'a> {
     /// This node.
@@ -45,6 +59,8 @@ pub(super) struct Environment<'a> {
     pub inventory: &'a NodeInventory,
     /// How MPS clients are set up.
     pub mps: &'a MpsConfig,
+    /// Which device nodes are named.
+    pub nodes: &'a DeviceNodesConfig,
     /// Whether Alibaba's variables are added.
     pub compat: Compatibility,
 }
@@ -55,6 +71,7 @@ impl Environment<'_> {
         Answer {
             envs: self.envs(pod, assignment, c),
             mounts: self.mounts(c),
+            devices: self.devices(&c.gpus),
             pod: pod.clone(),
             container: c.name.clone(),
         }
@@ -107,17 +124,31 @@ impl Environment<'_> {
         }
     }
 
+    /// The device nodes of a container or claim holding `gpus`, in index order.
+    fn devices(&self, gpus: &[GpuShare]) -> Vec<DeviceNode> {
+        let mut gpus: Vec<&GpuShare> = gpus.iter().collect();
+        gpus.sort_by_key(|g| g.index);
+        let minors: Vec<u32> = gpus
+            .iter()
+            .map(|g| {
+                let known = self.inventory.gpus().iter().find(|x| x.uuid == g.uuid);
+                known.and_then(|x| x.minor).unwrap_or(g.index)
+            })
+            .collect();
+        self.nodes.nodes(&minors)
+    }
+
     /// A GPU's total memory (zero for one this node does not have).
     fn total_of(&self, uuid: &GpuUuid) -> Mib {
         self.inventory.gpus().iter().find(|g| &g.uuid == uuid).map_or(Mib::ZERO, |g| g.total)
     }
 
-    /// The environment and mounts of a prepared DRA claim holding `shares` (its CDI device's,
-    /// documented in docs/dra.md): the GPUs and budget variables a container placed by the
-    /// device plugin gets, with `GPUSHARE_CLAIM` (namespace/name) for the pod and container; on
-    /// `dra-mps` GPUs, the MPS client's variables and the pipe directory. Shares of several
-    /// requests on one GPU are one GPU to the container, with their memory together.
-    pub(super) fn claim_answer(&self, claim: &str, shares: &[GpuShare]) -> (BTreeMap<String, String>, Vec<Mount>) {
+    /// The environment, mounts and device nodes of a prepared DRA claim holding `shares` (its
+    /// CDI device's, documented in docs/dra.md): the GPUs and budget variables a container
+    /// placed by the device plugin gets, with `GPUSHARE_CLAIM` (namespace/name) for the pod and
+    /// container; on `dra-mps` GPUs, the MPS client's variables and the pipe directory. Shares
+    /// of several requests on one GPU are one GPU to the container, with their memory together.
+    pub(super) fn claim_answer(&self, claim: &str, shares: &[GpuShare]) -> ClaimEdits {
         let mut merged: Vec<GpuShare> = Vec::with_capacity(shares.len());
         for s in shares {
             match merged.iter_mut().find(|m| m.index == s.index) {
@@ -133,7 +164,7 @@ impl Environment<'_> {
         if mps {
             self.mps_envs(&gpus, &mut env);
         }
-        (env, self.mps_mounts(mps))
+        ClaimEdits { envs: env, mounts: self.mps_mounts(mps), devices: self.devices(&merged) }
     }
 
     /// The GPUs and budget of a container or claim holding `gpus` (sorted by index).

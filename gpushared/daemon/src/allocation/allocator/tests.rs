@@ -30,6 +30,11 @@ pub(crate) struct Fixture {
 }
 
 pub(crate) fn fixture(compat: Compatibility) -> Fixture {
+    fixture_naming(compat, crate::config::DeviceNodesConfig::default())
+}
+
+/// [`fixture`] naming the device nodes `nodes` says.
+fn fixture_naming(compat: Compatibility, nodes: crate::config::DeviceNodesConfig) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let ledger = Ledger::open(&dir.path().join("ledger.db")).unwrap().ledger;
     let gpus = (0..3)
@@ -45,7 +50,9 @@ pub(crate) fn fixture(compat: Compatibility) -> Fixture {
         Compatibility::Gpushare => ResourceNames::gpushare(),
         Compatibility::Alibaba => ResourceNames::alibaba(),
     };
-    let alloc = Allocator::new("node-a".into(), names.clone(), compat, inventory, pods.clone(), ledger).unwrap();
+    let alloc = Allocator::new("node-a".into(), names.clone(), compat, inventory, pods.clone(), ledger)
+        .unwrap()
+        .with_device_nodes(nodes);
     Fixture { _dir: dir, pods, names, alloc: Arc::new(alloc), in_use: std::cell::RefCell::default() }
 }
 
@@ -431,6 +438,31 @@ fn alibaba_compatibility_adds_alibabas_variables() {
     assert_eq!(a.envs[alibaba::DEV], "1000");
     assert_eq!(a.envs[alibaba::POD], "300");
     assert_eq!(a.envs[alibaba::CONTAINER], "200");
+}
+
+#[test]
+fn device_nodes_name_each_of_the_containers_gpus_by_its_minor_number() {
+    let text = "[device_nodes]\nenabled = true\nhost_dir = \"/host/dev\"\ncontrol = [\"nvidiactl\"]\n";
+    let nodes = crate::config::Config::parse(text, std::path::Path::new("t.toml")).unwrap().device_nodes;
+    let f = fixture_naming(Compatibility::Gpushare, nodes);
+    pod(&f, "u1", "t", &[("main", ContainerRole::App, &[(2, 200), (0, 200)])]);
+    let a = admit(&f, 400).unwrap();
+    let paths: Vec<_> =
+        a.devices.iter().map(|d| (d.host_path.to_str().unwrap(), d.container_path.to_str().unwrap())).collect();
+    assert_eq!(
+        paths,
+        [
+            ("/host/dev/nvidia4", "/dev/nvidia4"),
+            ("/host/dev/nvidia6", "/dev/nvidia6"),
+            ("/host/dev/nvidiactl", "/dev/nvidiactl")
+        ],
+        "GPU0 and GPU2 by their minor numbers, in NVIDIA_VISIBLE_DEVICES's order, then the control node"
+    );
+    let again = f.alloc.allocate(&f.in_use.borrow().iter().cloned().collect::<Vec<_>>()).unwrap();
+    assert_eq!(again.devices, a.devices, "a repeated Allocate names the same nodes");
+    let plain = fixture(Compatibility::Gpushare);
+    pod(&plain, "u1", "t", &[("main", ContainerRole::App, &[(1, 200)])]);
+    assert!(admit(&plain, 200).unwrap().devices.is_empty(), "none unless enabled");
 }
 
 #[test]
