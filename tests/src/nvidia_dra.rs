@@ -79,12 +79,9 @@ pub fn start_plugin(
     std::fs::write(&smi, "#!/bin/sh\necho 'nvidia-smi: the fake NVML library has no such tool' >&2\nexit 1\n")
         .with_context(|| format!("writing {}", smi.display()))?;
     set_executable(&smi)?;
-    // Its device nodes, character devices as a driver makes them: NVIDIA's CDI generation
-    // looks for them under the driver root and only takes character devices. Nothing opens them.
-    let devices = gpus.iter().map(|g| (format!("nvidia{}", g.minor), 195, g.minor));
-    for (name, major, minor) in devices.chain([("nvidiactl".into(), 195, 255), ("nvidia-uvm".into(), 510, 0)]) {
-        mknod_char(&root.join("dev").join(name), major, minor)?;
-    }
+    // Its device nodes: NVIDIA's CDI generation looks for them under the driver root and only
+    // takes character devices.
+    nvml::make_device_nodes(&root.join("dev"), gpus)?;
     let config = dir.join("fake-nvml.conf");
     nvml::write_config(&config, gpus, nvml_extra)?;
     let root_s = root.display().to_string();
@@ -111,21 +108,6 @@ pub fn start_plugin(
             ("FAKE_NVML_CONFIG".into(), config.display().to_string()),
         ],
     )
-}
-
-/// Makes the character device `path` (major, minor), unless it is there.
-fn mknod_char(path: &Path, major: u32, minor: u32) -> anyhow::Result<()> {
-    if path.exists() {
-        return Ok(());
-    }
-    let status = std::process::Command::new("mknod")
-        .args(["-m", "666"])
-        .arg(path)
-        .args(["c", &major.to_string(), &minor.to_string()])
-        .status()
-        .context("running mknod")?;
-    anyhow::ensure!(status.success(), "mknod {} failed ({status}): it needs root", path.display());
-    Ok(())
 }
 
 fn set_executable(path: &Path) -> anyhow::Result<()> {

@@ -135,6 +135,33 @@ pub fn inject(events_file: &Path, line: &str) -> anyhow::Result<()> {
         .with_context(|| format!("appending {line:?} to {}", events_file.display()))
 }
 
+/// The NVIDIA driver's device nodes for `gpus`, made under `dir` (created if missing) as a
+/// driver makes them in a GPU host's `/dev`: character devices `nvidia<minor>` (major 195) for
+/// each GPU, `nvidiactl` (195, 255) and `nvidia-uvm` (510, 0; dynamic on a host). Opening one
+/// fails (there is no driver); a runtime reads their type and numbers and makes them in
+/// containers. A node already there is kept.
+///
+/// # Errors
+/// If `mknod` fails (it needs root).
+pub fn make_device_nodes(dir: &Path, gpus: &[FakeGpu]) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let devices = gpus.iter().map(|g| (format!("nvidia{}", g.minor), 195, g.minor));
+    for (name, major, minor) in devices.chain([("nvidiactl".into(), 195, 255), ("nvidia-uvm".into(), 510, 0)]) {
+        let path = dir.join(name);
+        if path.exists() {
+            continue;
+        }
+        let status = Command::new("mknod")
+            .args(["-m", "666"])
+            .arg(&path)
+            .args(["c", &major.to_string(), &minor.to_string()])
+            .status()
+            .context("running mknod")?;
+        anyhow::ensure!(status.success(), "mknod {} failed ({status}): it needs root", path.display());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::FakeGpu;

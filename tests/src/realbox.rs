@@ -363,13 +363,22 @@ impl RealCluster {
         let kubelet = RealKubelet::start_with_gates(&self.plane, name, &host, &endpoint, gates)?;
         let events = host.join("nvml-events");
         let nvml_extra = format!("{}{}", nvml::events_directive(&events), extra.0);
+        // On a real runtime the node has the driver's device nodes, as a GPU host does, and
+        // gpushared names them to the runtime (`[device_nodes]`): each container gets its GPUs'.
+        let mut config_extra = extra.1.to_owned();
+        if runtime.containerd().is_some() {
+            let dev = host.join("dev");
+            nvml::make_device_nodes(&dev, gpus)?;
+            config_extra =
+                format!("{config_extra}\n[device_nodes]\nenabled = true\nhost_dir = \"{}\"\n", dev.display());
+        }
         let daemon = start_gpushared(
             &self.plane,
             name,
             &host.join("gpushared"),
             (&kubelet.dirs.device_plugins(), &kubelet.dirs.pod_resources()),
             gpus,
-            (&nvml_extra, extra.1),
+            (&nvml_extra, &config_extra),
         )?;
         self.nodes.push(RealNode { name: name.to_owned(), host, runtime, cri_proxy, kubelet, daemon, events });
         self.nodes.last_mut().context("the node just added")

@@ -391,6 +391,19 @@ async fn a_whole_gpu_beside_shared_ones_under_the_real_kubelet() {
         assert_eq!(c.envs.get("NVIDIA_VISIBLE_DEVICES").map(String::as_str), Some("GPU-fake-node-k-0"), "{name}");
     }
     assert_eq!(wholes["w-a"].envs.get("NVIDIA_VISIBLE_DEVICES").map(String::as_str), Some("GPU-fake-node-k-1"));
+    // On containerd the whole GPU's container has that GPU's device node (minor 1), made by
+    // runc from the node's stand-in, and no other GPU's.
+    if the_node(&b).runtime.containerd().is_some() {
+        let seen = the_node(&b).seen().unwrap();
+        let w = seen.iter().find(|s| s.pod == "w-a").expect("w-a's process reported");
+        let gpus: Vec<(&str, u32, u32)> = w
+            .devices
+            .iter()
+            .filter(|d| d.path.strip_prefix("/dev/nvidia").is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit())))
+            .map(|d| (d.path.as_str(), d.major, d.minor))
+            .collect();
+        assert_eq!(gpus, [("/dev/nvidia1", 195, 1)], "w-a: {:?}", w.devices);
+    }
 
     // The whole GPU is taken and GPU 0 has 2360 MiB left: a second whole pod and a share of
     // 5000 MiB both wait; neither lands on the other's GPU.

@@ -1,8 +1,9 @@
 //! gpushare on the real container runtime (issue 37): a node of the real-cluster box whose
 //! kubelet drives containerd 2 and runc (`gpushare_testkit::containerd`), so every container
 //! really starts. Its process, the probe of `tests/runtime/cmd/probe`, reports what it sees, and
-//! each check reads that: the device plugin's `Allocate` environment, a DRA claim's CDI spec as
-//! containerd injects it, and a restart of containerd with the pods running.
+//! each check reads that: the device plugin's `Allocate` environment and device nodes, a DRA
+//! claim's CDI spec as containerd injects it (its device nodes among it), and a restart of
+//! containerd with the pods running.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeMap;
@@ -126,6 +127,7 @@ fn check_plugin_pod(b: &RealBox, pod: &str, seen: &Seen) -> String {
     assert_eq!(env("GPUSHARE_POD"), format!("default/{pod}"), "{pod}");
     assert_real_container(pod, seen);
     let gpu = env("NVIDIA_VISIBLE_DEVICES");
+    assert_gpu_nodes(pod, seen, &[if gpu == uuid(1) { 1 } else { 0 }]);
     let pipe = pipe_directory(b);
     if gpu == uuid(1) {
         assert_mps_client(pod, seen, &pipe);
@@ -146,6 +148,26 @@ fn assert_mps_client(pod: &str, seen: &Seen, pipe: &str) {
     let mount = seen.mount(pipe).unwrap_or_else(|| panic!("{pod}: {pipe} is not mounted: {:?}", seen.mounts));
     assert!(mount.read_only(), "{pod}: {mount:?}");
     assert!(seen.writes[pipe].contains("read-only file system"), "{pod}: {:?}", seen.writes);
+}
+
+/// The process sees the driver's nodes of its GPUs and no other GPU's, made by runc from the
+/// node's stand-ins (`[device_nodes]`: through `Allocate`'s device specs or the claim's CDI
+/// spec): `/dev/nvidia<minor>` of each (the fake GPU `i` has minor `i`), `nvidiactl`, and
+/// `nvidia-uvm`; not `nvidia-uvm-tools`, which the node lacks.
+fn assert_gpu_nodes(pod: &str, seen: &Seen, minors: &[u32]) {
+    let mut nvidia: Vec<(&str, &str, u32, u32)> = seen
+        .devices
+        .iter()
+        .filter(|d| d.path.starts_with("/dev/nvidia"))
+        .map(|d| (d.path.as_str(), d.kind.as_str(), d.major, d.minor))
+        .collect();
+    nvidia.sort_unstable();
+    let gpus: Vec<String> = minors.iter().map(|m| format!("/dev/nvidia{m}")).collect();
+    let mut want: Vec<(&str, &str, u32, u32)> =
+        gpus.iter().zip(minors).map(|(path, m)| (path.as_str(), "c", 195, *m)).collect();
+    want.extend([("/dev/nvidia-uvm", "c", 510, 0), ("/dev/nvidiactl", "c", 195, 255)]);
+    want.sort_unstable();
+    assert_eq!(nvidia, want, "{pod}/{}: its GPUs' device nodes and the control nodes", seen.container);
 }
 
 /// The process ran in a real container: PID 1 of its namespace, on an overlay root, with the
@@ -203,12 +225,14 @@ async fn on_containerd_each_process_sees_its_grant_and_a_restart_keeps_them_runn
         assert_eq!(env("GPUSHARE_CLAIM"), "default/cc-3500", "{container}");
         assert!(s.mount(&pipe).is_none(), "{container}: {:?}", s.mounts);
         assert_real_container("cd-a", s);
+        assert_gpu_nodes("cd-a", s, &[2]);
     }
     let seen = wait_seen(&b, "cd-mps", &["main"]);
     let s = &seen["main"];
     assert_eq!(s.env.get("NVIDIA_VISIBLE_DEVICES"), Some(&uuid(3)), "{:?}", s.env);
     assert_eq!(s.env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT").map(String::as_str), Some("0=10240M"), "{:?}", s.env);
     assert_mps_client("cd-mps", s, &pipe);
+    assert_gpu_nodes("cd-mps", s, &[3]);
 
     // containerd killed and started again: the shims keep the containers running, the kubelet
     // starts none of them again, and a pod placed afterwards runs with its grant.
