@@ -3,9 +3,9 @@
 //! its own loopback address, as the shipped configuration does). The leader's kube-scheduler
 //! and extender are killed with `SIGKILL` in the middle of a burst. The other scheduler takes
 //! the lease and places the rest through its own extender; the real kubelet admits every pod
-//! through gpushared. Checked from what the runtime created: no GPU holds more than it has,
-//! every container runs on the GPU of its pod's assignment with its budget, no pod failed, and
-//! the pods that do not fit wait.
+//! through gpushared, and containerd and runc start every container. Checked from what each
+//! container's process reported: no GPU holds more than it has, every container runs on the
+//! GPU of its pod's assignment with its budget, no pod failed, and the pods that do not fit wait.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeMap;
@@ -13,14 +13,13 @@ use std::time::{Duration, Instant};
 
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
 use gpushare_testkit::cluster::http_get;
-use gpushare_testkit::cri::Created;
 use gpushare_testkit::nvml::FakeGpu;
-use gpushare_testkit::realbox::{is_root, repo, start_extender_named};
+use gpushare_testkit::realbox::{Runtime, Started, is_root, repo, start_extender_named};
 use gpushare_testkit::realkube::EXTENDER_URL;
 use serde_json::Value;
 
 mod realbox;
-use realbox::{RealBox, get, pod, up};
+use realbox::{RealBox, get, pod, up_on};
 
 const NODE: &str = "node-f";
 const GPU_MIB: u64 = 15_360;
@@ -62,7 +61,7 @@ async fn the_leaders_scheduler_and_extender_killed_mid_burst_lose_no_pod_and_ove
         gpushare_testkit::skip_unless_ci("the real kubelet needs root (it runs in a mount namespace of its own)");
         return;
     }
-    let Some(mut b) = up().await else { return };
+    let Some(mut b) = up_on("gpushare-scheduler-config.yaml", "", Runtime::Containerd).await else { return };
     let gpus = [FakeGpu::new(NODE, 0, GPU_MIB, "Tesla T4"), FakeGpu::new(NODE, 1, GPU_MIB, "Tesla T4")];
     b.add_node(NODE, &gpus, ("", "")).unwrap_or_else(|e| panic!("{e:#}"));
     b.wait_allocatable(NODE, "gpushare.io/gpu-mem", "30720", Duration::from_secs(60))
@@ -132,13 +131,11 @@ async fn the_leaders_scheduler_and_extender_killed_mid_burst_lose_no_pod_and_ove
         if bound_in.is_none() && bound(&all) == FIT {
             bound_in = Some(led_at.elapsed());
         }
-        let running: BTreeMap<String, Created> = b
+        let running: BTreeMap<String, Started> = b
             .node(NODE)
             .unwrap()
-            .runtime
-            .recording()
-            .unwrap()
             .running()
+            .unwrap_or_else(|e| panic!("{e:#}"))
             .into_iter()
             .map(|c| (c.pod.clone(), c))
             .collect();
@@ -146,14 +143,18 @@ async fn the_leaders_scheduler_and_extender_killed_mid_burst_lose_no_pod_and_ove
         if running.len() == FIT && phases_running == FIT {
             break (running, all);
         }
-        // A liveness bound, not a timing: the kubelet admits the node's pods one at a time on a
-        // machine it shares with the whole box (a clean-clone CI run once had 155 of 170 running
-        // at 30 s, and all of them on its rerun).
+        // Liveness bounds, not timings. The standby places the rest within 60 s of taking the
+        // lease. Starting 170 containers under runc on a machine the whole box shares takes
+        // longer than that alone (about 70 s on 2 cores), so the bound on running is wider.
+        let (what, done, limit) = match bound_in {
+            None => ("bound", bound(&all), 60),
+            Some(_) => ("running", running.len(), 180),
+        };
         assert!(
-            led_at.elapsed() < Duration::from_secs(60),
-            "{} of {FIT} pods running 60 s after kube-scheduler-b took the lease ({} bound); not running: {:?}\nkube-scheduler-b:\n{}\nextender-b:\n{}",
-            running.len(),
+            led_at.elapsed() < Duration::from_secs(limit),
+            "{done} of {FIT} pods {what} {limit} s after kube-scheduler-b took the lease ({} bound, {} running); not running: {:?}\nkube-scheduler-b:\n{}\nextender-b:\n{}",
             bound(&all),
+            running.len(),
             all.keys().filter(|p| !running.contains_key(*p)).collect::<Vec<_>>(),
             scheduler_b.log_tail(30),
             extender_b.log_tail(30)
@@ -175,7 +176,8 @@ async fn the_leaders_scheduler_and_extender_killed_mid_burst_lose_no_pod_and_ove
     }
     assert_eq!(per_gpu.values().copied().collect::<Vec<_>>(), [15_300, 15_300], "{per_gpu:?}");
     // Each container was created once: no pod was admitted twice or replaced.
-    assert_eq!(b.node(NODE).unwrap().runtime.recording().unwrap().created().len(), FIT);
+    let started = b.node(NODE).unwrap().started().unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(started.len(), FIT, "containers started: {}", started.len());
     // The ten that do not fit wait, unbound, told why.
     let waiting: Vec<&Value> = all.values().filter(|p| !p["spec"]["nodeName"].is_string()).collect();
     assert_eq!(waiting.len(), 10);
