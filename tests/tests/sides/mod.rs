@@ -1,7 +1,8 @@
 //! What the side-by-side suite shares: each system under test set up as a node of the
 //! real-cluster box, a workload written the way that system's users write it, what the real
 //! kubelet then did (each pod's phase and the scheduler's reason, each container's GPUs and
-//! budget as the runtime received them), the evidence kept as JSON, and the check that
+//! budget as its process reported them on containerd, or as the recording runtime received
+//! them for the peers built from source), the evidence kept as JSON, and the check that
 //! docs/comparison.md says what was seen.
 #![allow(dead_code)]
 
@@ -9,12 +10,13 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::{Duration, Instant};
 
+use gpushare_testkit::containerd::PROBE_IMAGE;
 use gpushare_testkit::nvml::FakeGpu;
 use gpushare_testkit::peers::{self, ALIYUN_GPU_MEM, HAMI_GPU, HAMI_GPUMEM, HAMI_SPLIT, NVIDIA_GPU, NvidiaSharing};
-use gpushare_testkit::realbox::is_root;
+use gpushare_testkit::realbox::{Runtime, is_root};
 use serde_json::{Value, json};
 
-use crate::realbox::{RealBox, get, repo, up};
+use crate::realbox::{RealBox, get, repo, up_on};
 
 /// The node every scenario runs on.
 pub(crate) const NODE: &str = "gpu-node";
@@ -81,6 +83,19 @@ impl System {
         }
     }
 
+    /// The container runtime of its node. gpushare and NVIDIA's device plugin run on containerd
+    /// and runc, so their containers' GPUs and budgets are what each process saw. The peers
+    /// built from source stay on the recording runtime, judged on what their plugins asked of
+    /// it: HAMi's plugin mounts its `libvgpu.so` and `ld.so.preload` from host paths the box
+    /// does not have, and neither peer's source is there in CI to prove it on containerd.
+    #[must_use]
+    pub(crate) fn runtime(self) -> Runtime {
+        match self {
+            System::Gpushare | System::Nvidia => Runtime::Containerd,
+            System::Alibaba | System::Hami => Runtime::Recording,
+        }
+    }
+
     /// The column's heading in docs/comparison.md.
     #[must_use]
     pub(crate) fn column(self) -> &'static str {
@@ -134,7 +149,7 @@ impl System {
             gpushare_testkit::skip_unless_ci("the real kubelet needs root (it runs in a mount namespace of its own)");
             return None;
         }
-        let mut b = up().await?;
+        let mut b = up_on("gpushare-scheduler-config.yaml", "", self.runtime()).await?;
         match self {
             System::Gpushare => b.add_node(NODE, gpus, ("", ours_extra)).map(|_| ()),
             System::Nvidia => b.add_nvidia_node(NODE, gpus, NvidiaSharing { replicas: NVIDIA_REPLICAS }).map(|_| ()),
@@ -169,7 +184,9 @@ impl System {
                 System::Alibaba => json!({ALIYUN_GPU_MEM: (c.mib * u64::from(c.gpus)).to_string()}),
                 System::Hami => json!({HAMI_GPU: c.gpus.to_string(), HAMI_GPUMEM: c.mib.to_string()}),
             };
-            json!({"name": c.name, "image": "registry.example/app:1", "resources": {"limits": limits}})
+            // The probe: an app container waits, an init container runs `true` and exits.
+            let command: &[&str] = if c.init { &["true"] } else { &[] };
+            json!({"name": c.name, "image": PROBE_IMAGE, "command": command, "resources": {"limits": limits}})
         };
         let init: Vec<Value> = containers.iter().filter(|c| c.init).map(spec).collect();
         let main: Vec<Value> = containers.iter().filter(|c| !c.init).map(spec).collect();
@@ -199,7 +216,7 @@ impl Ctr {
     }
 }
 
-/// What one container was created with.
+/// What one container started with.
 #[derive(Clone, Debug)]
 pub(crate) struct SeenContainer {
     /// Its name.
@@ -225,7 +242,7 @@ pub(crate) struct Seen {
     pub(crate) waiting: String,
     /// The kubelet's reason and message when it refused the pod (`Failed`), or empty.
     pub(crate) refused: String,
-    /// Its containers as the runtime created them.
+    /// Its containers, each start.
     pub(crate) containers: Vec<SeenContainer>,
 }
 
@@ -267,7 +284,10 @@ pub(crate) fn settle(b: &RealBox, pods: &[(String, Vec<Ctr>)], running: usize) -
 
 /// What became of each of `pods`, now.
 pub(crate) fn observe(b: &RealBox, pods: &[(String, Vec<Ctr>)]) -> Vec<Seen> {
-    let created = b.node(NODE).unwrap().runtime.recording().unwrap().created();
+    let node = b.node(NODE).unwrap();
+    let started = node.started().unwrap_or_else(|e| panic!("{e:#}"));
+    let running: Vec<(String, String)> =
+        node.running().unwrap_or_else(|e| panic!("{e:#}")).into_iter().map(|c| (c.pod_uid, c.container)).collect();
     let items = get(&b.plane, &["get", "pods", "-n", "default"]);
     pods.iter()
         .map(|(name, _)| {
@@ -275,25 +295,31 @@ pub(crate) fn observe(b: &RealBox, pods: &[(String, Vec<Ctr>)]) -> Vec<Seen> {
             let condition = p
                 .and_then(|p| p["status"]["conditions"].as_array())
                 .and_then(|cs| cs.iter().find(|c| c["type"] == "PodScheduled" && c["status"] == "False"));
-            let containers = created
+            let containers = started
                 .iter()
-                .filter(|c| &c.pod == name)
-                .map(|c| SeenContainer {
-                    name: c.container.clone(),
-                    gpus: c
-                        .envs
-                        .get("NVIDIA_VISIBLE_DEVICES")
-                        .map(|v| v.split(',').map(gpu_uuid).collect())
-                        .unwrap_or_default(),
-                    budget_mib: c
-                        .envs
-                        .get("GPUSHARE_MEMORY_MIB")
-                        .or_else(|| c.envs.get("ALIYUN_COM_GPU_MEM_CONTAINER"))
-                        .map(String::as_str)
-                        // HAMi-core's limit on the container's first GPU, `<MiB>m`.
-                        .or_else(|| c.envs.get("CUDA_DEVICE_MEMORY_LIMIT_0").map(|v| v.trim_end_matches('m')))
-                        .and_then(|v| v.parse().ok()),
-                    running: c.running,
+                .enumerate()
+                .filter(|(_, c)| &c.pod == name)
+                .map(|(i, c)| {
+                    let key = (c.pod_uid.clone(), c.container.clone());
+                    // Only the latest start of a container can be the one running.
+                    let latest = !started[i + 1..].iter().any(|l| l.pod_uid == key.0 && l.container == key.1);
+                    SeenContainer {
+                        name: c.container.clone(),
+                        gpus: c
+                            .envs
+                            .get("NVIDIA_VISIBLE_DEVICES")
+                            .map(|v| v.split(',').map(gpu_uuid).collect())
+                            .unwrap_or_default(),
+                        budget_mib: c
+                            .envs
+                            .get("GPUSHARE_MEMORY_MIB")
+                            .or_else(|| c.envs.get("ALIYUN_COM_GPU_MEM_CONTAINER"))
+                            .map(String::as_str)
+                            // HAMi-core's limit on the container's first GPU, `<MiB>m`.
+                            .or_else(|| c.envs.get("CUDA_DEVICE_MEMORY_LIMIT_0").map(|v| v.trim_end_matches('m')))
+                            .and_then(|v| v.parse().ok()),
+                        running: latest && running.contains(&key),
+                    }
                 })
                 .collect();
             Seen {
