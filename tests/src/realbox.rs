@@ -168,6 +168,9 @@ pub struct Started {
     pub container: String,
     /// Its environment.
     pub envs: BTreeMap<String, String>,
+    /// The paths of its device nodes in the container: those the kubelet and CDI named on the
+    /// recording runtime, every node under `/dev` its process saw on containerd.
+    pub devices: Vec<String>,
 }
 
 impl RealNode {
@@ -218,13 +221,27 @@ impl RealNode {
 
 impl From<crate::cri::Created> for Started {
     fn from(c: crate::cri::Created) -> Self {
-        Started { namespace: c.namespace, pod: c.pod, pod_uid: c.pod_uid, container: c.container, envs: c.envs }
+        Started {
+            namespace: c.namespace,
+            pod: c.pod,
+            pod_uid: c.pod_uid,
+            container: c.container,
+            envs: c.envs,
+            devices: c.devices.into_iter().map(|(_, path)| path).collect(),
+        }
     }
 }
 
 impl From<crate::probe::Seen> for Started {
     fn from(s: crate::probe::Seen) -> Self {
-        Started { namespace: s.namespace, pod: s.pod, pod_uid: s.pod_uid, container: s.container, envs: s.env }
+        Started {
+            namespace: s.namespace,
+            pod: s.pod,
+            pod_uid: s.pod_uid,
+            container: s.container,
+            envs: s.env,
+            devices: s.devices.into_iter().map(|d| d.path).collect(),
+        }
     }
 }
 

@@ -3,7 +3,9 @@
 //! DRA table: for each driver a fresh real-cluster box with one node of two 40 GB GPUs served
 //! through DRA, ResourceClaims asking memory of one device class (`gpushare-memory`,
 //! `gpu.nvidia.com`), placed by the real kube-scheduler and prepared by the real kubelet; then
-//! one set of rules applied to what the runtime was asked to run: every running container sees
+//! one set of rules applied to what each container got (gpushare's node runs containerd and
+//! runc, which inject its CDI specs, and each process reports what it saw; NVIDIA's driver, built
+//! from source, runs on the recording runtime, which applies its specs): every running container sees
 //! exactly the GPUs its claim was allocated and is told its budget, no GPU holds more than it
 //! has, every pod that does not run says why. NVIDIA's driver runs where `GPUSHARE_PEERS_SRC`
 //! gives its source (`tests/peers/build`); without it, its column keeps the last recorded run and
@@ -13,14 +15,15 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use gpushare_testkit::containerd::PROBE_IMAGE;
 use gpushare_testkit::nvidia_dra;
 use gpushare_testkit::nvml::FakeGpu;
-use gpushare_testkit::realbox::{is_root, merge_toml};
+use gpushare_testkit::realbox::{Runtime, is_root, merge_toml};
 use serde_json::{Value, json};
 
 mod realbox;
 mod sides;
-use realbox::{RealBox, get, repo, up};
+use realbox::{RealBox, get, repo, up_on};
 use sides::{Verdict, record_in};
 
 const NODE: &str = "gpu-node";
@@ -71,6 +74,16 @@ impl Driver {
         }
     }
 
+    /// The container runtime of its node: containerd and runc for gpushare. NVIDIA's driver
+    /// stays on the recording runtime: its specs run `nvidia-cdi-hook` and mount the driver
+    /// root's libraries, and its source is not there in CI to prove them on containerd.
+    fn runtime(self) -> Runtime {
+        match self {
+            Driver::Gpushare => Runtime::Containerd,
+            Driver::Nvidia => Runtime::Recording,
+        }
+    }
+
     fn class(self) -> &'static str {
         match self {
             Driver::Gpushare => "gpushare-memory",
@@ -85,7 +98,7 @@ impl Driver {
             gpushare_testkit::skip_unless_ci("the real kubelet needs root (it runs in a mount namespace of its own)");
             return None;
         }
-        let mut b = up().await?;
+        let mut b = up_on("gpushare-scheduler-config.yaml", "", self.runtime()).await?;
         let gpus = gpus();
         match self {
             Driver::Gpushare => {
@@ -125,7 +138,7 @@ fn gpus() -> Vec<FakeGpu> {
 fn pod(name: &str, claim: &str, containers: &[&str]) -> Value {
     let containers: Vec<Value> = containers
         .iter()
-        .map(|c| json!({"name": c, "image": "registry.example/app:1", "resources": {"claims": [{"name": "gpu"}]}}))
+        .map(|c| json!({"name": c, "image": PROBE_IMAGE, "resources": {"claims": [{"name": "gpu"}]}}))
         .collect();
     json!({
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
@@ -250,7 +263,10 @@ fn mib_of(q: &str) -> Option<u64> {
 
 /// What became of each of `pods`, now.
 fn observe(b: &RealBox, pods: &[Want]) -> Vec<Seen> {
-    let created = b.node(NODE).unwrap().runtime.recording().unwrap().created();
+    let node = b.node(NODE).unwrap();
+    let created = node.started().unwrap_or_else(|e| panic!("{e:#}"));
+    let running: Vec<(String, String)> =
+        node.running().unwrap_or_else(|e| panic!("{e:#}")).into_iter().map(|c| (c.pod_uid, c.container)).collect();
     let items = get(&b.plane, &["get", "pods", "-n", "default"]);
     let claims = get(&b.plane, &["get", "resourceclaims", "-n", "default"]);
     let devices = slice_devices(b);
@@ -292,7 +308,7 @@ fn observe(b: &RealBox, pods: &[Want]) -> Vec<Seen> {
                     let last = mine.last();
                     let mut gpus: Vec<String> = last
                         .map(|c| {
-                            let nodes = c.devices.iter().filter_map(|(_, path)| by_minor.get(path).cloned());
+                            let nodes = c.devices.iter().filter_map(|path| by_minor.get(path).cloned());
                             let visible = c
                                 .envs
                                 .get("NVIDIA_VISIBLE_DEVICES")
@@ -316,7 +332,7 @@ fn observe(b: &RealBox, pods: &[Want]) -> Vec<Seen> {
                         name: (*name).to_owned(),
                         gpus,
                         budget_mib,
-                        running: last.is_some_and(|c| c.running),
+                        running: last.is_some_and(|c| running.iter().any(|(uid, n)| *uid == c.pod_uid && n == name)),
                         created: mine.len(),
                     }
                 })
