@@ -213,6 +213,13 @@ pub struct Gpu {
 }
 
 impl Gpu {
+    /// Its device number, `N` of `/dev/nvidiaN`: the minor number, or the index where NVML did
+    /// not give one (they agree on most hosts).
+    #[must_use]
+    pub fn device_number(&self) -> u32 {
+        self.minor.unwrap_or(self.index)
+    }
+
     /// A healthy, uncordoned GPU with no minor number or NUMA node; handy for tests and examples.
     #[must_use]
     pub fn new(index: u32, uuid: GpuUuid, model: impl Into<String>, total: Mib) -> Self {

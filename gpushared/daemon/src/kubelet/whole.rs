@@ -149,7 +149,7 @@ impl DevicePlugin for WholePlugin {
                     return Err(Status::failed_precondition(why));
                 }
                 uuids.push(id.clone());
-                minors.push(g.minor.unwrap_or(g.index));
+                minors.push(g.device_number());
                 handed.push(format!("GPU{} ({id})", g.index));
             }
             let envs = std::collections::HashMap::from([("NVIDIA_VISIBLE_DEVICES".to_owned(), uuids.join(","))]);

@@ -132,7 +132,7 @@ impl Environment<'_> {
             .iter()
             .map(|g| {
                 let known = self.inventory.gpus().iter().find(|x| x.uuid == g.uuid);
-                known.and_then(|x| x.minor).unwrap_or(g.index)
+                known.map_or(g.index, gpushare_core::Gpu::device_number)
             })
             .collect();
         self.nodes.nodes(&minors)
@@ -225,7 +225,7 @@ impl Environment<'_> {
                 .flat_map(|c| c.gpus.iter().map(|g| g.mib.get()))
                 .sum();
             if let Some(g) = first {
-                env.insert(alibaba::IDX.to_owned(), g.minor.unwrap_or(g.index).to_string());
+                env.insert(alibaba::IDX.to_owned(), g.device_number().to_string());
                 env.insert(alibaba::DEV.to_owned(), unit.whole_units(g.total).to_string());
             }
             env.insert(alibaba::POD.to_owned(), unit.whole_units(Mib::new(pod_mib)).to_string());
