@@ -9,7 +9,9 @@
 //! whole move, node by node. New pods arrive after every step, and the pods already running
 //! stay.
 //!
-//! After every step the same checks, from what the recording runtime was asked to run:
+//! Every node runs containerd and runc, so each container really starts and the pods already
+//! running live through each step as processes. After every step the same checks, from what
+//! each container's process reported and what containerd lists as running:
 //! - no container of a pod was created again, and none moved to another GPU;
 //! - every pod runs (or, where the step leaves no node to place GPU pods on, waits and says
 //!   why), each GPU pod's container on the GPU its placement names, told its budget;
@@ -26,14 +28,14 @@ use std::time::{Duration, Instant};
 
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment};
 use gpushare_testkit::cluster::{Proc, http_get};
-use gpushare_testkit::cri::Created;
+use gpushare_testkit::containerd::PROBE_IMAGE;
 use gpushare_testkit::nvml::FakeGpu;
 use gpushare_testkit::peers::{self, ALIYUN_GPU_MEM};
-use gpushare_testkit::realbox::is_root;
+use gpushare_testkit::realbox::{RealNode, Runtime, Started, is_root};
 use serde_json::{Value, json};
 
 mod realbox;
-use realbox::{RealBox, get, repo, up_with};
+use realbox::{RealBox, get, repo, up_on};
 
 /// The GPU nodes, each of two GPUs of [`GPU_MIB`].
 const NODES: [&str; 3] = ["gpu-a", "gpu-b", "gpu-c"];
@@ -56,26 +58,54 @@ fn pod(name: &str, mib: u64, node: Option<&str>) -> Value {
     };
     let mut p = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
            "spec": {"automountServiceAccountToken": false,
-                    "containers": [{"name": "main", "image": "registry.example/app:1", "resources": resources}]}});
+                    "containers": [{"name": "main", "image": PROBE_IMAGE, "resources": resources}]}});
     if let Some(node) = node {
         p["spec"]["nodeSelector"] = json!({"kubernetes.io/hostname": node});
     }
     p
 }
 
-/// A container as first seen running: its ID, node and GPU (UUID; none for a pod without GPU).
+/// A container as first seen running: its pod's UID, node and GPU (UUID; none for a pod
+/// without GPU).
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Placed {
-    id: String,
+    uid: String,
     node: String,
     gpu: Option<String>,
 }
 
-/// One look at the cluster: the pods, each container the nodes' runtimes were asked for (with
-/// its node), and the pods that may wait in this step.
+/// One start of a container, as its process reported it, and whether it runs now.
+struct Start {
+    started: Started,
+    running: bool,
+}
+
+/// Every container start on `node`; only the latest start of a container can be running.
+fn starts(node: &RealNode) -> Vec<Start> {
+    let started = node.started().unwrap_or_else(|e| panic!("{}: {e:#}", node.name));
+    let running: Vec<(String, String)> = node
+        .running()
+        .unwrap_or_else(|e| panic!("{}: {e:#}", node.name))
+        .into_iter()
+        .map(|c| (c.pod_uid, c.container))
+        .collect();
+    let latest =
+        |i: usize, c: &Started| !started[i + 1..].iter().any(|l| l.pod_uid == c.pod_uid && l.container == c.container);
+    started
+        .iter()
+        .enumerate()
+        .map(|(i, c)| Start {
+            running: latest(i, c) && running.contains(&(c.pod_uid.clone(), c.container.clone())),
+            started: c.clone(),
+        })
+        .collect()
+}
+
+/// One look at the cluster: the pods, each container start on the nodes (with its node), and
+/// the pods that may wait in this step.
 struct Seen {
     pods: Value,
-    created: Vec<(String, Created)>,
+    created: Vec<(String, Start)>,
     may_wait: Vec<String>,
 }
 
@@ -117,7 +147,7 @@ impl Move {
             eprintln!("the move off Alibaba did not run: {why}");
             return None;
         }
-        let mut b = up_with("gpushare-scheduler-config-alibaba.yaml", OURS).await?;
+        let mut b = up_on("gpushare-scheduler-config-alibaba.yaml", OURS, Runtime::Containerd).await?;
         b.extender.stop(Duration::from_secs(5));
         let (alibaba_extender, alibaba_url) = peers::spawn_alibaba_extender(&b.plane, "info").unwrap();
         b.plane.start_scheduler_config(&peers::alibaba_scheduler_config(&alibaba_url)).unwrap();
@@ -280,18 +310,13 @@ impl Move {
         loop {
             let seen = Seen {
                 pods: get(&self.b.plane, &["get", "pods", "-n", "default"]),
-                created: self
-                    .b
-                    .nodes
-                    .iter()
-                    .flat_map(|n| n.runtime.recording().unwrap().created().into_iter().map(|c| (n.name.clone(), c)))
-                    .collect(),
+                created: self.b.nodes.iter().flat_map(|n| starts(n).into_iter().map(|c| (n.name.clone(), c))).collect(),
                 may_wait: may_wait.clone(),
             };
             let settled = self.pods.iter().all(|(name, _)| {
                 let p = find(&seen.pods, name);
-                let runs =
-                    p["status"]["phase"] == "Running" && seen.created.iter().any(|(_, c)| &c.pod == name && c.running);
+                let runs = p["status"]["phase"] == "Running"
+                    && seen.created.iter().any(|(_, c)| &c.started.pod == name && c.running);
                 runs || seen.waits(name) || p["status"]["phase"] == "Failed"
             });
             if settled || Instant::now() > deadline {
@@ -315,13 +340,14 @@ impl Move {
                 }
                 continue;
             }
-            let mine: Vec<&(String, Created)> = seen.created.iter().filter(|(_, c)| &c.pod == name).collect();
-            let [(node, c)] = mine.as_slice() else {
+            let mine: Vec<&(String, Start)> = seen.created.iter().filter(|(_, c)| &c.started.pod == name).collect();
+            let [(node, start)] = mine.as_slice() else {
                 problems.push(format!("{name}'s container was created {} times", mine.len()));
                 continue;
             };
+            let c = &start.started;
             let gpu = c.envs.get("NVIDIA_VISIBLE_DEVICES").filter(|_| *mib > 0).map(|v| gpu_uuid(node, v));
-            let now = Placed { id: c.id.clone(), node: node.clone(), gpu: gpu.clone() };
+            let now = Placed { uid: c.pod_uid.clone(), node: node.clone(), gpu: gpu.clone() };
             match self.first.get(name) {
                 Some(was) if *was != now => problems.push(format!("{name} was {was:?}, is now {now:?}")),
                 Some(_) => {}
@@ -329,8 +355,8 @@ impl Move {
                     self.first.insert(name.clone(), now);
                 }
             }
-            if !c.running {
-                problems.push(format!("{name}'s container {} is no longer running", c.id));
+            if !start.running {
+                problems.push(format!("{name}'s container is no longer running"));
             }
             if *mib == 0 {
                 continue;

@@ -2,7 +2,7 @@
 //! real-cluster box, a workload written the way that system's users write it, what the real
 //! kubelet then did (each pod's phase and the scheduler's reason, each container's GPUs and
 //! budget as its process reported them on containerd, or as the recording runtime received
-//! them for the peers built from source), the evidence kept as JSON, and the check that
+//! them for HAMi), the evidence kept as JSON, and the check that
 //! docs/comparison.md says what was seen.
 #![allow(dead_code)]
 
@@ -83,16 +83,15 @@ impl System {
         }
     }
 
-    /// The container runtime of its node. gpushare and NVIDIA's device plugin run on containerd
-    /// and runc, so their containers' GPUs and budgets are what each process saw. The peers
-    /// built from source stay on the recording runtime, judged on what their plugins asked of
-    /// it: HAMi's plugin mounts its `libvgpu.so` and `ld.so.preload` from host paths the box
-    /// does not have, and neither peer's source is there in CI to prove it on containerd.
+    /// The container runtime of its node: containerd and runc, so that containers' GPUs and
+    /// budgets are what each process saw; HAMi's stays on the recording runtime, judged on
+    /// what its plugin asked of it, since the plugin mounts its `libvgpu.so` and
+    /// `ld.so.preload` from host paths the box does not have.
     #[must_use]
     pub(crate) fn runtime(self) -> Runtime {
         match self {
-            System::Gpushare | System::Nvidia => Runtime::Containerd,
-            System::Alibaba | System::Hami => Runtime::Recording,
+            System::Gpushare | System::Nvidia | System::Alibaba => Runtime::Containerd,
+            System::Hami => Runtime::Recording,
         }
     }
 
