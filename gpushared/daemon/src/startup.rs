@@ -1,6 +1,7 @@
 //! The checks gpushared runs on its configuration against this host before it serves: the
 //! node's name, the GPUs (from NVML or `[[gpus]]`), `[sharing]` against those GPUs, the
-//! inventory, and the size of the device list the kubelet will receive. The daemon's start and
+//! inventory, the size of the device list the kubelet will receive, and with `[device_nodes]`
+//! on, each GPU's device node. The daemon's start and
 //! `gpushared --check-config` both call [`inspect_host`], so a file the check calls usable is one
 //! the daemon starts with.
 
@@ -101,7 +102,32 @@ pub fn inspect_host(config: &Config, known: &[Gpu]) -> Result<Host, StartupError
     let inventory = NodeInventory::new(config.resources.unit, gpus)
         .map_err(|e| StartupError::Inventory { source_name: source.clone(), reason: e.to_string() })?;
     check_list_size(&inventory, config.resources.numa_topology)?;
+    let mut notes = notes;
+    notes.extend(missing_device_nodes(config, &inventory));
     Ok(Host { node, inventory, source, nvml, lost, notes })
+}
+
+/// With `[device_nodes]` on, a note for each GPU whose node under `host_dir` is not a character
+/// device: the runtime would refuse its containers, naming the path.
+fn missing_device_nodes(config: &Config, inventory: &NodeInventory) -> Vec<String> {
+    use std::os::unix::fs::FileTypeExt as _;
+    inventory
+        .gpus()
+        .iter()
+        .filter_map(|g| {
+            let node = config.device_nodes.nodes(&[g.device_number()]).into_iter().next()?;
+            let is_device = std::fs::metadata(&node.host_path).is_ok_and(|m| m.file_type().is_char_device());
+            (!is_device).then(|| {
+                format!(
+                    "[device_nodes]: {} is not a character device, so the runtime would refuse the containers of \
+                     GPU {} ({}); set host_dir to where the driver's nodes are, or load the driver",
+                    node.host_path.display(),
+                    g.index,
+                    g.uuid
+                )
+            })
+        })
+        .collect()
 }
 
 /// Records in the ledger what discovery found: the identity of every GPU that answered, an

@@ -151,6 +151,19 @@ fn check_config_exits_zero_or_one_with_the_reason() {
     std::fs::write(&absent, format!("node_name = \"node-a\"\n[sharing]\nmps = [7]\n{gpus}")).unwrap();
     let err = String::from_utf8_lossy(&check(&absent).stderr).into_owned();
     assert!(err.contains("[sharing] mps names GPU 7, which this host does not have"), "{err}");
+    // Device nodes named to the runtime: one a GPU lacks is noted, not refused.
+    let dev = host.path("dev");
+    std::fs::create_dir_all(&dev).unwrap();
+    std::fs::write(dev.join("nvidia0"), "").unwrap();
+    let nodes = host.path("nodes.toml");
+    let section = format!("[device_nodes]\nenabled = true\nhost_dir = \"{}\"\n", dev.display());
+    std::fs::write(&nodes, format!("node_name = \"node-a\"\n{section}{gpus}")).unwrap();
+    let out = check(&nodes);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let notes: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().skip(1).map(str::to_owned).collect();
+    assert_eq!(notes.len(), 2, "{notes:?}");
+    assert!(notes[0].contains(&format!("{}/nvidia0 is not a character device", dev.display())), "{notes:?}");
+    assert!(notes[1].contains("nvidia1") && notes[1].contains("GPU 1 (GPU-static-1)"), "{notes:?}");
     let no_nvml = host.path("no-nvml.toml");
     std::fs::write(&no_nvml, "node_name = \"node-a\"\n[nvml]\nlibrary = \"/nonexistent/libnvidia-ml.so.1\"\n").unwrap();
     let err = String::from_utf8_lossy(&check(&no_nvml).stderr).into_owned();
