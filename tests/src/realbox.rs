@@ -171,6 +171,8 @@ pub struct Started {
     /// The paths of its device nodes in the container: those the kubelet and CDI named on the
     /// recording runtime, every node under `/dev` its process saw on containerd.
     pub devices: Vec<String>,
+    /// Whether this start is running now.
+    pub running: bool,
 }
 
 impl RealNode {
@@ -183,39 +185,37 @@ impl RealNode {
         crate::probe::seen(&self.kubelet.dirs.logs)
     }
 
-    /// Every container start on the node so far: the recording runtime's records in order, or
-    /// containerd's processes' reports (by pod, container and attempt).
+    /// Every container start on the node so far, each marked running or not: the recording
+    /// runtime's records in order, or containerd's processes' reports (by pod, container and
+    /// attempt), running where its CRI service lists that attempt as running.
     ///
     /// # Errors
-    /// If containerd's processes' reports cannot be read.
+    /// If containerd does not answer or its processes' reports cannot be read.
     pub fn started(&self) -> anyhow::Result<Vec<Started>> {
-        if let Some(r) = self.runtime.recording() {
-            return Ok(r.created().into_iter().map(Started::from).collect());
-        }
-        Ok(self.seen()?.into_iter().map(Started::from).collect())
-    }
-
-    /// The containers running on the node now, the latest start of each. On containerd, those
-    /// its CRI service lists as running, with what their processes reported.
-    ///
-    /// # Errors
-    /// If containerd does not answer or the reports cannot be read.
-    pub fn running(&self) -> anyhow::Result<Vec<Started>> {
         let containerd = match &self.runtime {
-            NodeRuntime::Recording(r) => {
-                return Ok(r.running().into_iter().map(Started::from).collect());
-            }
+            NodeRuntime::Recording(r) => return Ok(r.created().into_iter().map(Started::from).collect()),
             NodeRuntime::Containerd(c) => c,
         };
-        let seen = self.seen()?;
-        Ok(containerd
-            .running()?
+        let running = containerd.running()?;
+        Ok(self
+            .seen()?
             .into_iter()
-            .filter_map(|(uid, name, attempt)| {
-                seen.iter().find(|s| s.pod_uid == uid && s.container == name && s.attempt == attempt).cloned()
+            .map(|s| {
+                let live = running
+                    .iter()
+                    .any(|(uid, name, attempt)| *uid == s.pod_uid && *name == s.container && *attempt == s.attempt);
+                Started::reported(s, live)
             })
-            .map(Started::from)
             .collect())
+    }
+
+    /// The containers running on the node now, the latest start of each ([`Self::started`]'s
+    /// running ones).
+    ///
+    /// # Errors
+    /// If containerd does not answer or its processes' reports cannot be read.
+    pub fn running(&self) -> anyhow::Result<Vec<Started>> {
+        Ok(self.started()?.into_iter().filter(|s| s.running).collect())
     }
 }
 
@@ -228,12 +228,14 @@ impl From<crate::cri::Created> for Started {
             container: c.container,
             envs: c.envs,
             devices: c.devices.into_iter().map(|(_, path)| path).collect(),
+            running: c.running,
         }
     }
 }
 
-impl From<crate::probe::Seen> for Started {
-    fn from(s: crate::probe::Seen) -> Self {
+impl Started {
+    /// A start on containerd: what its process reported, and whether it runs now.
+    fn reported(s: crate::probe::Seen, running: bool) -> Self {
         Started {
             namespace: s.namespace,
             pod: s.pod,
@@ -241,6 +243,7 @@ impl From<crate::probe::Seen> for Started {
             container: s.container,
             envs: s.env,
             devices: s.devices.into_iter().map(|d| d.path).collect(),
+            running,
         }
     }
 }

@@ -263,10 +263,7 @@ fn mib_of(q: &str) -> Option<u64> {
 
 /// What became of each of `pods`, now.
 fn observe(b: &RealBox, pods: &[Want]) -> Vec<Seen> {
-    let node = b.node(NODE).unwrap();
-    let created = node.started().unwrap_or_else(|e| panic!("{e:#}"));
-    let running: Vec<(String, String)> =
-        node.running().unwrap_or_else(|e| panic!("{e:#}")).into_iter().map(|c| (c.pod_uid, c.container)).collect();
+    let created = b.node(NODE).unwrap().started().unwrap_or_else(|e| panic!("{e:#}"));
     let items = get(&b.plane, &["get", "pods", "-n", "default"]);
     let claims = get(&b.plane, &["get", "resourceclaims", "-n", "default"]);
     let devices = slice_devices(b);
@@ -332,7 +329,7 @@ fn observe(b: &RealBox, pods: &[Want]) -> Vec<Seen> {
                         name: (*name).to_owned(),
                         gpus,
                         budget_mib,
-                        running: last.is_some_and(|c| running.iter().any(|(uid, n)| *uid == c.pod_uid && n == name)),
+                        running: last.is_some_and(|c| c.running),
                         created: mine.len(),
                     }
                 })

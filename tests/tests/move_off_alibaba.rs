@@ -31,7 +31,7 @@ use gpushare_testkit::cluster::{Proc, http_get};
 use gpushare_testkit::containerd::PROBE_IMAGE;
 use gpushare_testkit::nvml::FakeGpu;
 use gpushare_testkit::peers::{self, ALIYUN_GPU_MEM};
-use gpushare_testkit::realbox::{RealNode, Runtime, Started, is_root};
+use gpushare_testkit::realbox::{Runtime, Started, is_root};
 use serde_json::{Value, json};
 
 mod realbox;
@@ -74,38 +74,11 @@ struct Placed {
     gpu: Option<String>,
 }
 
-/// One start of a container, as its process reported it, and whether it runs now.
-struct Start {
-    started: Started,
-    running: bool,
-}
-
-/// Every container start on `node`; only the latest start of a container can be running.
-fn starts(node: &RealNode) -> Vec<Start> {
-    let started = node.started().unwrap_or_else(|e| panic!("{}: {e:#}", node.name));
-    let running: Vec<(String, String)> = node
-        .running()
-        .unwrap_or_else(|e| panic!("{}: {e:#}", node.name))
-        .into_iter()
-        .map(|c| (c.pod_uid, c.container))
-        .collect();
-    let latest =
-        |i: usize, c: &Started| !started[i + 1..].iter().any(|l| l.pod_uid == c.pod_uid && l.container == c.container);
-    started
-        .iter()
-        .enumerate()
-        .map(|(i, c)| Start {
-            running: latest(i, c) && running.contains(&(c.pod_uid.clone(), c.container.clone())),
-            started: c.clone(),
-        })
-        .collect()
-}
-
 /// One look at the cluster: the pods, each container start on the nodes (with its node), and
 /// the pods that may wait in this step.
 struct Seen {
     pods: Value,
-    created: Vec<(String, Start)>,
+    created: Vec<(String, Started)>,
     may_wait: Vec<String>,
 }
 
@@ -310,13 +283,21 @@ impl Move {
         loop {
             let seen = Seen {
                 pods: get(&self.b.plane, &["get", "pods", "-n", "default"]),
-                created: self.b.nodes.iter().flat_map(|n| starts(n).into_iter().map(|c| (n.name.clone(), c))).collect(),
+                created: self
+                    .b
+                    .nodes
+                    .iter()
+                    .flat_map(|n| {
+                        let started = n.started().unwrap_or_else(|e| panic!("{}: {e:#}", n.name));
+                        started.into_iter().map(|c| (n.name.clone(), c))
+                    })
+                    .collect(),
                 may_wait: may_wait.clone(),
             };
             let settled = self.pods.iter().all(|(name, _)| {
                 let p = find(&seen.pods, name);
-                let runs = p["status"]["phase"] == "Running"
-                    && seen.created.iter().any(|(_, c)| &c.started.pod == name && c.running);
+                let runs =
+                    p["status"]["phase"] == "Running" && seen.created.iter().any(|(_, c)| &c.pod == name && c.running);
                 runs || seen.waits(name) || p["status"]["phase"] == "Failed"
             });
             if settled || Instant::now() > deadline {
@@ -340,12 +321,11 @@ impl Move {
                 }
                 continue;
             }
-            let mine: Vec<&(String, Start)> = seen.created.iter().filter(|(_, c)| &c.started.pod == name).collect();
-            let [(node, start)] = mine.as_slice() else {
+            let mine: Vec<&(String, Started)> = seen.created.iter().filter(|(_, c)| &c.pod == name).collect();
+            let [(node, c)] = mine.as_slice() else {
                 problems.push(format!("{name}'s container was created {} times", mine.len()));
                 continue;
             };
-            let c = &start.started;
             let gpu = c.envs.get("NVIDIA_VISIBLE_DEVICES").filter(|_| *mib > 0).map(|v| gpu_uuid(node, v));
             let now = Placed { uid: c.pod_uid.clone(), node: node.clone(), gpu: gpu.clone() };
             match self.first.get(name) {
@@ -355,7 +335,7 @@ impl Move {
                     self.first.insert(name.clone(), now);
                 }
             }
-            if !start.running {
+            if !c.running {
                 problems.push(format!("{name}'s container is no longer running"));
             }
             if *mib == 0 {

@@ -283,10 +283,7 @@ pub(crate) fn settle(b: &RealBox, pods: &[(String, Vec<Ctr>)], running: usize) -
 
 /// What became of each of `pods`, now.
 pub(crate) fn observe(b: &RealBox, pods: &[(String, Vec<Ctr>)]) -> Vec<Seen> {
-    let node = b.node(NODE).unwrap();
-    let started = node.started().unwrap_or_else(|e| panic!("{e:#}"));
-    let running: Vec<(String, String)> =
-        node.running().unwrap_or_else(|e| panic!("{e:#}")).into_iter().map(|c| (c.pod_uid, c.container)).collect();
+    let started = b.node(NODE).unwrap().started().unwrap_or_else(|e| panic!("{e:#}"));
     let items = get(&b.plane, &["get", "pods", "-n", "default"]);
     pods.iter()
         .map(|(name, _)| {
@@ -296,29 +293,23 @@ pub(crate) fn observe(b: &RealBox, pods: &[(String, Vec<Ctr>)]) -> Vec<Seen> {
                 .and_then(|cs| cs.iter().find(|c| c["type"] == "PodScheduled" && c["status"] == "False"));
             let containers = started
                 .iter()
-                .enumerate()
-                .filter(|(_, c)| &c.pod == name)
-                .map(|(i, c)| {
-                    let key = (c.pod_uid.clone(), c.container.clone());
-                    // Only the latest start of a container can be the one running.
-                    let latest = !started[i + 1..].iter().any(|l| l.pod_uid == key.0 && l.container == key.1);
-                    SeenContainer {
-                        name: c.container.clone(),
-                        gpus: c
-                            .envs
-                            .get("NVIDIA_VISIBLE_DEVICES")
-                            .map(|v| v.split(',').map(gpu_uuid).collect())
-                            .unwrap_or_default(),
-                        budget_mib: c
-                            .envs
-                            .get("GPUSHARE_MEMORY_MIB")
-                            .or_else(|| c.envs.get("ALIYUN_COM_GPU_MEM_CONTAINER"))
-                            .map(String::as_str)
-                            // HAMi-core's limit on the container's first GPU, `<MiB>m`.
-                            .or_else(|| c.envs.get("CUDA_DEVICE_MEMORY_LIMIT_0").map(|v| v.trim_end_matches('m')))
-                            .and_then(|v| v.parse().ok()),
-                        running: latest && running.contains(&key),
-                    }
+                .filter(|c| &c.pod == name)
+                .map(|c| SeenContainer {
+                    name: c.container.clone(),
+                    gpus: c
+                        .envs
+                        .get("NVIDIA_VISIBLE_DEVICES")
+                        .map(|v| v.split(',').map(gpu_uuid).collect())
+                        .unwrap_or_default(),
+                    budget_mib: c
+                        .envs
+                        .get("GPUSHARE_MEMORY_MIB")
+                        .or_else(|| c.envs.get("ALIYUN_COM_GPU_MEM_CONTAINER"))
+                        .map(String::as_str)
+                        // HAMi-core's limit on the container's first GPU, `<MiB>m`.
+                        .or_else(|| c.envs.get("CUDA_DEVICE_MEMORY_LIMIT_0").map(|v| v.trim_end_matches('m')))
+                        .and_then(|v| v.parse().ok()),
+                    running: c.running,
                 })
                 .collect();
             Seen {
