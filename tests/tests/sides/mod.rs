@@ -432,13 +432,24 @@ pub(crate) fn record_in(header: &str, scenario: &str, outcomes: &[(&str, Verdict
             .position(|h| h == column)
             .unwrap_or_else(|| panic!("docs/comparison.md's {header:?} table has no column {column:?}"));
         let cell = cells.get(at).map_or("", String::as_str);
+        // A peer that loses a race only in some runs has failed it, and one passing run does not
+        // contradict the record: such a cell starts with INTERMITTENT. gpushare's never may.
+        let intermittent = cell.starts_with(INTERMITTENT);
         assert!(
-            cell.starts_with(verdict.word()),
+            !(intermittent && column.starts_with("gpushare")),
+            "docs/comparison.md calls gpushare's `{scenario}` intermittent: gpushare must pass every run"
+        );
+        assert!(
+            cell.starts_with(verdict.word()) || (intermittent && *verdict == Verdict::Pass),
             "docs/comparison.md says {cell:?} of {column} in `{scenario}`, but this run saw {verdict} (evidence: {})",
             file.display()
         );
     }
 }
+
+/// How a docs/comparison.md cell starts for a peer that failed a scenario in some runs and
+/// passed it in others (the cell says how often).
+const INTERMITTENT: &str = "fail in some runs";
 
 /// The cells of the table row whose first cell is `` `key` `` (or `key`, for the header).
 fn row(doc: &str, key: &str) -> Option<Vec<String>> {
