@@ -26,7 +26,10 @@
 //! device manager's `GetPreferredAllocation` and `Allocate`) and its `Allocate` calls alone, and
 //! how long kube-scheduler's own API client held requests back. And the CPU time each component
 //! used during the burst, per pod (its process and children, from `/proc`): on a box of few
-//! cores they share them, so the CPU one spends is time the others wait.
+//! cores they share them, so the CPU one spends is time the others wait. And the API server's
+//! work per pod (its `/metrics` before and after: requests by verb and resource with the time
+//! spent on them, watch events sent with their bytes), and the PodResources `List` calls the
+//! kubelet served per pod.
 //! Alibaba (where `GPUSHARE_PEERS_SRC` gives its source, `tests/peers/build`): its device plugin
 //! in MiB mode on the same node as gpushare's MiB mode, pods of the same size placed through its
 //! extender; its figures are given as ratios to gpushare's MiB mode. `GPUSHARE_BENCH_MIB_GPU`
@@ -196,6 +199,9 @@ struct Stages {
     admit_ms: f64,
     /// The kubelet's `Allocate` calls alone, ms per pod (`kubelet_device_plugin_alloc_duration_seconds`).
     allocate_ms: f64,
+    /// PodResources `List` calls the kubelet served, per pod (`pod_resources_endpoint_requests_list`):
+    /// each walks every active pod, on the kubelet's CPU.
+    lists: f64,
     /// kube-scheduler's API client held back by its own rate limit, ms per pod (its log's
     /// `Waited before sending request`).
     throttled_ms: f64,
@@ -247,14 +253,15 @@ fn main() {
             let st = f.stages;
             println!(
                 "  stages per pod: {:.2} scheduling attempts, scheduling {:.1} ms, extender bind {:.1} ms ({:.2} \
-                 deferred behind look-alikes), kubelet admission {:.1} ms of which Allocate {:.1} ms, kube-scheduler \
-                 throttled {:.1} ms; wall time {:.1} ms",
+                 deferred behind look-alikes), kubelet admission {:.1} ms of which Allocate {:.1} ms, {:.2} PodResources \
+                 List calls, kube-scheduler throttled {:.1} ms; wall time {:.1} ms",
                 st.attempts,
                 st.schedule_ms,
                 st.bind_ms,
                 st.deferred,
                 st.admit_ms,
                 st.allocate_ms,
+                st.lists,
                 st.throttled_ms,
                 1000.0 / f.pods_per_s
             );
@@ -428,6 +435,7 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
     }
     let list = json!({"apiVersion": "v1", "kind": "List", "metadata": {"name": "bench"}, "items": items});
     let node = b.node(NODE).unwrap();
+    let api_before = b.plane.kubectl(&["get", "--raw", "/metrics"]).unwrap_or_default();
     let cpu_before = cpu_now(&b);
     let started = Instant::now();
     b.plane.create(&list).unwrap();
@@ -444,6 +452,8 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
     let cpu_after = cpu_now(&b);
     let cpu_ms =
         std::array::from_fn(|i| cpu_after[i].saturating_sub(cpu_before[i]).as_secs_f64() * 1000.0 / pods as f64);
+    let api_after = b.plane.kubectl(&["get", "--raw", "/metrics"]).unwrap_or_default();
+    println!("  {system:?}, the API server per pod of the burst: {}", api_line(&api_before, &api_after, pods as f64));
     // gpushared names the pod it served in each container's environment: one that names
     // another pod is a wrong-pod answer.
     let wrong_pod = if matches!(system, System::GpushareMib | System::GpushareGib) {
@@ -478,6 +488,52 @@ fn metric(text: &str, name: &str, labels: &[&str]) -> f64 {
         .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
         .collect();
     if values.is_empty() { f64::NAN } else { values.iter().sum() }
+}
+
+/// A metric's series summed by the labels `by` (joined by a space), from one `/metrics` text.
+fn series_by(text: &str, name: &str, by: &[&str]) -> std::collections::BTreeMap<String, f64> {
+    let mut sums = std::collections::BTreeMap::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(name).and_then(|r| r.strip_prefix('{')) else { continue };
+        let Some((labels, value)) = rest.rsplit_once("} ") else { continue };
+        let Ok(value) = value.parse::<f64>() else { continue };
+        let label = |key: &str| {
+            labels.split(',').find_map(|kv| kv.strip_prefix(key)?.strip_prefix("=\"")?.strip_suffix('"')).unwrap_or("")
+        };
+        let key: Vec<&str> = by.iter().map(|k| label(k)).filter(|v| !v.is_empty()).collect();
+        *sums.entry(key.join(" ")).or_insert(0.0) += value;
+    }
+    sums
+}
+
+/// The API server's work during a burst, per pod, from its `/metrics` before and after: each
+/// kind of request (verb, resource and subresource; watches left out) as its count and the time
+/// the server spent on it, then the watch events it sent by resource, with their bytes.
+fn api_line(before: &str, after: &str, pods: f64) -> String {
+    let delta = |name: &str, by: &[&str]| {
+        let (b, a) = (series_by(before, name, by), series_by(after, name, by));
+        a.into_iter().map(|(k, v)| (k.clone(), v - b.get(&k).copied().unwrap_or(0.0))).collect::<Vec<_>>()
+    };
+    let by = ["verb", "resource", "subresource"];
+    let seconds: std::collections::BTreeMap<String, f64> =
+        delta("apiserver_request_duration_seconds_sum", &by).into_iter().collect();
+    let mut requests: Vec<(String, f64, f64)> = delta("apiserver_request_total", &by)
+        .into_iter()
+        .filter(|(k, n)| *n > 0.0 && !k.starts_with("WATCH"))
+        .map(|(k, n)| {
+            let ms = seconds.get(&k).copied().unwrap_or(0.0) * 1000.0;
+            (k, n / pods, ms / pods)
+        })
+        .collect();
+    requests.sort_by(|a, b| b.2.total_cmp(&a.2));
+    let mut parts: Vec<String> = requests.iter().map(|(k, n, ms)| format!("{k} {n:.2}× {ms:.2} ms")).collect();
+    let bytes: std::collections::BTreeMap<String, f64> =
+        delta("apiserver_watch_events_sizes_sum", &["resource"]).into_iter().collect();
+    for (k, n) in delta("apiserver_watch_events_total", &["resource"]).into_iter().filter(|(_, n)| *n > 0.0) {
+        let kib = bytes.get(&k).copied().unwrap_or(0.0) / 1024.0;
+        parts.push(format!("watch events {k} {:.2}× {:.1} KiB", n / pods, kib / pods));
+    }
+    parts.join("; ")
 }
 
 /// Seconds in a Go duration as klog prints it (`1.5s`, `993.1ms`, `12µs`).
@@ -519,6 +575,12 @@ async fn stages(b: &RealCluster, kubelet: &str, resource: &str, pods: f64) -> St
             &[&format!("resource_name=\"{resource}\"")],
         )),
         throttled_ms: per_pod_ms(throttled),
+        lists: ["kubelet_pod_resources_endpoint_requests_list", "pod_resources_endpoint_requests_list"]
+            .iter()
+            .map(|name| metric(kubelet, name, &[]))
+            .find(|n| !n.is_nan())
+            .unwrap_or(0.0)
+            / pods,
     }
 }
 
