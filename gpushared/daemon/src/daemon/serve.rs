@@ -110,6 +110,7 @@ impl Serving {
             config.kubelet.pod_resources_socket.path().to_owned(),
             config.reconcile.clone(),
             Arc::clone(&reconcile_now),
+            self.plugin.latest_list(),
         ));
         let mut registration = Some(self.register(config));
         let (others_stop, others_stop_rx) = watch::channel(false);

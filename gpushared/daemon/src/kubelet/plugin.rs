@@ -26,6 +26,7 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::allocation::allocator::{AllocError, Allocator, Care, KubeletSays};
+use crate::kubelet::pod_resources::LatestList;
 use crate::kubelet::streams::StreamCount;
 
 mod asking;
@@ -121,6 +122,8 @@ pub struct Plugin {
     stop: watch::Receiver<bool>,
     /// The kubelet's PodResources socket, asked which pod a call is for when several could be.
     pod_resources: Option<Arc<Path>>,
+    /// The latest answer of the kubelet's PodResources, shared with reconciliation.
+    latest_list: LatestList,
     /// The `ListAndWatch` streams open, on every server of this plugin.
     streams: StreamCount,
 }
@@ -134,6 +137,7 @@ impl Plugin {
             devices,
             stop: watch::Sender::new(false).subscribe(),
             pod_resources: None,
+            latest_list: LatestList::default(),
             streams: StreamCount::default(),
         }
     }
@@ -163,6 +167,12 @@ impl Plugin {
     pub fn with_pod_resources(mut self, socket: &Path) -> Self {
         self.pod_resources = Some(Arc::from(socket));
         self
+    }
+
+    /// Where this plugin's calls share the kubelet's latest PodResources answer.
+    #[must_use]
+    pub fn latest_list(&self) -> LatestList {
+        self.latest_list.clone()
     }
 
     /// The same, ending its `ListAndWatch` streams once `stop` turns `true`.

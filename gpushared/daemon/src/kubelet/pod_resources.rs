@@ -1,12 +1,16 @@
 //! The kubelet's PodResources API (`List`): asked over its unix socket for the containers that
 //! hold this daemon's devices, and reduced to what reconciliation reads
 //! ([`crate::allocation::reconcile::KubeletView`]) and to what tells a device-plugin call's pod
-//! apart from its look-alikes ([`KubeletListing`]).
+//! apart from its look-alikes ([`KubeletListing`]). The latest answer a device-plugin call got
+//! is shared ([`LatestList`]): reconciliation after an allocation uses the next call's answer
+//! rather than asking again, so a burst of admissions costs the kubelet one `List` a pod.
 
 use gpushare_proto::podresources::ListPodResourcesResponse;
 
 use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::sync::watch;
 
 use crate::allocation::allocator::{Allocator, KubeletListing};
 use crate::allocation::pods::PodStore;
@@ -55,7 +59,8 @@ pub fn kubelet_listing(list: &ListPodResourcesResponse, resource: &str) -> Kubel
     listing
 }
 
-/// Asks the kubelet's PodResources `List` on `socket` which pods it holds (within `timeout`).
+/// Asks the kubelet's PodResources `List` on `socket` which pods it holds (within `timeout`),
+/// and shares the answer in `latest`.
 ///
 /// # Errors
 /// [`PodResourcesError`] when the kubelet cannot be reached or refuses.
@@ -63,10 +68,59 @@ pub async fn listing(
     socket: &std::path::Path,
     timeout: Duration,
     resource: &str,
+    latest: &LatestList,
 ) -> Result<KubeletListing, PodResourcesError> {
+    let asked = tokio::time::Instant::now();
     let list = list(socket, timeout).await?;
-    Ok(kubelet_listing(&list, resource))
+    let listing = kubelet_listing(&list, resource);
+    latest.record(asked, Arc::new(list));
+    Ok(listing)
 }
+
+/// The latest `List` answer a device-plugin call got, with when it was asked for; shared by
+/// the plugin's calls and reconciliation ([`reconcile_loop`]).
+#[derive(Clone, Debug)]
+pub struct LatestList(watch::Sender<Option<AskedList>>);
+
+/// A `List` answer and the moment it was asked for: it shows the kubelet's record at some
+/// moment after that.
+pub type AskedList = (tokio::time::Instant, Arc<ListPodResourcesResponse>);
+
+impl Default for LatestList {
+    fn default() -> Self {
+        LatestList(watch::Sender::new(None))
+    }
+}
+
+impl LatestList {
+    /// Shares an answer asked for at `asked`.
+    pub fn record(&self, asked: tokio::time::Instant, list: Arc<ListPodResourcesResponse>) {
+        self.0.send_replace(Some((asked, list)));
+    }
+
+    /// Follows the answers shared from now on.
+    #[must_use]
+    pub fn subscribe(&self) -> watch::Receiver<Option<AskedList>> {
+        self.0.subscribe()
+    }
+}
+
+/// An answer asked for at or after `since`, shared within `wait`; `None` if none was.
+async fn shared_since(
+    latest: &mut watch::Receiver<Option<AskedList>>,
+    since: tokio::time::Instant,
+    wait: Duration,
+) -> Option<Arc<ListPodResourcesResponse>> {
+    let fresh = |a: &Option<AskedList>| a.as_ref().is_some_and(|(asked, _)| *asked >= since);
+    let found = tokio::time::timeout(wait, latest.wait_for(fresh)).await.ok()?.ok()?;
+    found.as_ref().map(|(_, list)| Arc::clone(list))
+}
+
+/// How long reconciliation after an allocation waits for a device-plugin call's `List` before
+/// asking the kubelet itself: as long as a publication of the node state may be held back by an
+/// admission. In a burst the kubelet's next admission asks within this time (about 30 ms apart
+/// in GiB mode, 200 ms in MiB mode, where each `List` carries every one of 131,072 device IDs).
+const SHARED_LIST_WAIT: Duration = Duration::from_millis(250);
 
 /// The kubelet's PodResources API cannot be asked.
 #[derive(Debug, thiserror::Error)]
@@ -135,15 +189,18 @@ pub async fn list(
     })
 }
 
-/// Reconciles the ledger with the kubelet's PodResources API every interval and when asked
-/// (after each registration).
+/// Reconciles the ledger with the kubelet's PodResources API every interval, when asked (after
+/// each registration) and soon after allocations, then with the `List` a device-plugin call
+/// asked for after the allocation when there is one ([`LatestList`]).
 pub async fn reconcile_loop(
     alloc: Arc<Allocator>,
     pods: PodStore,
     socket: std::path::PathBuf,
     config: ReconcileConfig,
     now: Arc<tokio::sync::Notify>,
+    latest: LatestList,
 ) {
+    let mut shared_lists = latest.subscribe();
     let grace = i64::try_from(config.grace_seconds.duration().as_millis()).unwrap_or(i64::MAX);
     let mut every = tokio::time::interval(config.interval_seconds.duration());
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -155,14 +212,16 @@ pub async fn reconcile_loop(
     let mut recheck: Option<tokio::time::Instant> = None;
     loop {
         let due = recheck.take();
+        let mut shared = None;
         tokio::select! {
             _ = every.tick() => {}
             () = now.notified() => {}
             () = tokio::time::sleep_until(due.unwrap_or_else(tokio::time::Instant::now)), if due.is_some() => {}
-            // Soon after allocations: the kubelet's record says at once whether an answer went
-            // to the pod the daemon took it for, before the node state is published (100 ms).
+            // Soon after allocations: the kubelet's record says whether an answer went to the
+            // pod the daemon took it for.
             Ok(()) = changes.changed() => {
-                tokio::time::sleep(Duration::from_millis(20)).await;
+                let since = tokio::time::Instant::now();
+                shared = shared_since(&mut shared_lists, since, SHARED_LIST_WAIT).await;
                 changes.borrow_and_update();
             }
         }
@@ -175,7 +234,11 @@ pub async fn reconcile_loop(
                 }
             }
         }
-        let list = match list(&socket, Duration::from_secs(10)).await {
+        let asked = match shared {
+            Some(list) => Ok(list),
+            None => list(&socket, Duration::from_secs(10)).await.map(Arc::new),
+        };
+        let list = match asked {
             Ok(list) => {
                 warned = false;
                 alloc.set_kubelet_answers(true);
@@ -220,6 +283,28 @@ pub async fn reconcile_loop(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn reconciliation_takes_a_list_asked_after_the_change_and_not_one_asked_before() {
+        use gpushare_proto::podresources::PodResources;
+        let latest = LatestList::default();
+        let mut shared = latest.subscribe();
+        latest.record(tokio::time::Instant::now(), Arc::new(ListPodResourcesResponse::default()));
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        let change = tokio::time::Instant::now();
+        assert!(
+            shared_since(&mut shared, change, Duration::from_millis(30)).await.is_none(),
+            "an answer asked before the change does not show it"
+        );
+        let call = latest.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            let one = PodResources { name: "p".into(), namespace: "ns".into(), ..PodResources::default() };
+            call.record(tokio::time::Instant::now(), Arc::new(ListPodResourcesResponse { pod_resources: vec![one] }));
+        });
+        let taken = shared_since(&mut shared, change, Duration::from_secs(5)).await;
+        assert_eq!(taken.map(|l| l.pod_resources.len()), Some(1), "the call's later answer is taken");
+    }
 
     #[test]
     fn only_this_resource_counts() {

@@ -75,7 +75,7 @@ impl Plugin {
     pub(super) async fn ask_kubelet(&self) -> KubeletSays {
         let Some(socket) = &self.pod_resources else { return KubeletSays::Unasked };
         for _ in 0..KUBELET_ASKS {
-            match pod_resources::listing(socket, KUBELET_TIMEOUT, self.alloc.resource()).await {
+            match pod_resources::listing(socket, KUBELET_TIMEOUT, self.alloc.resource(), &self.latest_list).await {
                 Ok(listing) => return KubeletSays::Listed(Arc::new(listing)),
                 Err(e) if e.is_busy() => {
                     tracing::debug!(error = %e, "the kubelet's PodResources is busy; asking again");
