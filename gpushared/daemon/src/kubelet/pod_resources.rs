@@ -98,7 +98,7 @@ impl LatestList {
         self.0.send_replace(Some((asked, list)));
     }
 
-    /// Follows the answers shared from now on.
+    /// Follows the latest answer shared, and each one after it.
     #[must_use]
     pub fn subscribe(&self) -> watch::Receiver<Option<AskedList>> {
         self.0.subscribe()
