@@ -115,7 +115,7 @@ fn missing_device_nodes(config: &Config, inventory: &NodeInventory) -> Vec<Strin
         .gpus()
         .iter()
         .filter_map(|g| {
-            let node = config.device_nodes.nodes(&[g.device_number()]).into_iter().next()?;
+            let node = config.device_nodes.nodes(&[g.device_number()]).into_iter().find(|n| n.required)?;
             let is_device = std::fs::metadata(&node.host_path).is_ok_and(|m| m.file_type().is_char_device());
             (!is_device).then(|| {
                 format!(
