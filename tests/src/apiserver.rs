@@ -23,7 +23,9 @@
 //!
 //! One global resourceVersion counts every write. [`ApiServer::set_unavailable`] simulates an
 //! outage (every request gets `503` and open watches end); [`ApiServer::restart`] a restart on the
-//! same port (the objects stay, the watch history does not, as with a real server's watch cache).
+//! same port (the objects stay, the watch history does not, as with a real server's watch cache);
+//! [`ApiServer::set_pod_gets_forbidden`] the Node authorizer's `403` for a pod it has not yet seen
+//! bound to the node reading it; [`ApiServer::hold_watch_events`] a watch that lags behind.
 //!
 //! Not supported: other kinds and API groups, server-side apply (`415`), protobuf, graceful
 //! deletion and finalizers (a delete removes the object at once), pagination, admission and most
@@ -125,6 +127,10 @@ struct Shared {
     /// Bumped to end every open watch (an outage, a shutdown).
     closer: Arc<tokio::sync::watch::Sender<u64>>,
     requests: Arc<Mutex<Vec<(String, String)>>>,
+    /// Whether a `GET` of one pod answers `403` ([`ApiServer::set_pod_gets_forbidden`]).
+    pod_gets_forbidden: Arc<AtomicBool>,
+    /// Whether watches hold back their live events ([`ApiServer::hold_watch_events`]).
+    watches_held: Arc<tokio::sync::watch::Sender<bool>>,
     bookmark_every: Duration,
     /// Set in the copy each HTTP instance serves with: true (or its sender gone) once it stops.
     stopping: Option<tokio::sync::watch::Receiver<bool>>,
@@ -137,6 +143,8 @@ impl Shared {
             available: Arc::new(AtomicBool::new(true)),
             closer: Arc::new(tokio::sync::watch::channel(0).0),
             requests: Arc::new(Mutex::new(Vec::new())),
+            pod_gets_forbidden: Arc::new(AtomicBool::new(false)),
+            watches_held: Arc::new(tokio::sync::watch::channel(false).0),
             bookmark_every: options.bookmark_every.max(Duration::from_millis(10)),
             stopping: None,
         }
@@ -152,6 +160,10 @@ impl Shared {
 
     fn is_available(&self) -> bool {
         self.available.load(Ordering::SeqCst)
+    }
+
+    fn pod_gets_forbidden(&self) -> bool {
+        self.pod_gets_forbidden.load(Ordering::SeqCst)
     }
 
     fn close_watches(&self) {
@@ -398,6 +410,20 @@ impl ApiServer {
             self.shared.close_watches();
         }
         tracing::debug!(unavailable, "API server stand-in availability");
+    }
+
+    /// Answers every `GET` of one pod with `403 Forbidden` (`true`) until called with `false`,
+    /// as the real API server's Node authorizer answers a node that reads a pod bound to it
+    /// before the authorizer's graph has the binding. Lists and watches are served as before.
+    pub fn set_pod_gets_forbidden(&self, forbidden: bool) {
+        self.shared.pod_gets_forbidden.store(forbidden, Ordering::SeqCst);
+    }
+
+    /// Holds back (`true`) the live events of every watch, open or new, until called with
+    /// `false`, then sends them in order: a client whose watch lags behind the others' while its
+    /// other requests are answered at once.
+    pub fn hold_watch_events(&self, held: bool) {
+        self.shared.watches_held.send_replace(held);
     }
 
     /// The opposite of [`ApiServer::set_unavailable`].

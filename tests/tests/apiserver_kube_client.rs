@@ -552,6 +552,38 @@ async fn an_outage_fails_requests_and_the_watcher_resumes_after_it() {
 }
 
 #[tokio::test]
+async fn forbidden_gets_and_held_watch_events_lag_one_client_behind() {
+    within(async {
+        let server = ApiServer::start().await.unwrap();
+        server.create_pod("default", pod_json("early", Some("node-a"))).unwrap();
+        let client = client(&server).await;
+        let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+        let config = watcher::Config::default().fields("spec.nodeName=node-a");
+        let mut stream = watch_pods(Api::<Pod>::all(client), config);
+        assert_eq!(next_seen(&mut stream).await, apply("early"));
+
+        // The Node authorizer's answer before its graph has a binding: a GET of one pod is
+        // refused, a list by node is not.
+        server.set_pod_gets_forbidden(true);
+        let err = status(pods.get("early").await.unwrap_err());
+        assert_eq!((err.code, err.reason.as_str()), (403, "Forbidden"));
+        let listed = pods.list(&ListParams::default().fields("spec.nodeName=node-a")).await.unwrap();
+        assert_eq!(listed.items.len(), 1);
+        server.set_pod_gets_forbidden(false);
+        assert!(pods.get("early").await.is_ok());
+
+        // Held, the watch sends nothing; released, it sends what it held, in order.
+        server.hold_watch_events(true);
+        server.create_pod("default", pod_json("held", Some("node-a"))).unwrap();
+        assert!(tokio::time::timeout(Duration::from_millis(300), next_seen(&mut stream)).await.is_err());
+        assert!(pods.get("held").await.is_ok(), "other requests are answered at once");
+        server.hold_watch_events(false);
+        assert_eq!(next_seen(&mut stream).await, apply("held"));
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn a_restart_on_the_same_port_keeps_the_objects_and_the_watcher_relists() {
     within(async {
         let server = ApiServer::start().await.unwrap();

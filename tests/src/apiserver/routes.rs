@@ -251,6 +251,11 @@ async fn resource(State(shared): State<Shared>, method: Method, uri: Uri, header
         (Route::Collection { kind, namespace }, Method::POST) if namespace.is_some() || !kind.is_namespaced() => {
             create(&shared, kind, namespace.as_deref().unwrap_or(""), &query, &body)
         }
+        (Route::Object { key, part: Part::Main }, Method::GET)
+            if key.kind == Kind::Pod && shared.pod_gets_forbidden() =>
+        {
+            Err(ApiError::forbidden(&key))
+        }
         (Route::Object { key, part: Part::Main | Part::Status }, Method::GET) => {
             shared.lock().get(&key).cloned().ok_or_else(|| ApiError::not_found(&key)).map(|o| {
                 if table {

@@ -40,6 +40,15 @@ impl ApiError {
             .with_details(resource, &key.name)
     }
 
+    /// 403 for an object, as the Node authorizer answers a node reading a pod it has no edge
+    /// to (yet).
+    pub(super) fn forbidden(key: &Key) -> ApiError {
+        let resource = key.kind.plural();
+        let message =
+            format!("{resource} \"{}\" is forbidden: no relationship found between node and this object", key.name);
+        ApiError::new(StatusCode::FORBIDDEN, "Forbidden", message).with_details(resource, &key.name)
+    }
+
     /// 404 for a path the server does not serve.
     pub(super) fn no_route() -> ApiError {
         ApiError::new(StatusCode::NOT_FOUND, "NotFound", "the server could not find the requested resource")

@@ -124,6 +124,7 @@ pub(super) fn start(shared: &Shared, filter: Filter, query: &BTreeMap<String, St
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     let every = shared.bookmark_every;
     let instance = shared.clone();
+    let mut released = shared.watches_held.subscribe();
     tokio::spawn(async move {
         let mut live = live;
         let mut last = last;
@@ -155,7 +156,8 @@ pub(super) fn start(shared: &Shared, filter: Filter, query: &BTreeMap<String, St
                     Err(broadcast::error::RecvError::Lagged(_) | broadcast::error::RecvError::Closed) => return,
                 },
             };
-            if tx.send(bytes).await.is_err() {
+            // Held back while the server holds watch events: sent in order once released.
+            if released.wait_for(|held| !*held).await.is_err() || tx.send(bytes).await.is_err() {
                 return;
             }
         }
