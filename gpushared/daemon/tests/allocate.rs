@@ -290,6 +290,26 @@ async fn a_lagging_watch_reads_the_pod_the_kubelet_names() {
     admit_named(&c, &daemon, &[("x", "GPU-static-1"), ("y", "GPU-static-0")]).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_the_node_authorizer_hides_yet_is_read_from_the_node_list() {
+    let (c, daemon) = cluster_of(&[1000, 1000], "", None, true).await;
+    wait_telling_apart(&c, &daemon).await;
+    bound_pod(&c.api, "y", &[("main", ContainerRole::App, &[(0, 200)])]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // As with a burst's first pods on a real API server: x is bound as the kubelet admits it,
+    // the daemon's watch has not delivered it yet, and the Node authorizer's graph has not
+    // caught up with the binding, so a GET of x (or of y) is refused with 403. That proves
+    // nothing about the pod: the daemon reads the node's pods by list instead, which the
+    // authorizer allows.
+    c.api.hold_watch_events(true);
+    c.api.set_pod_gets_forbidden(true);
+    bound_pod(&c.api, "x", &[("main", ContainerRole::App, &[(1, 200)])]);
+    admit_named(&c, &daemon, &[("x", "GPU-static-1")]).await;
+    c.api.hold_watch_events(false);
+    c.api.set_pod_gets_forbidden(false);
+    admit_named(&c, &daemon, &[("y", "GPU-static-0")]).await;
+}
+
 /// Has the kubelet admit each named pod (one container of 200 MiB) in turn, and checks that
 /// the daemon served it, on the GPU given.
 async fn admit_named(c: &Cluster, daemon: &Daemon, pods: &[(&str, &str)]) {

@@ -143,8 +143,9 @@ pub struct PodStore {
 pub struct Fetch {
     /// The pods, `(namespace, name)`.
     pub pods: Vec<(String, String)>,
-    /// Told once the pods found are merged (`Err`: why the read failed).
-    pub done: tokio::sync::oneshot::Sender<Result<(), String>>,
+    /// Told once the pods found are merged: whether the read settled every pod named (the API
+    /// server showed each, or said it has none), or why it failed.
+    pub done: tokio::sync::oneshot::Sender<Result<bool, String>>,
 }
 
 impl Default for PodStore {
@@ -274,7 +275,8 @@ impl PodStore {
 
     /// Reads the named pods consistently, after this call, into the store: cheaper than
     /// [`Self::confirm`] when the kubelet said which pods it may be admitting. Returns whether
-    /// a read was made (none, at once, when nothing serves such reads).
+    /// a read was made that settles every pod named: not when nothing serves such reads (at
+    /// once), nor when the API server would not show one of them to this node.
     ///
     /// # Errors
     /// Why the read failed.
@@ -283,7 +285,7 @@ impl PodStore {
         let Some(sender) = sender else { return Ok(false) };
         let (done, outcome) = tokio::sync::oneshot::channel();
         sender.send(Fetch { pods, done }).map_err(|_| "the daemon is stopping".to_owned())?;
-        outcome.await.map_err(|_| "the daemon is stopping".to_owned())?.map(|()| true)
+        outcome.await.map_err(|_| "the daemon is stopping".to_owned())?
     }
 
     /// Takes on serving reads of named pods ([`Self::confirm_named`]).

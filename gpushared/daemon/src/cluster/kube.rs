@@ -233,8 +233,11 @@ pub async fn refresh_pods(
 
 /// Serves the reads of named pods kubelet calls ask for ([`PodStore::confirm_named`]): each pod
 /// read with a `GET` (a quorum read, as of now), those found merged into `store`. A pod the API
-/// server does not have (404), or will not show the node (403: not bound here), is left as the
-/// store has it. `fetches` comes from [`PodStore::serve_fetches`], taken before the plugin serves.
+/// server does not have (404) is left as the store has it. A pod it will not show the node (403)
+/// proves nothing: the Node authorizer answers so for a pod bound elsewhere, but also for one
+/// bound here moments ago, before its graph (fed by the API server's own watch) has the binding;
+/// the read is then reported as not settling the pods, and the caller reads the node's pods by
+/// list. `fetches` comes from [`PodStore::serve_fetches`], taken before the plugin serves.
 pub async fn fetch_pods(
     client: Client,
     store: PodStore,
@@ -247,27 +250,41 @@ pub async fn fetch_pods(
             let api: Api<PodObject> = Api::namespaced(client.clone(), namespace);
             async move {
                 match tokio::time::timeout(READ_TIMEOUT, api.get(name)).await {
-                    Ok(Ok(pod)) => Ok(view(&pod)),
-                    Ok(Err(kube::Error::Api(e))) if e.code == 404 || e.code == 403 => Ok(None),
+                    Ok(Ok(pod)) => Ok(view(&pod).map_or(Read::Absent, |v| Read::Found(Box::new(v)))),
+                    Ok(Err(kube::Error::Api(e))) if e.code == 404 => Ok(Read::Absent),
+                    Ok(Err(kube::Error::Api(e))) if e.code == 403 => Ok(Read::Hidden),
                     Ok(Err(e)) => Err(format!("reading pod {namespace}/{name}: {e}")),
                     Err(_) => Err(format!("reading pod {namespace}/{name}: no answer within {READ_TIMEOUT:?}")),
                 }
             }
         });
         let outcome = futures::future::join_all(gets).await.into_iter().collect::<Result<Vec<_>, String>>();
-        let outcome = outcome.map(|views| {
-            let views: Vec<PodView> = views.into_iter().flatten().collect();
+        let outcome = outcome.map(|reads| {
+            let settled = !reads.iter().any(|r| matches!(r, Read::Hidden));
+            let views: Vec<PodView> =
+                reads.into_iter().filter_map(|r| if let Read::Found(v) = r { Some(*v) } else { None }).collect();
             for v in views.iter().filter(|v| v.terminal) {
                 release(&alloc, v, "pod finished or deleted");
             }
-            tracing::debug!(pods = views.len(), took = ?started.elapsed(), "read the pods the kubelet may admit");
+            tracing::debug!(pods = views.len(), settled, took = ?started.elapsed(), "read the pods the kubelet may admit");
             store.merge_read(views);
+            settled
         });
         if let Err(e) = &outcome {
             tracing::warn!(error = %e, "a consistent read of the pods the kubelet may admit failed");
         }
         let _ = fetch.done.send(outcome);
     }
+}
+
+/// What a `GET` of one named pod showed.
+enum Read {
+    /// The pod.
+    Found(Box<PodView>),
+    /// The API server does not have it (404), or sent an object without a name or UID.
+    Absent,
+    /// The API server will not show it to this node (403), which proves nothing.
+    Hidden,
 }
 
 /// Thousandths of a backoff wait to add, from the clock's nanoseconds: enough to spread the

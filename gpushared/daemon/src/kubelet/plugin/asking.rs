@@ -14,7 +14,8 @@ impl Plugin {
     /// Reads consistently what the pod store may lack for this call. Asked first, the kubelet
     /// names the pods it may be admitting: reading those alone (a `GET` each) is cheaper than
     /// reading every pod of the node not running yet, which is what happens when it cannot be
-    /// asked or names many. `guess` (`namespace/name`), the pod the store would serve, is read
+    /// asked, names many, or a `GET` settles nothing (the Node authorizer refusing a pod bound
+    /// here moments ago). `guess` (`namespace/name`), the pod the store would serve, is read
     /// while the kubelet is asked: it is usually the one the kubelet names.
     pub(super) async fn confirm(
         &self,
@@ -61,7 +62,9 @@ impl Plugin {
             if !to_read.is_empty() && to_read.len() <= NAMED_READS {
                 let (read, took) = timed(self.alloc.pods().confirm_named(to_read)).await;
                 stages.read += took;
-                return read;
+                if read != Ok(false) {
+                    return read;
+                }
             }
         }
         let (read, took) = timed(self.alloc.pods().confirm()).await;
