@@ -508,7 +508,8 @@ fn series_by(text: &str, name: &str, by: &[&str]) -> std::collections::BTreeMap<
 
 /// The API server's work during a burst, per pod, from its `/metrics` before and after: each
 /// kind of request (verb, resource and subresource; watches left out) as its count and the time
-/// the server spent on it, then the watch events it sent by resource, with their bytes.
+/// the server spent on it, the watch events it sent by resource, with their bytes, then the
+/// requests it answered with an error, by code.
 fn api_line(before: &str, after: &str, pods: f64) -> String {
     let delta = |name: &str, by: &[&str]| {
         let (b, a) = (series_by(before, name, by), series_by(after, name, by));
@@ -532,6 +533,14 @@ fn api_line(before: &str, after: &str, pods: f64) -> String {
     for (k, n) in delta("apiserver_watch_events_total", &["resource"]).into_iter().filter(|(_, n)| *n > 0.0) {
         let kib = bytes.get(&k).copied().unwrap_or(0.0) / 1024.0;
         parts.push(format!("watch events {k} {:.2}× {:.1} KiB", n / pods, kib / pods));
+    }
+    let refused: Vec<String> = delta("apiserver_request_total", &["code", "verb", "resource", "subresource"])
+        .into_iter()
+        .filter(|(k, n)| *n > 0.0 && (k.starts_with('4') || k.starts_with('5')))
+        .map(|(k, n)| format!("{k} {:.3}×", n / pods))
+        .collect();
+    if !refused.is_empty() {
+        parts.push(format!("refused: {}", refused.join(", ")));
     }
     parts.join("; ")
 }
