@@ -25,6 +25,9 @@ impl Plugin {
         stages: &mut Stages,
     ) -> Result<bool, String> {
         let mut guessed = None;
+        // Whether the reads by name settle what they read: not once the API server would not
+        // show the guess to this node (then the node's pods are read by list instead).
+        let mut settling = true;
         if care.kubelet == KubeletSays::Askable {
             let guess = guess.split_once('/').map(|(ns, name)| (ns.to_owned(), name.to_owned()));
             let read_guess = async {
@@ -37,8 +40,10 @@ impl Plugin {
             (stages.kubelet, stages.read) = (stages.kubelet + asking, stages.read + reading);
             care.kubelet = kubelet;
             *asked |= matches!(care.kubelet, KubeletSays::Listed(_));
-            if let Some(Ok(true)) = read {
-                guessed = guess;
+            match read {
+                Some(Ok(true)) => guessed = guess,
+                Some(Ok(false)) => settling = false,
+                _ => {}
             }
         }
         if let KubeletSays::Listed(listing) = &care.kubelet {
@@ -59,7 +64,7 @@ impl Plugin {
             if to_read.is_empty() && guessed.as_ref().is_some_and(|g| named.contains(g)) {
                 return Ok(true);
             }
-            if !to_read.is_empty() && to_read.len() <= NAMED_READS {
+            if settling && !to_read.is_empty() && to_read.len() <= NAMED_READS {
                 let (read, took) = timed(self.alloc.pods().confirm_named(to_read)).await;
                 stages.read += took;
                 if read != Ok(false) {
