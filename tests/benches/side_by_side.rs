@@ -46,7 +46,7 @@
 //! Needs root and Go, as the real-cluster tests do. `GPUSHARE_BOX_DIR` keeps each box's logs
 //! and state, in `<dir>/<system>-<round>`. `GPUSHARE_BENCH_SYSTEMS` (e.g. `gib,dra`) runs only
 //! the systems named (`mib`, `gib`, `dra`, `nvidia`, `alibaba`, `hami`, `nvidia-dra`, `floor-mib`,
-//! `floor-gib`, `floor-dra`).
+//! `floor-gib`, `floor-dra`, `floor-gib-read`).
 //! `floor-mib` is the kubelet's own limit at MiB mode's device count: a plugin of as many devices
 //! (`example.com/mib`) that answers at once (`gpushare-box null-plugin`), pods of the same size
 //! placed by kube-scheduler alone; gpushare's MiB mode is given as a ratio to it. `floor-gib` is
@@ -54,7 +54,11 @@
 //! count: a plugin of 640 devices (`example.com/gib`) whose every `GetPreferredAllocation` waits
 //! for one PodResources `List` of the kubelet (`gpushare-box null-plugin --pod-resources`), the
 //! only place the kubelet says which pod it admits, and answers at once otherwise; pods of one
-//! device placed by kube-scheduler alone; gpushare's GiB mode is given as a ratio to it. `floor-dra` is
+//! device placed by kube-scheduler alone; gpushare's GiB mode is given as a ratio to it.
+//! `floor-gib-read` is the same plugin reading, after each `List`, the pods it names with a quorum
+//! `GET` (`--read-pods`, the node's identity): `List` names pods, not UIDs, so a plugin that never
+//! serves the wrong pod whatever its pod watch's lag must read the pod; gpushare's GiB mode is
+//! given as a ratio to it too. `floor-dra` is
 //! Kubernetes' own limit for a pod with a claim: a DRA driver that prepares nothing and answers at
 //! once (`gpushare-box null-dra`) on a slice shaped as gpushared's (8 GPUs of 80 GiB of consumable
 //! memory), claims of the same 1024 MiB; gpushare's DRA path is given as a ratio to it. The kubelet's
@@ -75,7 +79,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use gpushare_testkit::nvml::FakeGpu;
-use gpushare_testkit::peers::{self, ALIYUN_GPU_MEM, HAMI_GPU, HAMI_GPUMEM, NVIDIA_GPU, NvidiaSharing};
+use gpushare_testkit::peers::{self, ALIYUN_GPU_MEM, HAMI_GPU, HAMI_GPUMEM, NVIDIA_GPU, NullAsks, NvidiaSharing};
 use gpushare_testkit::realbox::{RealCluster, RealOptions, is_root};
 use gpushare_testkit::{null_dra, nvidia_dra};
 use serde_json::{Value, json};
@@ -106,9 +110,13 @@ enum System {
     /// A DRA driver that answers at once ([`gpushare_testkit::null_dra`]) on a slice like
     /// gpushared's: what Kubernetes itself allows for a pod with a claim.
     FloorDra,
+    /// [`System::FloorGib`] that also reads each pod the `List` names with a quorum `GET`: what
+    /// the kubelet and the API server allow a plugin that never serves the wrong pod, whatever
+    /// its pod watch's lag.
+    FloorGibRead,
 }
 
-const SYSTEMS: [System; 10] = [
+const SYSTEMS: [System; 11] = [
     System::GpushareMib,
     System::GpushareGib,
     System::GpushareDra,
@@ -119,6 +127,7 @@ const SYSTEMS: [System; 10] = [
     System::FloorMib,
     System::FloorDra,
     System::FloorGib,
+    System::FloorGibRead,
 ];
 
 impl System {
@@ -135,6 +144,7 @@ impl System {
             System::FloorMib => "floor-mib",
             System::FloorDra => "floor-dra",
             System::FloorGib => "floor-gib",
+            System::FloorGibRead => "floor-gib-read",
         }
     }
 }
@@ -215,8 +225,9 @@ fn main() {
     let pods = env("GPUSHARE_BENCH_PODS", 500) as usize;
     let rounds = env("GPUSHARE_BENCH_ROUNDS", 2);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let chosen = std::env::var("GPUSHARE_BENCH_SYSTEMS")
-        .unwrap_or_else(|_| "mib,gib,dra,nvidia,alibaba,hami,nvidia-dra,floor-mib,floor-gib,floor-dra".into());
+    let chosen = std::env::var("GPUSHARE_BENCH_SYSTEMS").unwrap_or_else(|_| {
+        "mib,gib,dra,nvidia,alibaba,hami,nvidia-dra,floor-mib,floor-gib,floor-dra,floor-gib-read".into()
+    });
     let mut chosen: Vec<&str> = chosen.split(',').map(str::trim).collect();
     if chosen.contains(&"alibaba")
         && let Err(why) = gpushare_testkit::peers::alibaba()
@@ -272,12 +283,13 @@ fn main() {
     let mean = |v: &[Figures], f: fn(&Figures) -> f64| v.iter().map(f).sum::<f64>() / v.len() as f64;
     let (mib, gib, dra, nvidia, alibaba, hami, nvidia_dra, floor) =
         (&figures[0], &figures[1], &figures[2], &figures[3], &figures[4], &figures[5], &figures[6], &figures[7]);
-    let (floor_dra, floor_gib) = (&figures[8], &figures[9]);
+    let (floor_dra, floor_gib, floor_read) = (&figures[8], &figures[9], &figures[10]);
     println!(
         "\nmeans of {rounds} rounds (NaN: not run); ratios to gpushare GiB mode (DRA's, NVIDIA's), \
          Alibaba's and HAMi's to gpushare MiB mode, NVIDIA's DRA driver's to gpushare DRA, gpushare MiB mode's \
-         to the floor at its device count, gpushare GiB mode's to the floor of a plugin that asks the kubelet, \
-         gpushare DRA's to the DRA floor and the DRA floor's to NVIDIA:"
+         to the floor at its device count, gpushare GiB mode's to the floor of a plugin that asks the kubelet \
+         (and to that of one that also reads the pod), gpushare DRA's to the DRA floor and the DRA floor's to \
+         NVIDIA:"
     );
     for (name, f) in [
         ("pods/s end to end", (|x: &Figures| x.pods_per_s) as fn(&Figures) -> f64),
@@ -287,12 +299,13 @@ fn main() {
     ] {
         let (a, g, d, n, l) = (mean(mib, f), mean(gib, f), mean(dra, f), mean(nvidia, f), mean(alibaba, f));
         let (h, nd, fl, fd) = (mean(hami, f), mean(nvidia_dra, f), mean(floor, f), mean(floor_dra, f));
-        let fg = mean(floor_gib, f);
+        let (fg, fr) = (mean(floor_gib, f), mean(floor_read, f));
         println!(
             "  {name}: gpushare MiB {a:.2}, GiB {g:.2}, DRA {d:.2}; NVIDIA {n:.2}; Alibaba MiB {l:.2}; HAMi {h:.2}; \
-             NVIDIA DRA {nd:.2}; floor MiB {fl:.2}; floor GiB {fg:.2}; floor DRA {fd:.2}; ratio {:.2}, {:.2}; \
-             Alibaba {:.2}; HAMi {:.2}; NVIDIA DRA {:.2}; MiB to floor {:.2}; GiB to its floor {:.2}; floor GiB to \
-             NVIDIA {:.2}; DRA to its floor {:.2}; DRA floor to NVIDIA {:.2}",
+             NVIDIA DRA {nd:.2}; floor MiB {fl:.2}; floor GiB {fg:.2}; floor GiB reading {fr:.2}; floor DRA {fd:.2}; \
+             ratio {:.2}, {:.2}; Alibaba {:.2}; HAMi {:.2}; NVIDIA DRA {:.2}; MiB to floor {:.2}; GiB to its floor \
+             {:.2}; GiB to the reading floor {:.2}; floor GiB to NVIDIA {:.2}; reading floor to NVIDIA {:.2}; DRA to \
+             its floor {:.2}; DRA floor to NVIDIA {:.2}",
             d / g,
             n / g,
             l / a,
@@ -300,7 +313,9 @@ fn main() {
             nd / d,
             a / fl,
             g / fg,
+            g / fr,
             fg / n,
+            fr / n,
             d / fd,
             fd / n
         );
@@ -381,11 +396,12 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
         }
         System::FloorMib => {
             let devices = u32::try_from(mib_gpu * u64::from(GPUS)).unwrap();
-            b.add_null_plugin_node(NODE, FLOOR_RESOURCE, devices, false).unwrap();
+            b.add_null_plugin_node(NODE, FLOOR_RESOURCE, devices, NullAsks::Nothing).unwrap();
             (FLOOR_RESOURCE, devices.to_string(), mib_pod.as_str())
         }
-        System::FloorGib => {
-            b.add_null_plugin_node(NODE, FLOOR_GIB_RESOURCE, 80 * GPUS, true).unwrap();
+        System::FloorGib | System::FloorGibRead => {
+            let asks = if system == System::FloorGib { NullAsks::Kubelet } else { NullAsks::KubeletAndApiServer };
+            b.add_null_plugin_node(NODE, FLOOR_GIB_RESOURCE, 80 * GPUS, asks).unwrap();
             (FLOOR_GIB_RESOURCE, (80 * GPUS).to_string(), "1")
         }
         System::FloorDra => {

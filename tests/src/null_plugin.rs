@@ -8,7 +8,11 @@
 //! Given the kubelet's PodResources socket, each `GetPreferredAllocation` first asks it `List`
 //! and waits for the answer: the one place the kubelet says which pod it is admitting, since no
 //! device-plugin call names the pod. That is the floor under any plugin that must know the pod it
-//! serves (the side-by-side bench's `floor-gib`).
+//! serves (the side-by-side bench's `floor-gib`). Given a kubeconfig as well, it then reads each
+//! pod the answer names as holding none of the resource with a quorum `GET`: `List` names pods,
+//! not UIDs, so a plugin whose pod watch may lag must read the pod to know which one of that name
+//! it serves. That is the floor under a plugin that never serves the wrong pod
+//! (`floor-gib-read`).
 
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -48,23 +52,39 @@ impl DeviceSource for Devices {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 struct NullPlugin {
     devices: Devices,
+    /// The resource served.
+    resource: String,
     /// The kubelet's PodResources socket, asked once per `GetPreferredAllocation`.
     ask: Option<PathBuf>,
+    /// A client of the API server, to read the pods `List` names.
+    read: Option<kube::Client>,
 }
 
 impl NullPlugin {
-    /// Asks the kubelet's PodResources `List`, as a plugin that must know its pod does.
+    /// Asks the kubelet's PodResources `List`, as a plugin that must know its pod does, and
+    /// reads the pods it names as holding none of the resource, when it has a client.
     async fn ask_kubelet(&self, socket: &Path) -> Result<(), Status> {
         let channel = gpushare_proto::uds::connect(socket)
             .await
             .map_err(|e| Status::unavailable(format!("cannot reach {}: {e}", socket.display())))?;
-        PodResourcesListerClient::new(channel)
+        let listed = PodResourcesListerClient::new(channel)
             .max_decoding_message_size(64 * 1024 * 1024)
             .list(ListPodResourcesRequest {})
-            .await?;
+            .await?
+            .into_inner();
+        let Some(client) = &self.read else { return Ok(()) };
+        let holding_nothing = listed
+            .pod_resources
+            .iter()
+            .filter(|p| p.containers.iter().all(|c| c.devices.iter().all(|d| d.resource_name != self.resource)));
+        let reads = holding_nothing.map(|p| {
+            let pods: kube::Api<k8s_openapi::api::core::v1::Pod> = kube::Api::namespaced(client.clone(), &p.namespace);
+            async move { pods.get(&p.name).await.map_err(|e| Status::unavailable(format!("reading {}: {e}", p.name))) }
+        });
+        futures::future::try_join_all(reads).await?;
         Ok(())
     }
 }
@@ -131,15 +151,33 @@ use futures::StreamExt as _;
 
 /// Serves `devices` devices of `resource` from `<plugin_dir>/null-plugin.sock` and registers
 /// with the kubelet at `<plugin_dir>/kubelet.sock` (retried while the kubelet is not up), until
-/// the serving fails.
+/// the serving fails; asking the kubelet's PodResources socket `ask` in each
+/// `GetPreferredAllocation`, and reading the pods it names with the kubeconfig `read_with`.
 ///
 /// # Errors
-/// The socket cannot be bound, the kubelet refuses the registration, or serving fails.
-pub async fn run(plugin_dir: &Path, resource: &str, devices: u32, ask: Option<PathBuf>) -> anyhow::Result<()> {
+/// The socket cannot be bound, the kubeconfig cannot be read, the kubelet refuses the
+/// registration, or serving fails.
+pub async fn run(
+    plugin_dir: &Path,
+    resource: &str,
+    devices: u32,
+    ask: Option<PathBuf>,
+    read_with: Option<PathBuf>,
+) -> anyhow::Result<()> {
     let socket: PathBuf = plugin_dir.join("null-plugin.sock");
     let _ = std::fs::remove_file(&socket);
     let listener = tokio::net::UnixListener::bind(&socket).with_context(|| format!("binding {}", socket.display()))?;
-    let plugin = NullPlugin { devices: Devices { count: devices }, ask };
+    let read = match read_with {
+        Some(path) => {
+            let kubeconfig = kube::config::Kubeconfig::read_from(&path)
+                .with_context(|| format!("reading the kubeconfig {}", path.display()))?;
+            let config =
+                kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default()).await?;
+            Some(kube::Client::try_from(config)?)
+        }
+        None => None,
+    };
+    let plugin = NullPlugin { devices: Devices { count: devices }, resource: resource.to_owned(), ask, read };
     let serving = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(DevicePluginServer::new(plugin).max_encoding_message_size(usize::MAX))

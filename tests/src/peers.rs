@@ -119,8 +119,9 @@ impl RealCluster {
     }
 
     /// Adds node `name` served by [`crate::null_plugin`]: `devices` devices of `resource`, each
-    /// call answered at once (`gpushare-box null-plugin`), or, when `ask_kubelet`, each
-    /// `GetPreferredAllocation` after one PodResources `List` of the node's kubelet.
+    /// call answered at once (`gpushare-box null-plugin`), or, as `asks` says, each
+    /// `GetPreferredAllocation` after one PodResources `List` of the node's kubelet, and a quorum
+    /// `GET` of the pods it names (with the node's identity).
     ///
     /// # Errors
     /// A component that does not start, with its log.
@@ -129,7 +130,7 @@ impl RealCluster {
         name: &str,
         resource: &str,
         devices: u32,
-        ask_kubelet: bool,
+        asks: NullAsks,
     ) -> anyhow::Result<&mut RealNode> {
         let program = crate::cluster::Binaries::beside_current_exe()?.stand_ins;
         self.add_plugin_node(name, |plane, host, plugin_dir, _| {
@@ -139,9 +140,14 @@ impl RealCluster {
                 format!("--resource={resource}"),
                 format!("--devices={devices}"),
             ];
-            if ask_kubelet {
+            if asks != NullAsks::Nothing {
                 let socket = KubeletDirs::under(host).pod_resources();
                 args.push(format!("--pod-resources={}", socket.display()));
+            }
+            if asks == NullAsks::KubeletAndApiServer {
+                let identity = format!("system:node:{name}");
+                let kubeconfig = plane.pki.kubeconfig(&plane.server, &identity, &["system:nodes"])?;
+                args.push(format!("--read-pods={}", kubeconfig.display()));
             }
             plane.spawn(&format!("null-plugin-{name}"), &program, args, Vec::new())
         })
@@ -182,6 +188,18 @@ impl RealCluster {
         self.nodes.push(RealNode { name: name.to_owned(), host, runtime, cri_proxy, kubelet, daemon, events });
         self.nodes.last_mut().context("the node just added")
     }
+}
+
+/// What the plugin of a [`RealCluster::add_null_plugin_node`] asks before each
+/// `GetPreferredAllocation`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NullAsks {
+    /// Nothing: every call answered at once.
+    Nothing,
+    /// The kubelet's PodResources `List`.
+    Kubelet,
+    /// That `List`, then a quorum `GET` of each pod it names as holding none of the resource.
+    KubeletAndApiServer,
 }
 
 /// Alibaba's resource name for GPU memory (in the unit of its device plugin's `--memory-unit`).

@@ -94,7 +94,9 @@ enum Cmd {
     },
     /// A device plugin that answers every call at once and does nothing else: the kubelet's
     /// own cost at a device count (the side-by-side bench's `floor-mib`), or with
-    /// `--pod-resources`, that of a plugin that must know its pod (`floor-gib`).
+    /// `--pod-resources`, that of a plugin that must know its pod (`floor-gib`), and with
+    /// `--read-pods` too, that of one that must know it whatever its pod watch's lag
+    /// (`floor-gib-read`).
     NullPlugin {
         /// The kubelet's device-plugin directory.
         #[arg(long)]
@@ -109,6 +111,10 @@ enum Cmd {
         /// `List` of it first.
         #[arg(long)]
         pod_resources: Option<PathBuf>,
+        /// A kubeconfig: each `GetPreferredAllocation` then also reads, with a quorum `GET`, the
+        /// pods the kubelet's `List` names as holding none of the resource.
+        #[arg(long, requires = "pod_resources")]
+        read_pods: Option<PathBuf>,
     },
     /// A DRA driver that answers every call at once and prepares nothing: Kubernetes' own cost
     /// of a pod with a claim (the side-by-side bench's `floor-dra`).
@@ -227,8 +233,8 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                 }
             }
         }
-        Cmd::NullPlugin { plugin_dir, resource, devices, pod_resources } => tokio::select! {
-            result = gpushare_testkit::null_plugin::run(&plugin_dir, &resource, devices, pod_resources) => result,
+        Cmd::NullPlugin { plugin_dir, resource, devices, pod_resources, read_pods } => tokio::select! {
+            result = gpushare_testkit::null_plugin::run(&plugin_dir, &resource, devices, pod_resources, read_pods) => result,
             result = until_stopped() => result,
         },
         Cmd::NullDra { registry_dir, plugin_dir } => tokio::select! {
