@@ -386,8 +386,11 @@ impl DevicePlugin for Plugin {
             })
             .await;
         // The kubelet lists every free device (131 072 IDs for 8 x 16 GiB in MiB mode); the
-        // list is dropped by now.
-        tokio::task::spawn_blocking(move || crate::memory::after_list(listed)).await.ok();
+        // list is dropped by now. A short list leaves nothing to return: no hand-off to the
+        // blocking pool and back, which on busy cores waits for one.
+        if listed >= crate::memory::LARGE_LIST {
+            tokio::task::spawn_blocking(move || crate::memory::after_list(listed)).await.ok();
+        }
         let container_responses = responses?;
         // Its Allocate follows.
         admission.keep_open();
