@@ -230,7 +230,7 @@ impl Default for Timing {
 
 /// Returns once the kubelet has been admitting no container for `timing.quiet` (see
 /// [`Allocator::admission_started`]), or after `timing.max_hold`. Returns how long it held back.
-async fn kubelet_quiet(admission: &mut watch::Receiver<bool>, timing: Timing) -> Duration {
+pub(crate) async fn kubelet_quiet(admission: &mut watch::Receiver<bool>, timing: Timing) -> Duration {
     let start = tokio::time::Instant::now();
     let until = start + timing.max_hold;
     loop {

@@ -201,6 +201,7 @@ pub async fn reconcile_loop(
     latest: LatestList,
 ) {
     let mut shared_lists = latest.subscribe();
+    let mut admission = alloc.subscribe_admission();
     let grace = i64::try_from(config.grace_seconds.duration().as_millis()).unwrap_or(i64::MAX);
     let mut every = tokio::time::interval(config.interval_seconds.duration());
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -223,6 +224,15 @@ pub async fn reconcile_loop(
                 let since = tokio::time::Instant::now();
                 shared = shared_since(&mut shared_lists, since, SHARED_LIST_WAIT).await;
                 changes.borrow_and_update();
+                if shared.is_some() {
+                    // A call's answer arrives while that call still runs: reconciliation holds
+                    // the allocator while it reads the ledger, so it waits, as a publication
+                    // does, until the kubelet admits nothing (at most 250 ms), then takes the
+                    // newest answer. Allocations meanwhile start the next round.
+                    crate::cluster::publish::kubelet_quiet(&mut admission, crate::cluster::publish::Timing::default())
+                        .await;
+                    shared = shared_lists.borrow().as_ref().map(|(_, list)| Arc::clone(list)).or(shared);
+                }
             }
         }
         if !pods.is_synced() {
