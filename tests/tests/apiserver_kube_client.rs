@@ -122,6 +122,19 @@ async fn next_seen(events: &mut Events) -> Seen {
     next_pod(events).await.0
 }
 
+/// A server holding pod `early` on node-a, a client's `Api` of the default namespace, and a
+/// watcher of node-a's pods that has seen `early`.
+async fn watching_early() -> (ApiServer, Api<Pod>, Events) {
+    let server = ApiServer::start().await.unwrap();
+    server.create_pod("default", pod_json("early", Some("node-a"))).unwrap();
+    let client = client(&server).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let config = watcher::Config::default().fields("spec.nodeName=node-a");
+    let mut stream = watch_pods(Api::<Pod>::all(client), config);
+    assert_eq!(next_seen(&mut stream).await, apply("early"));
+    (server, pods, stream)
+}
+
 /// Waits until `condition` holds of the server's request log.
 async fn until_requests(server: &ApiServer, condition: impl Fn(&[(String, String)]) -> bool) {
     while !condition(&server.requests()) {
@@ -511,13 +524,7 @@ async fn a_watch_from_before_the_kept_history_gets_410_and_the_watcher_relists()
 #[tokio::test]
 async fn an_outage_fails_requests_and_the_watcher_resumes_after_it() {
     within(async {
-        let server = ApiServer::start().await.unwrap();
-        server.create_pod("default", pod_json("early", Some("node-a"))).unwrap();
-        let client = client(&server).await;
-        let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
-        let config = watcher::Config::default().fields("spec.nodeName=node-a");
-        let mut stream = watch_pods(Api::<Pod>::all(client), config);
-        assert_eq!(next_seen(&mut stream).await, apply("early"));
+        let (server, pods, mut stream) = watching_early().await;
 
         server.set_unavailable(true);
         // kube retries a 503 (15 times, with backoff): a client without retries sees it.
@@ -554,13 +561,7 @@ async fn an_outage_fails_requests_and_the_watcher_resumes_after_it() {
 #[tokio::test]
 async fn forbidden_gets_and_held_watch_events_lag_one_client_behind() {
     within(async {
-        let server = ApiServer::start().await.unwrap();
-        server.create_pod("default", pod_json("early", Some("node-a"))).unwrap();
-        let client = client(&server).await;
-        let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
-        let config = watcher::Config::default().fields("spec.nodeName=node-a");
-        let mut stream = watch_pods(Api::<Pod>::all(client), config);
-        assert_eq!(next_seen(&mut stream).await, apply("early"));
+        let (server, pods, mut stream) = watching_early().await;
 
         // The Node authorizer's answer before its graph has a binding: a GET of one pod is
         // refused, a list by node is not.
