@@ -84,7 +84,13 @@ pub struct LatestList(watch::Sender<Option<AskedList>>);
 
 /// A `List` answer and the moment it was asked for: it shows the kubelet's record at some
 /// moment after that.
-pub type AskedList = (tokio::time::Instant, Arc<ListPodResourcesResponse>);
+#[derive(Clone, Debug)]
+pub struct AskedList {
+    /// When it was asked for.
+    pub asked: tokio::time::Instant,
+    /// The answer.
+    pub list: Arc<ListPodResourcesResponse>,
+}
 
 impl Default for LatestList {
     fn default() -> Self {
@@ -95,7 +101,7 @@ impl Default for LatestList {
 impl LatestList {
     /// Shares an answer asked for at `asked`.
     pub fn record(&self, asked: tokio::time::Instant, list: Arc<ListPodResourcesResponse>) {
-        self.0.send_replace(Some((asked, list)));
+        self.0.send_replace(Some(AskedList { asked, list }));
     }
 
     /// Follows the latest answer shared, and each one after it.
@@ -111,9 +117,9 @@ async fn shared_since(
     since: tokio::time::Instant,
     wait: Duration,
 ) -> Option<Arc<ListPodResourcesResponse>> {
-    let fresh = |a: &Option<AskedList>| a.as_ref().is_some_and(|(asked, _)| *asked >= since);
+    let fresh = |a: &Option<AskedList>| a.as_ref().is_some_and(|a| a.asked >= since);
     let found = tokio::time::timeout(wait, latest.wait_for(fresh)).await.ok()?.ok()?;
-    found.as_ref().map(|(_, list)| Arc::clone(list))
+    found.as_ref().map(|a| Arc::clone(&a.list))
 }
 
 /// How long reconciliation after an allocation waits for a device-plugin call's `List` before
@@ -231,7 +237,7 @@ pub async fn reconcile_loop(
                     // newest answer. Allocations meanwhile start the next round.
                     crate::cluster::publish::kubelet_quiet(&mut admission, crate::cluster::publish::Timing::default())
                         .await;
-                    shared = shared_lists.borrow().as_ref().map(|(_, list)| Arc::clone(list)).or(shared);
+                    shared = shared_lists.borrow().as_ref().map(|a| Arc::clone(&a.list)).or(shared);
                 }
             }
         }
