@@ -156,8 +156,17 @@ pub(super) fn start(shared: &Shared, filter: Filter, query: &BTreeMap<String, St
                     Err(broadcast::error::RecvError::Lagged(_) | broadcast::error::RecvError::Closed) => return,
                 },
             };
-            // Held back while the server holds watch events: sent in order once released.
-            if released.wait_for(|held| !*held).await.is_err() || tx.send(bytes).await.is_err() {
+            // Held back while the server holds watch events: sent in order once released
+            // (and not at all if the watch ends meanwhile).
+            let release = async {
+                tokio::select! {
+                    released = released.wait_for(|held| !*held) => released.is_ok(),
+                    () = tx.closed() => false,
+                    _ = closer.changed() => false,
+                    () = instance.stopped() => false,
+                }
+            };
+            if !release.await || tx.send(bytes).await.is_err() {
                 return;
             }
         }
