@@ -245,13 +245,13 @@ async fn main() {
         t.elapsed().as_secs_f64()
     );
 
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = gpushare_testkit::ports::free_port().unwrap();
     let config = dir.path().join("extender.toml");
     std::fs::write(
         &config,
         format!(
             "[server]\nlisten = \"127.0.0.1:{port}\"\nobserve_listen = \"127.0.0.1:{}\"\n[kubernetes]\nkubeconfig = \"{}\"\n",
-            std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port(),
+            gpushare_testkit::ports::free_port().unwrap(),
             kubeconfig.display()
         ),
     )

@@ -147,7 +147,7 @@ async fn malformed_and_oversized_requests_get_a_reason_not_a_panic() {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    gpushare_testkit::ports::free_port().unwrap()
 }
 
 struct Child(std::process::Child);

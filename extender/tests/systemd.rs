@@ -16,7 +16,7 @@ use gpushare_testkit::notify::Notes;
 const WAIT: Duration = Duration::from_secs(10);
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    gpushare_testkit::ports::free_port().unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -24,6 +24,7 @@ use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use crate::invariants::Report;
 use crate::node::{Record, live_admissions};
 use crate::nvml::{self, FakeGpu};
+use crate::ports::free_port;
 
 use gpushare_core::MemoryUnit;
 pub use gpushare_extender::simulate::{ClusterSpec, GpuSpec, NodeSpec};
@@ -1065,10 +1066,6 @@ pub(crate) fn wait_for(proc: &mut Proc, timeout: Duration, what: &str, ready: im
 fn tail(text: &str, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
-}
-
-pub(crate) fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 fn which(program: &str) -> Option<PathBuf> {

@@ -12,6 +12,7 @@
 //! - [`kubelet`]: the kubelet's side of the device plugin API and its PodResources API, restarts included;
 //! - [`notify`]: systemd's end of `sd_notify`, recording what a service notifies;
 //! - [`node`]: the kubelet stand-in as a node: registers its Node, admits the pods bound to it, writes their status;
+//! - [`ports`]: free TCP ports for the servers a test starts, outside the kernel's ephemeral range;
 //! - [`peers`]: the peer systems (NVIDIA's device plugin) built from Go modules and run as a node of the real-cluster box;
 //! - [`rng`]: a seeded xorshift for tie-breaks and fault choices;
 //! - [`nvml`]: the fake NVML library, built from C, and its configuration;
@@ -37,6 +38,7 @@ pub mod null_plugin;
 pub mod nvidia_dra;
 pub mod nvml;
 pub mod peers;
+pub mod ports;
 pub mod probe;
 pub mod realbox;
 pub mod realkube;

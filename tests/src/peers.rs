@@ -311,7 +311,7 @@ pub fn spawn_alibaba_extender(
     log_level: &str,
 ) -> anyhow::Result<(Proc, String)> {
     let (bin, _) = alibaba().map_err(anyhow::Error::msg)?;
-    let port = crate::cluster::free_port()?;
+    let port = crate::ports::free_port()?;
     let mut extender = plane.spawn(
         "alibaba-extender",
         &bin.join("gpushare-scheduler-extender"),
@@ -534,8 +534,8 @@ pub fn spawn_hami_scheduler(
     kube_rate: Option<u32>,
 ) -> anyhow::Result<(Proc, String, std::net::SocketAddr)> {
     let (bin, _) = hami().map_err(anyhow::Error::msg)?;
-    let port = crate::cluster::free_port()?;
-    let metrics = crate::cluster::free_port()?;
+    let port = crate::ports::free_port()?;
+    let metrics = crate::ports::free_port()?;
     let (crt, key) = plane.pki.issue(
         "hami-scheduler",
         "/CN=hami-scheduler",

@@ -15,10 +15,11 @@ use anyhow::{Context as _, bail};
 
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 
-use crate::cluster::{Binaries, ClusterSpec, Proc, fake_gpus, free_port, http_get};
+use crate::cluster::{Binaries, ClusterSpec, Proc, fake_gpus, http_get};
 use crate::containerd::Containerd;
 use crate::cri::RecordingRuntime;
 use crate::nvml::{self, FakeGpu};
+use crate::ports::free_port;
 use crate::realkube::{self, ControlPlane};
 use crate::realkubelet::{DEFAULT_GATES, KubeletDirs, POD_LOGS_DIR_MINOR, RealKubelet};
 

@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 
-use crate::cluster::{Proc, free_port, wait_for};
+use crate::cluster::{Proc, wait_for};
+use crate::ports::free_port;
 
 /// What the shipped kube-scheduler configurations name as their kubeconfig.
 pub const SCHEDULER_KUBECONFIG: &str = "kubeconfig: /etc/kubernetes/scheduler.conf";

@@ -26,7 +26,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 
-use crate::cluster::{Proc, free_port, wait_for};
+use crate::cluster::{Proc, wait_for};
+use crate::ports::free_port;
 use crate::realkube::ControlPlane;
 
 /// The kubelet's device plugin directory, which `--root-dir` does not move: in the kubelet's
