@@ -437,7 +437,7 @@ impl Assumed {
 }
 
 /// One pod that asks for GPU memory.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PodEntry {
     /// Namespace.
     pub namespace: String,

@@ -10,12 +10,14 @@ impl ClusterView {
         pod.asks_for_gpu(&self.config.names) || self.holding_of(pod) != Holding::Nothing
     }
 
-    /// Adds or updates a pod. Pods that ask for no GPU and hold nothing are not kept.
+    /// Adds or updates a pod. Pods that ask for no GPU and hold nothing are not kept. An update
+    /// that leaves the pod's entry as it was (the kubelet's status changes, most of a pod's
+    /// updates) leaves its node's usage cached: recomputing it walks every pod of the node.
     pub fn apply_pod(&mut self, pod: &PodObject) {
         let uid = pod.uid().to_owned();
-        self.remove_pod(&uid);
         let holding = self.holding_of(pod);
         if !pod.asks_for_gpu(&self.config.names) && holding == Holding::Nothing {
+            self.remove_pod(&uid);
             return;
         }
         let node = pod.node().map(str::to_owned);
@@ -37,6 +39,10 @@ impl ClusterView {
             request: self.request_of(pod),
             holding,
         };
+        if self.pods.get(&uid) == Some(&entry) {
+            return;
+        }
+        self.remove_pod(&uid);
         if let Some(n) = &node {
             self.bound.entry(n.clone()).or_default().insert(uid.clone());
             self.touch(Some(n));

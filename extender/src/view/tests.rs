@@ -643,3 +643,22 @@ fn a_node_state_read_before_the_lock_applies_as_one_read_under_it() {
     assert!(v.usage("n2").is_err(), "a node the list no longer has is gone");
     assert_eq!(used(&mut v, "n1"), [200, 300]);
 }
+
+#[test]
+fn a_status_change_keeps_the_nodes_usage_cached_and_a_finish_recounts_it() {
+    let mut v = ClusterView::new(config(false));
+    v.apply_node(&node("n1", 1, 1000, 1, vec![]));
+    let a = assignment("n1", &[("main", &[(0, 300)])]);
+    v.apply_pod(&pod("a", 300, Some(("n1", a.clone())), "Pending"));
+    v.refresh();
+    assert!(v.node("n1").unwrap().cache.is_some());
+    // The kubelet starts it: nothing the view counts changed, so nothing is recounted.
+    v.apply_pod(&pod("a", 300, Some(("n1", a.clone())), "Running"));
+    assert!(v.node("n1").unwrap().cache.is_some(), "a status change recounted the node");
+    assert_eq!(used(&mut v, "n1"), [300]);
+    // It finishes: its memory is free again.
+    v.apply_pod(&pod("a", 300, Some(("n1", a)), "Succeeded"));
+    assert!(v.node("n1").unwrap().cache.is_none());
+    assert_eq!(used(&mut v, "n1"), [0]);
+    assert!(v.summaries_in_step());
+}
