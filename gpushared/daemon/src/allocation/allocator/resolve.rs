@@ -18,7 +18,7 @@
 //! admitting (added before its admission starts, dropped when rejected), with the devices each
 //! container holds. The pod being admitted is the listed one whose container holds none yet.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment};
@@ -172,10 +172,22 @@ impl Care {
     pub const PATIENT: Care = Care { patient: true, confirmed: true, kubelet: KubeletSays::Unasked, generation: None };
 }
 
-/// Whether the kubelet has started admitting pod `uid`: it is the pod being admitted, or
-/// holds rows.
-fn started(held: &[Arc<Held>], admissions: &Admissions, uid: &str) -> bool {
-    admissions.is_admitting(uid) || held.iter().any(|h| h.pod.uid == uid)
+/// The pods the kubelet has started admitting: the pod being admitted, and those that hold
+/// rows. Indexed once per choice, which asks it of every waiting candidate.
+struct Started<'a> {
+    holders: HashSet<&'a str>,
+    admissions: &'a Admissions,
+}
+
+impl<'a> Started<'a> {
+    fn new(held: &'a [Arc<Held>], admissions: &'a Admissions) -> Self {
+        Started { holders: held.iter().map(|h| h.pod.uid.as_str()).collect(), admissions }
+    }
+
+    /// Whether the kubelet has started admitting pod `uid`.
+    fn pod(&self, uid: &str) -> bool {
+        self.admissions.is_admitting(uid) || self.holders.contains(uid)
+    }
 }
 
 /// The node the choice is made for.
@@ -335,17 +347,16 @@ impl Scope<'_> {
             )
         };
         fitting.sort_by_cached_key(key);
+        let started = Started::new(held, admissions);
         if let KubeletSays::Listed(listing) = &care.kubelet {
-            fitting.retain(|c| {
-                started(held, admissions, &c.view().pod.uid) || listing.admitting(&c.view().pod, &c.container().name)
-            });
+            fitting.retain(|c| started.pod(&c.view().pod.uid) || listing.admitting(&c.view().pod, &c.container().name));
             if fitting.is_empty() {
                 return Err(self.no_candidate(pods, held, units));
             }
         }
         if !care.confirmed
             && let Some(top) = fitting.first()
-            && !started(held, admissions, &top.view().pod.uid)
+            && !started.pod(&top.view().pod.uid)
         {
             return Err(AllocError::Unconfirmed { pod: top.view().pod.to_string() });
         }
@@ -357,7 +368,7 @@ impl Scope<'_> {
         // Asked or askable, the kubelet names even look-alikes on the same GPUs right.
         let any_placement = care.kubelet != KubeletSays::Unasked;
         if care.patient
-            && let Some((first, other)) = ambiguity(held, admissions, &fitting, any_placement)
+            && let Some((first, other)) = ambiguity(&started, &fitting, any_placement)
         {
             return Err(AllocError::Ambiguous { first, other, units, unit: self.unit });
         }
@@ -395,23 +406,17 @@ impl Scope<'_> {
 /// admission (no row, not the pod being admitted), and another pod that has not either waits for
 /// as many units first but is assigned differently (or at all, with `any_placement`). Returns
 /// both names.
-fn ambiguity(
-    held: &[Arc<Held>],
-    admissions: &Admissions,
-    fitting: &[Candidate],
-    any_placement: bool,
-) -> Option<(String, String)> {
+fn ambiguity(started: &Started<'_>, fitting: &[Candidate], any_placement: bool) -> Option<(String, String)> {
     let top = fitting.first()?;
-    let started = |uid: &str| started(held, admissions, uid);
     let uid = top.view().pod.uid.as_str();
-    if started(uid) {
+    if started.pod(uid) {
         return None;
     }
     fitting[1..]
         .iter()
         .find(|c| {
             c.view().pod.uid != uid
-                && !started(&c.view().pod.uid)
+                && !started.pod(&c.view().pod.uid)
                 && (any_placement || !c.assignment.same_placement(&top.assignment))
         })
         .map(|c| (top.view().pod.to_string(), c.view().pod.to_string()))
