@@ -467,6 +467,8 @@ impl Cluster {
                 format!("http://{extender_addr}/gpushare-scheduler"),
                 "--initial-backoff-ms".into(),
                 options.scheduler_backoff_ms.to_string(),
+                "--nodes-file".into(),
+                path(&dir.join(SCHEDULER_NODES_FILE)),
             ],
             env,
             &logs,
@@ -511,6 +513,8 @@ impl Cluster {
                 }
             }
         }
+        // The faults and cordons are published: ready again once both views hold them.
+        cluster.wait_ready(Duration::from_secs(60)).await?;
         Ok(cluster)
     }
 
@@ -527,7 +531,11 @@ impl Cluster {
     }
 
     /// Waits until every node's daemon published its state and its kubelet its capacity, and
-    /// the extender is ready.
+    /// both deciders see the node as the API server shows it: the extender's view holds the
+    /// node's GPUs as its annotation has them (count, health, cordons), and the scheduler's
+    /// view holds the node at its `resourceVersion` or later. A workload applied at once is
+    /// then tried against every node as it is, not against an older view of one (a pod that
+    /// misses its node there waits out a backoff, and a later pod can take its GPU).
     ///
     /// # Errors
     /// On timeout, naming what is missing.
@@ -537,13 +545,16 @@ impl Cluster {
         let resource = "gpushare.io/gpu-mem";
         loop {
             let mut missing = Vec::new();
+            let scheduler_view = scheduler_node_versions(&self.dir.join(SCHEDULER_NODES_FILE));
             match nodes.list(&ListParams::default()).await {
                 Ok(list) => {
                     for n in &self.nodes {
-                        let found = list.items.iter().find(|x| x.metadata.name.as_deref() == Some(&n.spec.name));
-                        let published = found
+                        let name = &n.spec.name;
+                        let found = list.items.iter().find(|x| x.metadata.name.as_deref() == Some(name));
+                        let state = found
                             .and_then(|x| x.metadata.annotations.as_ref())
-                            .is_some_and(|a| a.contains_key(NODE_STATE_KEY));
+                            .and_then(|a| a.get(NODE_STATE_KEY))
+                            .and_then(|v| NodeState::decode(v).ok());
                         // A kubelet reports the resource at 0 once the plugin registers, before
                         // its device list arrives (the real kubelet does too): not ready yet.
                         let capacity = found
@@ -551,8 +562,16 @@ impl Cluster {
                             .and_then(|s| s.allocatable.as_ref())
                             .and_then(|a| a.get(resource))
                             .is_some_and(|q| q.0.parse::<u64>().is_ok_and(|n| n > 0));
-                        if !published || !capacity {
-                            missing.push(format!("node {} (annotation {published}, capacity {capacity})", n.spec.name));
+                        let Some(state) = state.filter(|_| capacity) else {
+                            missing.push(format!("node {name} (no state annotation, or no capacity yet)"));
+                            continue;
+                        };
+                        if !self.extender_sees(name, &state).await {
+                            missing.push(format!("the extender's view of node {name}"));
+                        }
+                        let listed = found.and_then(|x| x.metadata.resource_version.as_deref());
+                        if !caught_up(scheduler_view.get(name).map(String::as_str), listed) {
+                            missing.push(format!("the scheduler's view of node {name}"));
                         }
                     }
                 }
@@ -574,6 +593,22 @@ impl Cluster {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// Whether the extender's view (its inspect route) holds `node`'s GPUs as `state` has them.
+    async fn extender_sees(&self, node: &str, state: &NodeState) -> bool {
+        let Some((200, body)) = http_get(self.extender_observe, &format!("/gpushare-scheduler/inspect/{node}")).await
+        else {
+            return false;
+        };
+        let Ok(report) = serde_json::from_str::<gpushare_extender::inspect::ClusterReport>(&body) else {
+            return false;
+        };
+        let Some(seen) = report.nodes.iter().find(|n| n.name == node) else { return false };
+        let published: Vec<(u32, bool, bool)> =
+            state.inventory.gpus().iter().map(|g| (g.index, g.health.is_healthy(), g.cordoned)).collect();
+        let viewed: Vec<(u32, bool, bool)> = seen.gpus.iter().map(|g| (g.index, g.healthy, g.cordoned)).collect();
+        published == viewed
     }
 
     /// Cordons GPU `index` of `node` with `gpusharectl` over the node's bus.
@@ -1033,6 +1068,27 @@ pub fn client_for(url: &str) -> anyhow::Result<kube::Client> {
     kube::Client::try_from(config).context("building a client for the API server")
 }
 
+/// The file the scheduler stand-in keeps its view's node versions in, in the box's directory.
+const SCHEDULER_NODES_FILE: &str = "scheduler-nodes";
+
+/// The node versions the scheduler stand-in last wrote to `path` (`gpushare-box scheduler
+/// --nodes-file`): none while it has not listed the nodes yet.
+fn scheduler_node_versions(path: &Path) -> BTreeMap<String, String> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .map(|(name, version)| (name.to_owned(), version.to_owned()))
+        .collect()
+}
+
+/// Whether a view holding an object at version `held` has caught up with version `listed`.
+/// The box's API server counts versions up from one, so the later version is the larger.
+fn caught_up(held: Option<&str>, listed: Option<&str>) -> bool {
+    let version = |v: Option<&str>| v.and_then(|v| v.parse::<u64>().ok());
+    matches!((version(held), version(listed)), (Some(h), Some(l)) if h >= l)
+}
+
 /// `GET path` over plain HTTP/1.1; `None` if the server does not answer.
 pub async fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
     let fut = async {
@@ -1098,5 +1154,32 @@ mod settle_tests {
         let unfit = "0/2 nodes are available: 2 container \"main\" needs 38000 MiB on a GPU";
         assert!(is_settled(&waiting(unfit)));
         assert!(!is_transient(unfit));
+    }
+}
+
+#[cfg(test)]
+mod ready_tests {
+    use super::*;
+
+    #[test]
+    fn a_view_has_caught_up_only_at_the_listed_version_or_later() {
+        assert!(caught_up(Some("12"), Some("12")));
+        assert!(caught_up(Some("13"), Some("12")));
+        // Lexically larger, numerically older.
+        assert!(!caught_up(Some("9"), Some("12")));
+        assert!(!caught_up(None, Some("12")));
+        assert!(!caught_up(Some("12"), None));
+        assert!(!caught_up(Some("x"), Some("12")));
+    }
+
+    #[test]
+    fn the_schedulers_node_file_reads_back_and_a_missing_one_is_empty() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(SCHEDULER_NODES_FILE);
+        assert!(scheduler_node_versions(&path).is_empty());
+        std::fs::write(&path, "gpu-a 17\ngpu-b 230\n").unwrap();
+        let versions = scheduler_node_versions(&path);
+        assert_eq!(versions.get("gpu-a").map(String::as_str), Some("17"));
+        assert_eq!(versions.get("gpu-b").map(String::as_str), Some("230"));
     }
 }

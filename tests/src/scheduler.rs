@@ -521,6 +521,22 @@ impl Scheduler {
         }
     }
 
+    /// Each node's `resourceVersion` as its node watch last delivered it; empty until the
+    /// watch has listed. A box waits on it before it calls itself ready (`gpushare-box
+    /// scheduler --nodes-file`), so no pod is tried against an older view of a node than the
+    /// API server already shows.
+    #[must_use]
+    pub fn node_versions(&self) -> BTreeMap<String, String> {
+        let st = self.inner.lock();
+        if !st.nodes_synced {
+            return BTreeMap::new();
+        }
+        st.nodes
+            .iter()
+            .map(|(name, node)| (name.clone(), node.metadata.resource_version.clone().unwrap_or_default()))
+            .collect()
+    }
+
     /// Watches the cluster through `client` and schedules, until the future is dropped (which
     /// also stops the bindings in flight). Run one at a time: each run starts from an empty
     /// cache and queue. The counters add up over runs.

@@ -137,6 +137,11 @@ enum Cmd {
         /// The first retry's backoff, milliseconds (kube-scheduler: 1000).
         #[arg(long, default_value_t = 1000)]
         initial_backoff_ms: u64,
+        /// Keep this file listing each node the scheduler's view holds, with the
+        /// `resourceVersion` it holds it at ("name version" lines; written once its node watch
+        /// has listed, replaced on change).
+        #[arg(long)]
+        nodes_file: Option<PathBuf>,
     },
 }
 
@@ -241,13 +246,20 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             result = gpushare_testkit::null_dra::run(&registry_dir, &plugin_dir) => result,
             result = until_stopped() => result,
         },
-        Cmd::Scheduler { kubeconfig, extender, initial_backoff_ms } => {
+        Cmd::Scheduler { kubeconfig, extender, initial_backoff_ms, nodes_file } => {
             let client = client(&kubeconfig)?;
             let mut config = SchedulerConfig::gpushare(&extender);
             config.initial_backoff = Duration::from_millis(initial_backoff_ms);
             let scheduler = Scheduler::new(config);
+            let publish = async {
+                match nodes_file {
+                    Some(path) => publish_node_versions(&scheduler, &path).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 result = scheduler.run(client) => result,
+                result = publish => result,
                 result = until_stopped() => {
                     tracing::info!(stats = ?scheduler.stats(), "scheduler stopping");
                     result
@@ -256,6 +268,23 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
         }
         Cmd::Demo { cluster, workload, dir, exit, real: false } => demo(&cluster, &workload, dir, exit).await,
         Cmd::Demo { cluster, workload, dir, exit, real: true } => real::demo(&cluster, &workload, dir, exit).await,
+    }
+}
+
+/// Keeps `path` listing the nodes `scheduler`'s view holds and their `resourceVersion`s,
+/// replaced whole (written beside it, then renamed) whenever they change.
+async fn publish_node_versions(scheduler: &Scheduler, path: &std::path::Path) -> anyhow::Result<()> {
+    let staging = path.with_extension("new");
+    let mut written = None;
+    loop {
+        let versions = scheduler.node_versions();
+        if !versions.is_empty() && written.as_ref() != Some(&versions) {
+            let text: String = versions.iter().map(|(name, version)| format!("{name} {version}\n")).collect();
+            std::fs::write(&staging, text).with_context(|| format!("writing {}", staging.display()))?;
+            std::fs::rename(&staging, path).with_context(|| format!("renaming into {}", path.display()))?;
+            written = Some(versions);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
