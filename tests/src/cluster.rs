@@ -506,12 +506,17 @@ impl Cluster {
             cluster.wait_gpu_health(&node, i, false, Duration::from_secs(20)).await?;
         }
         // GPUs the cluster file marks cordoned are cordoned as an operator would.
+        let mut cordoned = Vec::new();
         for node in &spec.nodes {
             for (i, gpu) in node.gpus.iter().flat_map(|g| (0..g.count).map(move |_| g)).enumerate() {
                 if gpu.cordoned {
                     cluster.cordon(&node.name, i)?;
+                    cordoned.push((node.name.clone(), i));
                 }
             }
+        }
+        for (node, i) in cordoned {
+            cluster.wait_gpu_published(&node, i, "cordoned", |g| g.cordoned, Duration::from_secs(20)).await?;
         }
         // The faults and cordons are published: ready again once both views hold them.
         cluster.wait_ready(Duration::from_secs(60)).await?;
@@ -657,18 +662,28 @@ impl Cluster {
         healthy: bool,
         timeout: Duration,
     ) -> anyhow::Result<()> {
+        let what = if healthy { "healthy" } else { "unhealthy" };
+        self.wait_gpu_published(node, index, what, |g| g.health.is_healthy() == healthy, timeout).await
+    }
+
+    /// Waits until `node`'s daemon publishes GPU `index` as `shown` says (`what`, for the error).
+    async fn wait_gpu_published(
+        &self,
+        node: &str,
+        index: usize,
+        what: &str,
+        shown: impl Fn(&gpushare_core::Gpu) -> bool,
+        timeout: Duration,
+    ) -> anyhow::Result<()> {
         let deadline = Instant::now() + timeout;
         loop {
             if let Ok(state) = self.node_state(node).await
-                && state.inventory.gpus().get(index).is_some_and(|g| g.health.is_healthy() == healthy)
+                && state.inventory.gpus().get(index).is_some_and(&shown)
             {
                 return Ok(());
             }
             if Instant::now() > deadline {
-                bail!(
-                    "node {node} GPU {index} is not published {} after {timeout:?}",
-                    if healthy { "healthy" } else { "unhealthy" }
-                );
+                bail!("node {node} GPU {index} is not published {what} after {timeout:?}");
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
