@@ -146,6 +146,8 @@ pub struct Fetch {
     /// Told once the pods found are merged: whether the read settled every pod named (the API
     /// server showed each, or said it has none), or why it failed.
     pub done: tokio::sync::oneshot::Sender<Result<bool, String>>,
+    /// When the call asked for it.
+    pub asked: std::time::Instant,
 }
 
 impl Default for PodStore {
@@ -284,7 +286,9 @@ impl PodStore {
         let sender = self.fetches.lock().ok().and_then(|f| f.clone());
         let Some(sender) = sender else { return Ok(false) };
         let (done, outcome) = tokio::sync::oneshot::channel();
-        sender.send(Fetch { pods, done }).map_err(|_| "the daemon is stopping".to_owned())?;
+        sender
+            .send(Fetch { pods, done, asked: std::time::Instant::now() })
+            .map_err(|_| "the daemon is stopping".to_owned())?;
         outcome.await.map_err(|_| "the daemon is stopping".to_owned())?
     }
 

@@ -259,6 +259,7 @@ pub async fn fetch_pods(
             }
         });
         let outcome = futures::future::join_all(gets).await.into_iter().collect::<Result<Vec<_>, String>>();
+        let got = started.elapsed();
         let outcome = outcome.map(|reads| {
             let settled = !reads.iter().any(|r| matches!(r, Read::Hidden));
             let views: Vec<PodView> =
@@ -266,7 +267,14 @@ pub async fn fetch_pods(
             for v in views.iter().filter(|v| v.terminal) {
                 release(&alloc, v, "pod finished or deleted");
             }
-            tracing::debug!(pods = views.len(), settled, took = ?started.elapsed(), "read the pods the kubelet may admit");
+            tracing::debug!(
+                pods = views.len(),
+                settled,
+                queued_us = started.duration_since(fetch.asked).as_micros(),
+                get_us = got.as_micros(),
+                took_us = started.elapsed().as_micros(),
+                "read the pods the kubelet may admit"
+            );
             store.merge_read(views);
             settled
         });
