@@ -147,6 +147,9 @@ pub struct Options {
     /// long ([`crate::lag`]), while the kubelets connect directly: their pod watches lag
     /// behind the kubelets'.
     pub daemon_api_lag: Option<Duration>,
+    /// The extender and the scheduler stand-in reach the API server through such a relay:
+    /// their views of the nodes lag behind the API server's.
+    pub deciders_api_lag: Option<Duration>,
 }
 
 impl Default for Options {
@@ -159,6 +162,7 @@ impl Default for Options {
             scheduler_backoff_ms: 1000,
             kubelet_resource_health: false,
             daemon_api_lag: None,
+            deciders_api_lag: None,
         }
     }
 }
@@ -361,8 +365,8 @@ pub struct Cluster {
     /// The cluster unit.
     pub unit: String,
     client: kube::Client,
-    /// The relay the daemons' API connections go through, if they lag.
-    _lag: Option<crate::lag::Lag>,
+    /// The relays the daemons' and the deciders' API connections go through, if they lag.
+    _lag: [Option<crate::lag::Lag>; 2],
 }
 
 impl Cluster {
@@ -412,20 +416,11 @@ impl Cluster {
         wait_for(&mut apiserver, Duration::from_secs(20), "the API server", || kubeconfig.is_file())?;
         let (client, api_url) = client_from_kubeconfig(&kubeconfig)?;
         let (lag, daemon_kubeconfig) = match options.daemon_api_lag {
-            Some(delay) => {
-                let upstream: SocketAddr = api_url
-                    .trim_start_matches("http://")
-                    .parse()
-                    .with_context(|| format!("the API server's URL {api_url} is not http://host:port"))?;
-                let lag = crate::lag::Lag::start(upstream, delay).await?;
-                let lagging = dir.join("kubeconfig-lagging");
-                let text = std::fs::read_to_string(&kubeconfig)?;
-                std::fs::write(
-                    &lagging,
-                    text.replace(&format!("server: {api_url}"), &format!("server: {}", lag.url())),
-                )?;
-                (Some(lag), lagging)
-            }
+            Some(delay) => lagging(&dir, "kubeconfig-lagging", &kubeconfig, &api_url, delay).await?,
+            None => (None, kubeconfig.clone()),
+        };
+        let (deciders_lag, deciders_kubeconfig) = match options.deciders_api_lag {
+            Some(delay) => lagging(&dir, "kubeconfig-deciders-lagging", &kubeconfig, &api_url, delay).await?,
             None => (None, kubeconfig.clone()),
         };
 
@@ -445,7 +440,7 @@ impl Cluster {
             &extender_config,
             format!(
                 "[server]\nlisten = \"{extender_addr}\"\nobserve_listen = \"{extender_observe}\"\n[kubernetes]\nkubeconfig = \"{}\"\n[resources]\nunit = \"{}\"\n",
-                kubeconfig.display(),
+                deciders_kubeconfig.display(),
                 spec.unit
             ),
         )?;
@@ -462,7 +457,7 @@ impl Cluster {
             vec![
                 "scheduler".into(),
                 "--kubeconfig".into(),
-                path(&kubeconfig),
+                path(&deciders_kubeconfig),
                 "--extender".into(),
                 format!("http://{extender_addr}/gpushare-scheduler"),
                 "--initial-backoff-ms".into(),
@@ -487,7 +482,7 @@ impl Cluster {
             scheduler,
             unit: spec.unit.to_string(),
             client,
-            _lag: lag,
+            _lag: [lag, deciders_lag],
         };
         cluster.wait_ready(Duration::from_secs(60)).await?;
         // GPUs the cluster file marks unhealthy get that fault from NVML, once their daemon
@@ -1081,6 +1076,26 @@ pub fn client_for(url: &str) -> anyhow::Result<kube::Client> {
     let mut config = kube::Config::new(uri);
     config.default_namespace = "default".into();
     kube::Client::try_from(config).context("building a client for the API server")
+}
+
+/// A relay to the API server at `api_url` that holds back its answers by `delay`, and a copy of
+/// `kubeconfig` named `name` in `dir` that goes through it.
+async fn lagging(
+    dir: &Path,
+    name: &str,
+    kubeconfig: &Path,
+    api_url: &str,
+    delay: Duration,
+) -> anyhow::Result<(Option<crate::lag::Lag>, PathBuf)> {
+    let upstream: SocketAddr = api_url
+        .trim_start_matches("http://")
+        .parse()
+        .with_context(|| format!("the API server's URL {api_url} is not http://host:port"))?;
+    let lag = crate::lag::Lag::start(upstream, delay).await?;
+    let lagging = dir.join(name);
+    let text = std::fs::read_to_string(kubeconfig)?;
+    std::fs::write(&lagging, text.replace(&format!("server: {api_url}"), &format!("server: {}", lag.url())))?;
+    Ok((Some(lag), lagging))
 }
 
 /// The file the scheduler stand-in keeps its view's node versions in, in the box's directory.
