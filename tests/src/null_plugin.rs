@@ -67,6 +67,7 @@ impl NullPlugin {
     /// Asks the kubelet's PodResources `List`, as a plugin that must know its pod does, and
     /// reads the pods it names as holding none of the resource, when it has a client.
     async fn ask_kubelet(&self, socket: &Path) -> Result<(), Status> {
+        let asked = std::time::Instant::now();
         let channel = gpushare_proto::uds::connect(socket)
             .await
             .map_err(|e| Status::unavailable(format!("cannot reach {}: {e}", socket.display())))?;
@@ -75,7 +76,11 @@ impl NullPlugin {
             .list(ListPodResourcesRequest {})
             .await?
             .into_inner();
-        let Some(client) = &self.read else { return Ok(()) };
+        let list_us = asked.elapsed().as_micros();
+        let Some(client) = &self.read else {
+            tracing::debug!(list_us, "asked the kubelet");
+            return Ok(());
+        };
         let holding_nothing = listed
             .pod_resources
             .iter()
@@ -92,7 +97,9 @@ impl NullPlugin {
                 }
             }
         });
+        let read = std::time::Instant::now();
         futures::future::try_join_all(reads).await?;
+        tracing::debug!(list_us, get_us = read.elapsed().as_micros(), "asked the kubelet and read the pods it names");
         Ok(())
     }
 }

@@ -149,7 +149,9 @@ impl RealCluster {
                 let kubeconfig = plane.pki.kubeconfig(&plane.server, &identity, &["system:nodes"])?;
                 args.push(format!("--read-pods={}", kubeconfig.display()));
             }
-            plane.spawn(&format!("null-plugin-{name}"), &program, args, Vec::new())
+            // `GPUSHARE_BOX_DAEMON_LOG` filters its log as gpushared's.
+            let log = std::env::var("GPUSHARE_BOX_DAEMON_LOG").unwrap_or_else(|_| "info".into());
+            plane.spawn(&format!("null-plugin-{name}"), &program, args, vec![("RUST_LOG".into(), log)])
         })
     }
 
