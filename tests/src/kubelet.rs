@@ -1116,18 +1116,15 @@ impl Kubelet {
         must_include: Vec<String>,
         units: usize,
     ) -> anyhow::Result<Vec<String>> {
-        let response = self
-            .client()?
-            .get_preferred_allocation(PreferredAllocationRequest {
-                container_requests: vec![ContainerPreferredAllocationRequest {
-                    available_device_i_ds: available.into(),
-                    must_include_device_i_ds: must_include.into(),
-                    allocation_size: i32::try_from(units)?,
-                }],
-            })
-            .await
-            .map_err(|s| anyhow::anyhow!("GetPreferredAllocation: {}: {}", code(&s), s.message()))?
-            .into_inner();
+        let mut client = self.client()?;
+        let request = PreferredAllocationRequest {
+            container_requests: vec![ContainerPreferredAllocationRequest {
+                available_device_i_ds: available.into(),
+                must_include_device_i_ds: must_include.into(),
+                allocation_size: i32::try_from(units)?,
+            }],
+        };
+        let response = answered("GetPreferredAllocation", client.get_preferred_allocation(request)).await?;
         Ok(response.container_responses.into_iter().next().map(|r| r.device_i_ds).unwrap_or_default())
     }
 
@@ -1137,12 +1134,8 @@ impl Kubelet {
     /// # Errors
     /// No plugin has registered, or the call failed.
     pub async fn ask_options(&self) -> anyhow::Result<DevicePluginOptions> {
-        let response = self
-            .client()?
-            .get_device_plugin_options(Empty {})
-            .await
-            .map_err(|s| anyhow::anyhow!("GetDevicePluginOptions: {}: {}", code(&s), s.message()))?;
-        Ok(response.into_inner())
+        let mut client = self.client()?;
+        answered("GetDevicePluginOptions", client.get_device_plugin_options(Empty {})).await
     }
 
     /// `Allocate` of these devices outside any pod; on success they are in use (until the
@@ -1219,17 +1212,31 @@ fn code(s: &Status) -> String {
 }
 
 /// `Allocate` for one container on `client`: the environment and the mounts it answered.
+/// How long the stand-in waits for a plugin's answer. A plugin killed in the middle of a burst
+/// must fail the call, not leave it waiting forever (once in CI a call to a plugin killed with
+/// SIGKILL never returned, and no timer was left to end the wait).
+const PLUGIN_CALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The answer to `call`, or its gRPC status (`call: code: message`), or that none came within
+/// [`PLUGIN_CALL_TIMEOUT`].
+async fn answered<T>(
+    call: &str,
+    answer: impl std::future::Future<Output = Result<tonic::Response<T>, Status>>,
+) -> anyhow::Result<T> {
+    match tokio::time::timeout(PLUGIN_CALL_TIMEOUT, answer).await {
+        Ok(Ok(response)) => Ok(response.into_inner()),
+        Ok(Err(s)) => Err(anyhow::anyhow!("{call}: {}: {}", code(&s), s.message())),
+        Err(_) => Err(anyhow::anyhow!("{call}: no answer within {PLUGIN_CALL_TIMEOUT:?}")),
+    }
+}
+
 async fn allocate_with(
     mut client: DevicePluginClient<Channel>,
     devices: &[String],
 ) -> anyhow::Result<(BTreeMap<String, String>, Vec<String>)> {
-    let response = client
-        .allocate(AllocateRequest {
-            container_requests: vec![ContainerAllocateRequest { devices_ids: devices.to_vec() }],
-        })
-        .await
-        .map_err(|s| anyhow::anyhow!("Allocate: {}: {}", code(&s), s.message()))?
-        .into_inner();
+    let request =
+        AllocateRequest { container_requests: vec![ContainerAllocateRequest { devices_ids: devices.to_vec() }] };
+    let response = answered("Allocate", client.allocate(request)).await?;
     let answer = response.container_responses.into_iter().next().context("empty Allocate response")?;
     let mounts = answer
         .mounts
