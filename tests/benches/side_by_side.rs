@@ -9,7 +9,8 @@
 //!
 //! gpushare in MiB mode: gpushared on 8 × 16 GiB (131,072 devices of 1 MiB), pods of 200 MiB
 //! placed through gpushare-extender. gpushare in GiB mode: 8 × 80 GiB (640 devices of 1 GiB),
-//! pods of 1 GiB. gpushare through DRA: the same 8 × 80 GiB served as `[sharing] dra`, each pod
+//! pods of 1 GiB; `gib-lean` the same with `[kubelet] environment = "lean"` (smaller `Allocate`
+//! answers, which the kubelet rewrites into its checkpoint at each admission). gpushare through DRA: the same 8 × 80 GiB served as `[sharing] dra`, each pod
 //! with a ResourceClaim of 1024 MiB of the shipped DeviceClass, allocated by kube-scheduler
 //! itself (no extender call) and prepared by gpushared. NVIDIA: its device plugin v0.19.0 (`tests/peers/build`) with
 //! time-slicing, enough replicas per GPU for every pod, pods of `nvidia.com/gpu: 1` placed by
@@ -45,8 +46,8 @@
 //! 1024 MiB of its `gpu.nvidia.com` class; its figures are given as ratios to gpushare's DRA row.
 //! Needs root and Go, as the real-cluster tests do. `GPUSHARE_BOX_DIR` keeps each box's logs
 //! and state, in `<dir>/<system>-<round>`. `GPUSHARE_BENCH_SYSTEMS` (e.g. `gib,dra`) runs only
-//! the systems named (`mib`, `gib`, `dra`, `nvidia`, `alibaba`, `hami`, `nvidia-dra`, `floor-mib`,
-//! `floor-gib`, `floor-dra`, `floor-gib-read`).
+//! the systems named (`mib`, `gib`, `gib-lean`, `dra`, `nvidia`, `alibaba`, `hami`, `nvidia-dra`,
+//! `floor-mib`, `floor-gib`, `floor-dra`, `floor-gib-read`).
 //! `floor-mib` is the kubelet's own limit at MiB mode's device count: a plugin of as many devices
 //! (`example.com/mib`) that answers at once (`gpushare-box null-plugin`), pods of the same size
 //! placed by kube-scheduler alone; gpushare's MiB mode is given as a ratio to it. `floor-gib` is
@@ -114,9 +115,12 @@ enum System {
     /// the kubelet and the API server allow a plugin that never serves the wrong pod, whatever
     /// its pod watch's lag.
     FloorGibRead,
+    /// [`System::GpushareGib`] answering `Allocate` with `[kubelet] environment = "lean"`: what
+    /// the answer's size costs in the kubelet's checkpoint.
+    GpushareGibLean,
 }
 
-const SYSTEMS: [System; 11] = [
+const SYSTEMS: [System; 12] = [
     System::GpushareMib,
     System::GpushareGib,
     System::GpushareDra,
@@ -128,6 +132,7 @@ const SYSTEMS: [System; 11] = [
     System::FloorDra,
     System::FloorGib,
     System::FloorGibRead,
+    System::GpushareGibLean,
 ];
 
 impl System {
@@ -145,6 +150,7 @@ impl System {
             System::FloorDra => "floor-dra",
             System::FloorGib => "floor-gib",
             System::FloorGibRead => "floor-gib-read",
+            System::GpushareGibLean => "gib-lean",
         }
     }
 }
@@ -252,8 +258,11 @@ fn main() {
         for (i, system) in SYSTEMS.into_iter().enumerate().filter(|(_, s)| chosen.contains(&s.short())) {
             let dir = gpushare_testkit::box_dir().map(|d| d.join(format!("{system:?}-{round}").to_lowercase()));
             // The extender counts in the node's unit.
-            let extender_extra =
-                if system == System::GpushareGib { "[resources]\nunit = \"GiB\"\n".into() } else { String::new() };
+            let extender_extra = if matches!(system, System::GpushareGib | System::GpushareGibLean) {
+                "[resources]\nunit = \"GiB\"\n".into()
+            } else {
+                String::new()
+            };
             let options = RealOptions { dir, extender_extra, ..RealOptions::default() };
             let f = runtime.block_on(measure(system, pods, options));
             println!(
@@ -283,7 +292,7 @@ fn main() {
     let mean = |v: &[Figures], f: fn(&Figures) -> f64| v.iter().map(f).sum::<f64>() / v.len() as f64;
     let (mib, gib, dra, nvidia, alibaba, hami, nvidia_dra, floor) =
         (&figures[0], &figures[1], &figures[2], &figures[3], &figures[4], &figures[5], &figures[6], &figures[7]);
-    let (floor_dra, floor_gib, floor_read) = (&figures[8], &figures[9], &figures[10]);
+    let (floor_dra, floor_gib, floor_read, gib_lean) = (&figures[8], &figures[9], &figures[10], &figures[11]);
     println!(
         "\nmeans of {rounds} rounds (NaN: not run); ratios to gpushare GiB mode (DRA's, NVIDIA's), \
          Alibaba's and HAMi's to gpushare MiB mode, NVIDIA's DRA driver's to gpushare DRA, gpushare MiB mode's \
@@ -299,13 +308,13 @@ fn main() {
     ] {
         let (a, g, d, n, l) = (mean(mib, f), mean(gib, f), mean(dra, f), mean(nvidia, f), mean(alibaba, f));
         let (h, nd, fl, fd) = (mean(hami, f), mean(nvidia_dra, f), mean(floor, f), mean(floor_dra, f));
-        let (fg, fr) = (mean(floor_gib, f), mean(floor_read, f));
+        let (fg, fr, gl) = (mean(floor_gib, f), mean(floor_read, f), mean(gib_lean, f));
         println!(
             "  {name}: gpushare MiB {a:.2}, GiB {g:.2}, DRA {d:.2}; NVIDIA {n:.2}; Alibaba MiB {l:.2}; HAMi {h:.2}; \
              NVIDIA DRA {nd:.2}; floor MiB {fl:.2}; floor GiB {fg:.2}; floor GiB reading {fr:.2}; floor DRA {fd:.2}; \
              ratio {:.2}, {:.2}; Alibaba {:.2}; HAMi {:.2}; NVIDIA DRA {:.2}; MiB to floor {:.2}; GiB to its floor \
              {:.2}; GiB to the reading floor {:.2}; floor GiB to NVIDIA {:.2}; reading floor to NVIDIA {:.2}; DRA to \
-             its floor {:.2}; DRA floor to NVIDIA {:.2}",
+             its floor {:.2}; DRA floor to NVIDIA {:.2}; GiB lean {gl:.2}, to NVIDIA {:.2}",
             d / g,
             n / g,
             l / a,
@@ -317,7 +326,8 @@ fn main() {
             fg / n,
             fr / n,
             d / fd,
-            fd / n
+            fd / n,
+            gl / n
         );
     }
     println!("\nstages per pod, means of {rounds} rounds (ms unless said; NaN: not reported):");
@@ -364,8 +374,10 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
             b.add_node(NODE, &gpus(mib_gpu, "Tesla V100-SXM2-16GB"), ("", "")).unwrap();
             ("gpushare.io/gpu-mem", (mib_gpu * u64::from(GPUS)).to_string(), mib_pod.as_str())
         }
-        System::GpushareGib => {
-            b.add_node(NODE, &gpus(81920, "NVIDIA H100 80GB HBM3"), ("", "[resources]\nunit = \"GiB\"\n")).unwrap();
+        System::GpushareGib | System::GpushareGibLean => {
+            let lean = if system == System::GpushareGibLean { "[kubelet]\nenvironment = \"lean\"\n" } else { "" };
+            let config = format!("[resources]\nunit = \"GiB\"\n{lean}");
+            b.add_node(NODE, &gpus(81920, "NVIDIA H100 80GB HBM3"), ("", &config)).unwrap();
             ("gpushare.io/gpu-mem", (80 * GPUS).to_string(), "1")
         }
         System::GpushareDra => {
@@ -472,7 +484,7 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
     println!("  {system:?}, the API server per pod of the burst: {}", api_line(&api_before, &api_after, pods as f64));
     // gpushared names the pod it served in each container's environment: one that names
     // another pod is a wrong-pod answer.
-    let wrong_pod = if matches!(system, System::GpushareMib | System::GpushareGib) {
+    let wrong_pod = if matches!(system, System::GpushareMib | System::GpushareGib | System::GpushareGibLean) {
         let running = node.runtime.recording().unwrap().running();
         let wrong: Vec<String> = running
             .iter()

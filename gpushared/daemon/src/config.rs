@@ -197,6 +197,9 @@ pub struct KubeletConfig {
     /// The kubelet's PodResources API socket.
     #[serde(default = "default_pod_resources_socket")]
     pub pod_resources_socket: AbsPath,
+    /// Which variables the device plugin's `Allocate` answers carry.
+    #[serde(default)]
+    pub environment: ContainerEnvironment,
 }
 
 impl Default for KubeletConfig {
@@ -205,8 +208,25 @@ impl Default for KubeletConfig {
             device_plugin_dir: default_device_plugin_dir(),
             socket_name: default_socket_name(),
             pod_resources_socket: default_pod_resources_socket(),
+            environment: ContainerEnvironment::default(),
         }
     }
+}
+
+/// `[kubelet] environment`: which variables the device plugin's `Allocate` answers carry. The
+/// kubelet keeps every answer in its device checkpoint and rewrites and hashes the whole file
+/// at each admission, so the answer's size is paid again for every pod already on the node.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ContainerEnvironment {
+    /// Every variable of docs/gpushared.md's table.
+    #[default]
+    Full,
+    /// What places and bounds the container: `NVIDIA_VISIBLE_DEVICES`,
+    /// `CUDA_DEVICE_MEMORY_LIMIT_<i>`, `GPUSHARE_POD`, `GPUSHARE_CONTAINER`, the MPS client's
+    /// variables and, under compatibility `alibaba`, Alibaba's; not the informational
+    /// `GPUSHARE_GPU_*`, `GPUSHARE_MEMORY_*` and `GPUSHARE_UNIT`.
+    Lean,
 }
 
 fn default_pod_resources_socket() -> AbsPath {
@@ -661,6 +681,7 @@ mod tests {
         assert!(c.resources.numa_topology);
         assert!(c.gpus.is_empty());
         assert_eq!(c.kubelet.pod_resources_socket.path(), Path::new("/var/lib/kubelet/pod-resources/kubelet.sock"));
+        assert_eq!(c.kubelet.environment, ContainerEnvironment::Full);
         assert_eq!(c.reconcile.interval_seconds.duration().as_secs(), 60);
         assert_eq!(c.reconcile.grace_seconds.duration().as_secs(), 30);
         assert_eq!(c.health.ignored_xids, vec![13, 31, 43, 45, 68, 109]);
@@ -686,6 +707,7 @@ node_name = "gpu-node-a"
 device_plugin_dir = "/tmp/dp"
 socket_name = "x.sock"
 pod_resources_socket = "/tmp/pr/kubelet.sock"
+environment = "lean"
 [reconcile]
 interval_seconds = 5
 grace_seconds = 2
@@ -732,6 +754,7 @@ numa_node = 1
         assert_eq!(c.resources.whole.as_str(), "example.com/whole-gpu");
         assert_eq!(c.gpus[0].to_gpu().numa_node, Some(1));
         assert_eq!(c.kubelet.pod_resources_socket.path(), Path::new("/tmp/pr/kubelet.sock"));
+        assert_eq!(c.kubelet.environment, ContainerEnvironment::Lean);
         assert_eq!(c.reconcile.interval_seconds.duration().as_secs(), 5);
         assert_eq!(c.health.ignored_xids, vec![13]);
         assert_eq!(c.health.recovery_seconds, 0);
@@ -751,6 +774,7 @@ numa_node = 1
             ("[kubelet]\nsocket_name = \"a/b.sock\"", &["line 2", "plain name such as \"gpushared.sock\""]),
             ("[kubelet]\nsocket_name = \"kubelet.sock\"", &["line 2", "not a usable socket file name"]),
             ("[resources]\nunit = \"KiB\"", &["line 2", "unknown variant `KiB`", "`MiB`"]),
+            ("[kubelet]\nenvironment = \"minimal\"", &["line 2", "unknown variant `minimal`", "`full`", "`lean`"]),
             ("[resources]\ncompatibility = \"nvidia\"", &["line 2", "`gpushare`", "`alibaba`"]),
             ("[resources]\nmemory = \"gpu-mem\"", &["line 2", "no domain prefix"]),
             ("[resources]\nnuma_topology = \"yes\"", &["line 2", "expected a boolean"]),

@@ -43,11 +43,18 @@ async fn cluster_with(gpus: &[u64], extra: &str) -> (Cluster, Daemon) {
 /// The same with the daemon's API answers held back by `lag`: its pod watch lags behind the
 /// kubelet (the test), which admits pods as soon as they are bound.
 async fn cluster_lagging(gpus: &[u64], extra: &str, lag: Option<Duration>) -> (Cluster, Daemon) {
-    cluster_of(gpus, extra, lag, false).await
+    cluster_of(gpus, extra, lag, false, "").await
 }
 
-/// The same, with the kubelet's PodResources served (`listing`) or not.
-async fn cluster_of(gpus: &[u64], extra: &str, lag: Option<Duration>, listing: bool) -> (Cluster, Daemon) {
+/// The same, with the kubelet's PodResources served (`listing`) or not, and `kubelet` (lines)
+/// in the configuration's `[kubelet]` table.
+async fn cluster_of(
+    gpus: &[u64],
+    extra: &str,
+    lag: Option<Duration>,
+    listing: bool,
+    kubelet: &str,
+) -> (Cluster, Daemon) {
     let host = Host::new();
     let api = ApiServer::start().await.unwrap();
     api.create_node(json!({"metadata": {"name": "node-a"}})).unwrap();
@@ -63,7 +70,7 @@ async fn cluster_of(gpus: &[u64], extra: &str, lag: Option<Duration>, listing: b
         }
     };
     let gpus: Vec<(u64, Option<u32>)> = gpus.iter().map(|m| (*m, None)).collect();
-    let config = host.config(&kubeconfig, "", &format!("{}{extra}", static_gpus(&gpus)));
+    let config = host.config_kubelet(&kubeconfig, "", kubelet, &format!("{}{extra}", static_gpus(&gpus)));
     let kubelet = if listing {
         Kubelet::start_with_pod_resources(&host.plugin_dir(), &host.pod_resources_socket()).await.unwrap()
     } else {
@@ -91,6 +98,19 @@ async fn admit(c: &Cluster, sizes: &[usize]) -> Vec<gpushare_testkit::kubelet::A
 
 fn ledger_of(c: &Cluster) -> Ledger {
     Ledger::open(&c.host.ledger()).unwrap().ledger
+}
+
+/// `[kubelet] environment = "lean"`: the kubelet gets answers with only what places and
+/// bounds the container, so each of its checkpoint rewrites carries less.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lean_environment_answers_only_what_places_and_bounds_the_container() {
+    let (c, _daemon) = cluster_of(&[1000, 1000], "", None, false, "environment = \"lean\"").await;
+    bound_pod(&c.api, "lean", &[("main", ContainerRole::App, &[(1, 300)])]);
+    let a = admit(&c, &[300]).await;
+    let names: Vec<&str> = a[0].envs.keys().map(String::as_str).collect();
+    assert_eq!(names, ["CUDA_DEVICE_MEMORY_LIMIT_0", "GPUSHARE_CONTAINER", "GPUSHARE_POD", "NVIDIA_VISIBLE_DEVICES"]);
+    assert_eq!(a[0].envs["NVIDIA_VISIBLE_DEVICES"], "GPU-static-1");
+    assert_eq!(a[0].envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "300m");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -280,7 +300,7 @@ async fn a_pod_watch_lagging_behind_the_kubelet_never_serves_the_wrong_pod() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lagging_watch_reads_the_pod_the_kubelet_names() {
     const LAG: Duration = Duration::from_millis(1500);
-    let (c, daemon) = cluster_of(&[1000, 1000], "", Some(LAG), true).await;
+    let (c, daemon) = cluster_of(&[1000, 1000], "", Some(LAG), true, "").await;
     wait_telling_apart(&c, &daemon).await;
     // y is bound and seen; x, a look-alike on the other GPU, is bound as the kubelet admits it,
     // 1.5 s before the daemon's watch can deliver it. The kubelet names x; the daemon reads x.
@@ -292,7 +312,7 @@ async fn a_lagging_watch_reads_the_pod_the_kubelet_names() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_the_node_authorizer_hides_yet_is_read_from_the_node_list() {
-    let (c, daemon) = cluster_of(&[1000, 1000], "", None, true).await;
+    let (c, daemon) = cluster_of(&[1000, 1000], "", None, true, "").await;
     wait_telling_apart(&c, &daemon).await;
     bound_pod(&c.api, "y", &[("main", ContainerRole::App, &[(0, 200)])]);
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -358,7 +378,7 @@ async fn look_alikes_created_in_one_second_are_served_in_the_order_they_were_bou
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_kubelet_says_which_look_alike_it_admits() {
-    let (c, daemon) = cluster_of(&[1000, 1000], "", None, true).await;
+    let (c, daemon) = cluster_of(&[1000, 1000], "", None, true, "").await;
     // The daemon says on its node that it tells look-alikes apart once the kubelet's
     // PodResources answered it.
     wait_telling_apart(&c, &daemon).await;

@@ -71,6 +71,7 @@ pub struct Allocator {
     compat: Compatibility,
     mps: MpsConfig,
     nodes: DeviceNodesConfig,
+    lean: bool,
     inventory: NodeInventory,
     devices: DeviceMap,
     pods: PodStore,
@@ -125,6 +126,7 @@ impl Allocator {
             compat,
             mps: MpsConfig::default(),
             nodes: DeviceNodesConfig::default(),
+            lean: false,
             inventory,
             devices,
             pods,
@@ -156,6 +158,13 @@ impl Allocator {
     #[must_use]
     pub fn with_device_nodes(mut self, nodes: DeviceNodesConfig) -> Self {
         self.nodes = nodes;
+        self
+    }
+
+    /// The same service answering `Allocate` with the variables `environment` says.
+    #[must_use]
+    pub fn with_environment(mut self, environment: crate::config::ContainerEnvironment) -> Self {
+        self.lean = environment == crate::config::ContainerEnvironment::Lean;
         self
     }
 
@@ -212,6 +221,7 @@ impl Allocator {
             mps: &self.mps,
             nodes: &self.nodes,
             compat: self.compat,
+            lean: self.lean,
         }
     }
 

@@ -102,7 +102,8 @@ pub(super) fn open(config: &Config, notifier: &Notifier) -> anyhow::Result<Node>
             opened.ledger,
         )?
         .with_mps(config.mps.clone())
-        .with_device_nodes(config.device_nodes.clone()),
+        .with_device_nodes(config.device_nodes.clone())
+        .with_environment(config.kubelet.environment),
     );
     tracing::info!(live = alloc.summary().allocations, ledger = %config.ledger.path.path().display(), "ledger restored");
     // The history kept to `[ledger] history_days` and `history_max_rows`: at start, then hourly.

@@ -58,11 +58,16 @@ impl Host {
 
     /// Writes a configuration: the host's paths, then `extra` TOML (which may add sections).
     pub fn config(&self, kubeconfig: &Path, top: &str, extra: &str) -> PathBuf {
+        self.config_kubelet(kubeconfig, top, "", extra)
+    }
+
+    /// [`Host::config`] with `kubelet` (lines) added to its `[kubelet]` table.
+    pub fn config_kubelet(&self, kubeconfig: &Path, top: &str, kubelet: &str, extra: &str) -> PathBuf {
         let path = self.path("gpushared.toml");
         std::fs::write(
             &path,
             format!(
-                "node_name = \"node-a\"\n{top}\n[kubelet]\ndevice_plugin_dir = \"{}\"\npod_resources_socket = \"{}\"\n\
+                "node_name = \"node-a\"\n{top}\n[kubelet]\ndevice_plugin_dir = \"{}\"\npod_resources_socket = \"{}\"\n{kubelet}\n\
                  [ledger]\npath = \"{}\"\n[kubernetes]\nkubeconfig = \"{}\"\n{extra}\n",
                 self.plugin_dir().display(),
                 self.pod_resources_socket().display(),

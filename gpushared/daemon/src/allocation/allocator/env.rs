@@ -63,7 +63,23 @@ pub(super) struct Environment<'a> {
     pub nodes: &'a DeviceNodesConfig,
     /// Whether Alibaba's variables are added.
     pub compat: Compatibility,
+    /// Whether containers get only the variables that place and bound them
+    /// (`[kubelet] environment = "lean"`).
+    pub lean: bool,
 }
+
+/// The variables `[kubelet] environment = "lean"` leaves out of a container's answer: they
+/// describe its GPUs and budget again, and each costs the kubelet its bytes in every
+/// checkpoint rewrite (`NVIDIA_VISIBLE_DEVICES` and `CUDA_DEVICE_MEMORY_LIMIT_<i>` carry the
+/// same GPUs and budget).
+const INFORMATIONAL: [&str; 6] = [
+    "GPUSHARE_GPU_UUIDS",
+    "GPUSHARE_GPU_INDEXES",
+    "GPUSHARE_GPU_TOTAL_MIB",
+    "GPUSHARE_MEMORY_MIB",
+    "GPUSHARE_MEMORY_TOTAL_MIB",
+    "GPUSHARE_UNIT",
+];
 
 impl Environment<'_> {
     /// The answer for `c`, a container of `pod` placed by `assignment`.
@@ -230,6 +246,9 @@ impl Environment<'_> {
             }
             env.insert(alibaba::POD.to_owned(), unit.whole_units(Mib::new(pod_mib)).to_string());
             env.insert(alibaba::CONTAINER.to_owned(), unit.whole_units(Mib::new(container_mib)).to_string());
+        }
+        if self.lean {
+            env.retain(|name, _| !INFORMATIONAL.contains(&name.as_str()));
         }
         env
     }

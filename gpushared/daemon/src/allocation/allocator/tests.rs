@@ -35,6 +35,15 @@ pub(crate) fn fixture(compat: Compatibility) -> Fixture {
 
 /// [`fixture`] naming the device nodes `nodes` says.
 fn fixture_naming(compat: Compatibility, nodes: crate::config::DeviceNodesConfig) -> Fixture {
+    fixture_with(compat, nodes, crate::config::ContainerEnvironment::Full)
+}
+
+/// [`fixture`] naming the device nodes `nodes` says, answering with `environment`.
+fn fixture_with(
+    compat: Compatibility,
+    nodes: crate::config::DeviceNodesConfig,
+    environment: crate::config::ContainerEnvironment,
+) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let ledger = Ledger::open(&dir.path().join("ledger.db")).unwrap().ledger;
     let gpus = (0..3)
@@ -52,7 +61,8 @@ fn fixture_naming(compat: Compatibility, nodes: crate::config::DeviceNodesConfig
     };
     let alloc = Allocator::new("node-a".into(), names.clone(), compat, inventory, pods.clone(), ledger)
         .unwrap()
-        .with_device_nodes(nodes);
+        .with_device_nodes(nodes)
+        .with_environment(environment);
     Fixture { _dir: dir, pods, names, alloc: Arc::new(alloc), in_use: std::cell::RefCell::default() }
 }
 
@@ -311,6 +321,35 @@ fn a_two_gpu_container_gets_devices_and_memory_on_both() {
     assert_eq!(answer.envs["GPUSHARE_MEMORY_MIB"], "300");
     assert_eq!(answer.envs["GPUSHARE_MEMORY_TOTAL_MIB"], "600");
     assert_eq!(f.alloc.live().unwrap().len(), 2);
+}
+
+#[test]
+fn a_lean_answer_places_and_bounds_the_container_and_nothing_else() {
+    let lean = crate::config::ContainerEnvironment::Lean;
+    let f = fixture_with(Compatibility::Gpushare, crate::config::DeviceNodesConfig::default(), lean);
+    pod(&f, "u1", "2026-01-01T00:00:00Z", &[("train", ContainerRole::App, &[(0, 300), (2, 300)])]);
+    let ids = f.alloc.preferred(all_devices(&f).iter().map(String::as_str), &[], 600).unwrap();
+    let answer = f.alloc.allocate(&ids).unwrap();
+    let expected: BTreeMap<String, String> = [
+        ("NVIDIA_VISIBLE_DEVICES", "GPU-0,GPU-2"),
+        ("CUDA_DEVICE_MEMORY_LIMIT_0", "300m"),
+        ("CUDA_DEVICE_MEMORY_LIMIT_1", "300m"),
+        ("GPUSHARE_POD", "default/pod-u1"),
+        ("GPUSHARE_CONTAINER", "train"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect();
+    assert_eq!(answer.envs, expected);
+    // A repeated Allocate (rebuilt from the ledger's rows) is answered alike.
+    assert_eq!(f.alloc.allocate(&ids).unwrap(), answer);
+
+    // Under Alibaba's compatibility its variables stay: images read them.
+    let f = fixture_with(Compatibility::Alibaba, crate::config::DeviceNodesConfig::default(), lean);
+    pod(&f, "u2", "2026-01-01T00:00:00Z", &[("main", ContainerRole::App, &[(1, 200)])]);
+    let answer = admit(&f, 200).unwrap();
+    assert_eq!(answer.envs[alibaba::CONTAINER], "200");
+    assert!(!answer.envs.contains_key("GPUSHARE_MEMORY_MIB"), "{:?}", answer.envs);
 }
 
 #[test]
