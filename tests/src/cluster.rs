@@ -416,11 +416,17 @@ impl Cluster {
         wait_for(&mut apiserver, Duration::from_secs(20), "the API server", || kubeconfig.is_file())?;
         let (client, api_url) = client_from_kubeconfig(&kubeconfig)?;
         let (lag, daemon_kubeconfig) = match options.daemon_api_lag {
-            Some(delay) => lagging(&dir, "kubeconfig-lagging", &kubeconfig, &api_url, delay).await?,
+            Some(delay) => {
+                let (lag, path) = lagging(&dir, "kubeconfig-lagging", &kubeconfig, &api_url, delay).await?;
+                (Some(lag), path)
+            }
             None => (None, kubeconfig.clone()),
         };
         let (deciders_lag, deciders_kubeconfig) = match options.deciders_api_lag {
-            Some(delay) => lagging(&dir, "kubeconfig-deciders-lagging", &kubeconfig, &api_url, delay).await?,
+            Some(delay) => {
+                let (lag, path) = lagging(&dir, "kubeconfig-deciders-lagging", &kubeconfig, &api_url, delay).await?;
+                (Some(lag), path)
+            }
             None => (None, kubeconfig.clone()),
         };
 
@@ -1086,7 +1092,7 @@ async fn lagging(
     kubeconfig: &Path,
     api_url: &str,
     delay: Duration,
-) -> anyhow::Result<(Option<crate::lag::Lag>, PathBuf)> {
+) -> anyhow::Result<(crate::lag::Lag, PathBuf)> {
     let upstream: SocketAddr = api_url
         .trim_start_matches("http://")
         .parse()
@@ -1095,15 +1101,16 @@ async fn lagging(
     let lagging = dir.join(name);
     let text = std::fs::read_to_string(kubeconfig)?;
     std::fs::write(&lagging, text.replace(&format!("server: {api_url}"), &format!("server: {}", lag.url())))?;
-    Ok((Some(lag), lagging))
+    Ok((lag, lagging))
 }
 
 /// The file the scheduler stand-in keeps its view's node versions in, in the box's directory.
-const SCHEDULER_NODES_FILE: &str = "scheduler-nodes";
+pub const SCHEDULER_NODES_FILE: &str = "scheduler-nodes";
 
 /// The node versions the scheduler stand-in last wrote to `path` (`gpushare-box scheduler
 /// --nodes-file`): none while it has not listed the nodes yet.
-fn scheduler_node_versions(path: &Path) -> BTreeMap<String, String> {
+#[must_use]
+pub fn scheduler_node_versions(path: &Path) -> BTreeMap<String, String> {
     std::fs::read_to_string(path)
         .unwrap_or_default()
         .lines()
@@ -1114,7 +1121,8 @@ fn scheduler_node_versions(path: &Path) -> BTreeMap<String, String> {
 
 /// Whether a view holding an object at version `held` has caught up with version `listed`.
 /// The box's API server counts versions up from one, so the later version is the larger.
-fn caught_up(held: Option<&str>, listed: Option<&str>) -> bool {
+#[must_use]
+pub fn caught_up(held: Option<&str>, listed: Option<&str>) -> bool {
     let version = |v: Option<&str>| v.and_then(|v| v.parse::<u64>().ok());
     matches!((version(held), version(listed)), (Some(h), Some(l)) if h >= l)
 }
