@@ -44,6 +44,10 @@
 //! NVIDIA's DRA driver (its source given the same way): its GPU kubelet plugin with consumable
 //! shares of memory on the same 8 × 80 GiB as gpushare's DRA row, each pod with a claim of
 //! 1024 MiB of its `gpu.nvidia.com` class; its figures are given as ratios to gpushare's DRA row.
+//! `GPUSHARE_BENCH_PIN=CONTROL/NODE` (CPU lists, e.g. `0/1`) runs each burst with the control
+//! plane (etcd, kube-apiserver, kube-scheduler, the extender) on the CPUs `CONTROL` and the node
+//! (the kubelet, the device plugin, the recording runtime in this process) on `NODE`: on one
+//! machine, the split of a cluster whose control plane runs apart from its GPU nodes.
 //! Needs root and Go, as the real-cluster tests do. `GPUSHARE_BOX_DIR` keeps each box's logs
 //! and state, in `<dir>/<system>-<round>`. `GPUSHARE_BENCH_SYSTEMS` (e.g. `gib,dra`) runs only
 //! the systems named (`mib`, `gib`, `gib-lean`, `dra`, `nvidia`, `alibaba`, `hami`, `nvidia-dra`,
@@ -192,6 +196,39 @@ fn cpu_now(b: &RealCluster) -> [Duration; CPU_PARTS.len()] {
         of(Some(&node.daemon)),
         gpushare_testkit::cpu::own(std::process::id()),
     ]
+}
+
+/// With `GPUSHARE_BENCH_PIN=CONTROL/NODE` (CPU lists, e.g. `0/1`), pins box `b`'s control
+/// plane (etcd, kube-apiserver, kube-scheduler, the extender) to the CPUs `CONTROL` and its
+/// node (the kubelet, the device plugin, and this process, which hosts the recording runtime)
+/// to `NODE`, as a cluster whose control plane runs on other machines than its GPU nodes does.
+/// Returns the CPUs this process ran on before, to give back after the burst.
+fn pin_split(b: &RealCluster) -> Option<String> {
+    use gpushare_testkit::cluster::Proc;
+    use gpushare_testkit::cpu::pin;
+    let split = std::env::var("GPUSHARE_BENCH_PIN").ok().filter(|s| !s.is_empty())?;
+    let Some((control, node_cpus)) = split.split_once('/') else {
+        panic!("GPUSHARE_BENCH_PIN={split}: write the control plane's CPUs, a slash, the node's (e.g. 0/1)")
+    };
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let before = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_owned();
+    let node = b.node(NODE).unwrap();
+    let pid = |p: Option<&Proc>, what: &str| p.and_then(Proc::pid).unwrap_or_else(|| panic!("no {what} to pin"));
+    for (p, what) in [
+        (Some(&b.plane.etcd), "etcd"),
+        (Some(&b.plane.apiserver), "kube-apiserver"),
+        (b.plane.scheduler.as_ref(), "kube-scheduler"),
+        (Some(&b.extender), "extender"),
+    ] {
+        pin(pid(p, what), control).unwrap();
+    }
+    pin(pid(Some(&node.kubelet.proc), "kubelet"), node_cpus).unwrap();
+    pin(pid(Some(&node.daemon), "device plugin"), node_cpus).unwrap();
+    pin(std::process::id(), node_cpus).unwrap();
+    println!(
+        "  pinned: the control plane to CPUs {control}, the node (kubelet, device plugin, runtime) to {node_cpus}"
+    );
+    Some(before)
 }
 
 /// Where a round's time went, from the components' own metrics and logs, per pod of the burst
@@ -464,6 +501,7 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
     let list = json!({"apiVersion": "v1", "kind": "List", "metadata": {"name": "bench"}, "items": items});
     let node = b.node(NODE).unwrap();
     let api_before = b.plane.kubectl(&["get", "--raw", "/metrics"]).unwrap_or_default();
+    let unpin = pin_split(&b);
     let cpu_before = cpu_now(&b);
     let started = Instant::now();
     b.plane.create(&list).unwrap();
@@ -478,6 +516,9 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
     }
     let elapsed = started.elapsed().as_secs_f64();
     let cpu_after = cpu_now(&b);
+    if let Some(all) = unpin {
+        gpushare_testkit::cpu::pin(std::process::id(), &all).unwrap();
+    }
     let cpu_ms =
         std::array::from_fn(|i| cpu_after[i].saturating_sub(cpu_before[i]).as_secs_f64() * 1000.0 / pods as f64);
     let api_after = b.plane.kubectl(&["get", "--raw", "/metrics"]).unwrap_or_default();
