@@ -1121,8 +1121,7 @@ pub fn scheduler_node_versions(path: &Path) -> BTreeMap<String, String> {
 
 /// Whether a view holding an object at version `held` has caught up with version `listed`.
 /// The box's API server counts versions up from one, so the later version is the larger.
-#[must_use]
-pub fn caught_up(held: Option<&str>, listed: Option<&str>) -> bool {
+fn caught_up(held: Option<&str>, listed: Option<&str>) -> bool {
     let version = |v: Option<&str>| v.and_then(|v| v.parse::<u64>().ok());
     matches!((version(held), version(listed)), (Some(h), Some(l)) if h >= l)
 }
