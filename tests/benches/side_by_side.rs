@@ -210,8 +210,7 @@ fn pin_split(b: &RealCluster) -> Option<String> {
     let Some((control, node_cpus)) = split.split_once('/') else {
         panic!("GPUSHARE_BENCH_PIN={split}: write the control plane's CPUs, a slash, the node's (e.g. 0/1)")
     };
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let before = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_owned();
+    let before = gpushare_testkit::cpu::allowed(std::process::id()).unwrap();
     let node = b.node(NODE).unwrap();
     let pid = |p: Option<&Proc>, what: &str| p.and_then(Proc::pid).unwrap_or_else(|| panic!("no {what} to pin"));
     for (p, what) in [

@@ -45,6 +45,14 @@ pub fn own(pid: u32) -> Duration {
     Duration::from_millis(ticks.saturating_mul(1000) / clock_ticks())
 }
 
+/// The CPUs process `pid` may run on (`Cpus_allowed_list` in its `/proc` status, a `taskset`
+/// list such as `0-1`); `None` if it is gone.
+#[must_use]
+pub fn allowed(pid: u32) -> Option<String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).map(|l| l.trim().to_owned())
+}
+
 /// Restricts process `pid` and every thread it has to the CPUs `cpus` (a `taskset` list such
 /// as `1` or `0-1`); threads it starts later inherit the restriction. The side-by-side bench
 /// uses it to keep a node's components off the control plane's CPU.
@@ -121,19 +129,16 @@ mod tests {
 
     #[test]
     fn a_pinned_process_runs_only_on_its_cpus_and_a_missing_one_is_an_error() {
-        let allowed = |pid: u32| {
-            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-            status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_owned()
-        };
         let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
-        let first = allowed(child.id()).split([',', '-']).next().unwrap().to_owned();
+        let first = allowed(child.id()).unwrap().split([',', '-']).next().unwrap().to_owned();
         let pinned = pin(child.id(), &first);
-        let now = allowed(child.id());
+        let now = allowed(child.id()).unwrap();
         let _ = child.kill();
         let _ = child.wait();
         pinned.unwrap();
         assert_eq!(now, first);
         let e = pin(u32::MAX, &first).unwrap_err();
         assert!(e.contains("could not pin process"), "{e}");
+        assert_eq!(allowed(u32::MAX), None);
     }
 }
