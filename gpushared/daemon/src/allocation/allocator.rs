@@ -21,7 +21,7 @@ use gpushare_core::devices::DeviceMap;
 use gpushare_core::{ContainerRole, Health, NodeInventory, ResourceNames};
 use tokio::sync::watch;
 
-use crate::allocation::ledger::{ClaimRow, HistoryReader, Ledger, LedgerError, NewRow, Row, request_key};
+use crate::allocation::ledger::{ClaimRow, HistoryReader, Ledger, LedgerError, NewRow, Row, key_hash, request_key};
 use crate::allocation::pods::PodStore;
 use crate::config::{Compatibility, DeviceNodesConfig, MpsConfig};
 
@@ -43,7 +43,7 @@ pub use claims::{ClaimError, ClaimRef, ClaimShare, PreparedShare};
 pub use env::{Answer, Mount};
 pub use error::AllocError;
 pub use gpus::Summary;
-use resolve::{Candidate, Held, Scope, key_hash};
+use resolve::{Candidate, Held, Scope};
 pub use resolve::{Care, KubeletListing, KubeletSays};
 
 #[derive(Debug)]

@@ -131,6 +131,16 @@ pub fn request_key(device_ids: &[String]) -> String {
     device_set_key(device_ids)
 }
 
+/// A hash of a device-set key ([`request_key`]), for the checks made in memory before the
+/// ledger is read.
+#[must_use]
+pub fn key_hash(key: &str) -> u64 {
+    use std::hash::{Hash as _, Hasher as _};
+    let mut h = std::hash::DefaultHasher::new();
+    key.hash(&mut h);
+    h.finish()
+}
+
 /// The result of opening a ledger.
 #[derive(Debug)]
 pub struct Opened {

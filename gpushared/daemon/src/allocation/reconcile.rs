@@ -24,13 +24,18 @@
 //! container it names, when that pod is known (its UID comes from the pods bound to this node)
 //! and has not finished (the kubelet lists a finished pod until it is removed; its memory is
 //! back in the pool); a set still recorded for another container waits for the next round.
+//!
+//! Most rounds, those that follow allocations in a burst above all, find nothing to repair.
+//! [`agrees`] proves that from the allocator's in-memory mirror of the live rows, without
+//! reading the ledger; only a round it cannot prove quiet makes the whole [`plan`].
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use gpushare_core::ContainerRole;
 use gpushare_core::codec::node::PodRef;
 
-use crate::allocation::ledger::{Row, request_key};
+use crate::allocation::ledger::{Row, key_hash, request_key};
 
 /// One container's devices of this daemon's resource, as the kubelet reports them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -224,6 +229,84 @@ pub fn plan(
     Plan { repairs, recheck_at_ms }
 }
 
+/// A live row as the allocator keeps it in memory, for [`agrees`].
+#[derive(Clone, Copy, Debug)]
+pub struct Kept<'a> {
+    /// Ledger row id.
+    pub id: i64,
+    /// The pod.
+    pub pod: &'a PodRef,
+    /// The container.
+    pub container: &'a str,
+    /// [`key_hash`] of the row's device-set key.
+    pub key_hash: u64,
+    /// Unix milliseconds.
+    pub allocated_at: i64,
+}
+
+/// Whether the kubelet's answer agrees with the live rows so plainly that [`plan`] would repair
+/// nothing, told from the rows' device-set hashes alone: every set the kubelet holds is the set
+/// of exactly one container's rows, for the same pod name and container, and every other
+/// container's rows are in their grace period with a set the kubelet holds for no one. Then it
+/// returns `Some` with when the first of those rows leaves its grace period (reconciling again
+/// then, the whole [`plan`] decides). `None` when it cannot tell: make the whole [`plan`].
+///
+/// Sets are compared by their 64-bit hash; two different sets of the same container sharing one
+/// would leave a repair to a later round that this function cannot prove quiet (the periodic
+/// one, when nothing else changes).
+#[must_use]
+pub fn agrees<'a>(
+    rows: impl IntoIterator<Item = Kept<'a>>,
+    kubelet: &KubeletView,
+    now_ms: i64,
+    grace_ms: i64,
+) -> Option<Option<i64>> {
+    // Each holding by container: its set's hash, and whether a row group matched it.
+    let mut holdings: HashMap<(&str, &str, &str), (u64, bool)> = HashMap::with_capacity(kubelet.holdings.len());
+    let mut sets: HashSet<u64> = HashSet::with_capacity(kubelet.holdings.len());
+    for h in &kubelet.holdings {
+        let hash = key_hash(&request_key(&h.device_ids));
+        let fresh = holdings.insert((&h.namespace, &h.name, &h.container), (hash, false)).is_none();
+        if !sets.insert(hash) || !fresh {
+            return None;
+        }
+    }
+    // The rows by container; the first row (the lowest id) speaks for the group, as in `plan`.
+    let mut groups: HashMap<(&str, &str), Kept<'a>> = HashMap::new();
+    for r in rows {
+        match groups.entry((r.pod.uid.as_str(), r.container)) {
+            Entry::Occupied(mut e) => {
+                if e.get().key_hash != r.key_hash {
+                    return None;
+                }
+                if r.id < e.get().id {
+                    e.insert(r);
+                }
+            }
+            Entry::Vacant(e) => {
+                e.insert(r);
+            }
+        }
+    }
+    let mut recheck_at_ms: Option<i64> = None;
+    for g in groups.values() {
+        match holdings.get_mut(&(g.pod.namespace.as_str(), g.pod.name.as_str(), g.container)) {
+            Some((hash, matched)) if *hash == g.key_hash => {
+                if std::mem::replace(matched, true) {
+                    return None;
+                }
+            }
+            _ if sets.contains(&g.key_hash) => return None,
+            _ if now_ms.saturating_sub(g.allocated_at) < grace_ms => {
+                let ends = g.allocated_at.saturating_add(grace_ms);
+                recheck_at_ms = Some(recheck_at_ms.map_or(ends, |at| at.min(ends)));
+            }
+            _ => return None,
+        }
+    }
+    holdings.values().all(|(_, matched)| *matched).then_some(recheck_at_ms)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -385,5 +468,119 @@ mod tests {
         assert!(
             matches!(&repairs[1], Repair::Adopt { pod, container, .. } if pod.name == "b" && container == "worker")
         );
+    }
+
+    fn kept(live: &[Row]) -> Vec<Kept<'_>> {
+        live.iter()
+            .map(|r| Kept {
+                id: r.id,
+                pod: &r.pod,
+                container: &r.container,
+                key_hash: key_hash(&r.request_key),
+                allocated_at: r.allocated_at,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn agreement_is_proven_without_the_plan() {
+        let live = [
+            row(1, "a", "main", ContainerRole::App, &["x1", "x2"], OLD),
+            row(2, "a", "main", ContainerRole::App, &["x1", "x2"], OLD),
+            row(3, "b", "main", ContainerRole::App, &["x3"], OLD),
+        ];
+        let k = kubelet(&["a", "b"], vec![holding("a", "main", &["x2", "x1"]), holding("b", "main", &["x3"])]);
+        assert_eq!(agrees(kept(&live), &k, NOW, GRACE), Some(None));
+    }
+
+    #[test]
+    fn a_young_row_the_kubelet_does_not_list_yet_is_looked_at_again_when_its_grace_ends() {
+        let live = [
+            row(1, "a", "main", ContainerRole::App, &["x1"], OLD),
+            row(2, "b", "main", ContainerRole::App, &["x2"], NOW - 1_000),
+        ];
+        let k = kubelet(&["a"], vec![holding("a", "main", &["x1"])]);
+        assert_eq!(agrees(kept(&live), &k, NOW, GRACE), Some(Some(NOW - 1_000 + GRACE)));
+    }
+
+    #[test]
+    fn what_may_need_a_repair_is_left_to_the_plan() {
+        let cases: [(Vec<Row>, KubeletView); 6] = [
+            // Another pod holds the young row's set.
+            (
+                vec![row(1, "a", "main", ContainerRole::App, &["x1"], NOW)],
+                kubelet(&["b"], vec![holding("b", "main", &["x1"])]),
+            ),
+            // The kubelet holds a set the ledger lacks.
+            (vec![], kubelet(&["a"], vec![holding("a", "main", &["x1"])])),
+            // An old row the kubelet does not hold.
+            (vec![row(1, "a", "main", ContainerRole::App, &["x1"], OLD)], kubelet(&["a"], vec![])),
+            // The kubelet holds another set for the container.
+            (
+                vec![row(1, "a", "main", ContainerRole::App, &["x1"], OLD)],
+                kubelet(&["a"], vec![holding("a", "main", &["x2"])]),
+            ),
+            // Two containers' rows hold one set (an init container's, handed on).
+            (
+                vec![
+                    row(1, "a", "init", ContainerRole::Init, &["x1"], OLD),
+                    row(2, "a", "main", ContainerRole::App, &["x1"], OLD),
+                ],
+                kubelet(&["a"], vec![holding("a", "main", &["x1"])]),
+            ),
+            // One container's rows with two sets.
+            (
+                vec![
+                    row(1, "a", "main", ContainerRole::App, &["x1"], OLD),
+                    row(2, "a", "main", ContainerRole::App, &["x2"], OLD),
+                ],
+                kubelet(&["a"], vec![holding("a", "main", &["x1"])]),
+            ),
+        ];
+        for (live, k) in &cases {
+            assert_eq!(agrees(kept(live), k, NOW, GRACE), None, "{live:?} {k:?}");
+        }
+    }
+
+    proptest::proptest! {
+        /// Whenever the shortcut says the kubelet agrees, the whole plan repairs nothing, and
+        /// it looks again no later than the plan would.
+        #[test]
+        fn the_shortcut_never_skips_a_repair(
+            rows in proptest::collection::vec((0usize..4, 0usize..3, 0usize..5, 0usize..3, proptest::bool::ANY), 0..8),
+            listed in proptest::collection::vec((0usize..4, 0usize..3, 0usize..5), 0..8),
+            copy in proptest::collection::vec(proptest::bool::ANY, 8),
+            running in proptest::bool::ANY,
+        ) {
+            const PODS: [&str; 4] = ["a", "b", "done", "stranger"];
+            const CONTAINERS: [&str; 3] = ["main", "side", "init"];
+            const SETS: [&[&str]; 5] = [&["x1"], &["x2"], &["x1", "x2"], &["x3", "x4"], &["x5"]];
+            const ROLES: [ContainerRole; 3] = [ContainerRole::App, ContainerRole::Sidecar, ContainerRole::Init];
+            let live: Vec<Row> = rows
+                .iter()
+                .enumerate()
+                .map(|(i, &(p, c, set, role, young))| {
+                    let at = if young { NOW - 1_000 - i64::try_from(i).unwrap() } else { OLD };
+                    row(i64::try_from(i).unwrap() + 1, PODS[p], CONTAINERS[c], ROLES[role], SETS[set], at)
+                })
+                .collect();
+            // Mostly what the ledger holds, so that agreement is common; then anything.
+            let mut holdings: Vec<Holding> = live
+                .iter()
+                .zip(&copy)
+                .filter(|(_, copied)| **copied)
+                .map(|(r, _)| holding(&r.pod.name, &r.container, &r.device_ids.iter().map(String::as_str).collect::<Vec<_>>()))
+                .collect();
+            holdings.extend(listed.iter().map(|&(p, c, set)| holding(PODS[p], CONTAINERS[c], SETS[set])));
+            let names: Vec<&str> = holdings.iter().map(|h| h.name.as_str()).chain(["a"]).collect();
+            let k = kubelet(&names, holdings.clone());
+            let whole = plan(&live, &k, known, |_| running, NOW, GRACE);
+            if let Some(recheck) = agrees(kept(&live), &k, NOW, GRACE) {
+                proptest::prop_assert_eq!(&whole.repairs, &vec![]);
+                if let Some(at) = whole.recheck_at_ms {
+                    proptest::prop_assert!(recheck.is_some_and(|r| r <= at));
+                }
+            }
+        }
     }
 }

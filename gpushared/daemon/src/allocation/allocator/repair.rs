@@ -12,19 +12,36 @@ use super::resolve::Held;
 use super::room::check_room;
 use super::{AllocError, Allocator, State};
 use crate::allocation::ledger::{EventKind, NewRow};
-use crate::allocation::reconcile::{KnownPod, KubeletView, Plan, Repair};
+use crate::allocation::reconcile::{Kept, KnownPod, KubeletView, Plan, Repair};
 
 impl Allocator {
     /// Makes the ledger agree with the kubelet's PodResources answer (see [`crate::allocation::reconcile`]);
     /// rows younger than `grace_ms` are not released. Call it only once the pod store has
     /// synced ([`crate::allocation::pods::PodStore::is_synced`]): a pod missing from it must mean the pod is gone. Every repair is logged and recorded in
     /// the history. Returns the repairs made, and when a row kept only by its grace period
-    /// leaves it ([`Plan::recheck_at_ms`]).
+    /// leaves it ([`Plan::recheck_at_ms`]). A round the rows in memory prove quiet
+    /// ([`crate::allocation::reconcile::agrees`]) reads nothing from the ledger.
     ///
     /// # Errors
     /// [`AllocError::Ledger`] if the ledger cannot be read or written; repairs before the
     /// failure are kept.
     pub fn reconcile(&self, kubelet: &KubeletView, grace_ms: i64) -> Result<(Vec<Repair>, Option<i64>), AllocError> {
+        let now_ms = crate::allocation::ledger::now_ms();
+        {
+            // Most rounds find nothing to repair: proven from the rows in memory, the ledger
+            // is not read.
+            let state = self.lock();
+            let kept = state.held.iter().map(|h| Kept {
+                id: h.id,
+                pod: &h.pod,
+                container: &h.container,
+                key_hash: h.key_hash,
+                allocated_at: h.allocated_at,
+            });
+            if let Some(recheck_at_ms) = crate::allocation::reconcile::agrees(kept, kubelet, now_ms, grace_ms) {
+                return Ok((Vec::new(), recheck_at_ms));
+            }
+        }
         let pods = self.pods.snapshot();
         let known = |ns: &str, name: &str, container: &str| {
             let p = pods
@@ -48,14 +65,8 @@ impl Allocator {
         };
         let mut state = self.lock();
         let live = state.ledger.live()?;
-        let Plan { repairs, recheck_at_ms } = crate::allocation::reconcile::plan(
-            &live,
-            kubelet,
-            known,
-            running,
-            crate::allocation::ledger::now_ms(),
-            grace_ms,
-        );
+        let Plan { repairs, recheck_at_ms } =
+            crate::allocation::reconcile::plan(&live, kubelet, known, running, now_ms, grace_ms);
         let mut done = Vec::with_capacity(repairs.len());
         for repair in repairs {
             match &repair {

@@ -27,7 +27,7 @@ use gpushare_core::{ContainerRole, GpuUuid, MemoryUnit, Mib, PodRequest, Resourc
 
 use super::AllocError;
 use super::admission::{Admissions, Owner};
-use crate::allocation::ledger::Row;
+use crate::allocation::ledger::{Row, key_hash};
 use crate::allocation::pods::{PodView, StoredPod};
 
 /// A live ledger row, as the allocator keeps it in memory (the ledger is the durable truth;
@@ -73,14 +73,6 @@ impl From<&Row> for Held {
             allocated_at: r.allocated_at,
         }
     }
-}
-
-/// A hash of a device-set key, for the in-memory check before the ledger is asked.
-pub(super) fn key_hash(key: &str) -> u64 {
-    use std::hash::{Hash as _, Hasher as _};
-    let mut h = std::hash::DefaultHasher::new();
-    key.hash(&mut h);
-    h.finish()
 }
 
 /// A container waiting for its devices.
