@@ -244,12 +244,43 @@ pub struct Kept<'a> {
     pub allocated_at: i64,
 }
 
+/// The device sets the kubelet holds, hashed for [`agrees`]: made before the allocator's lock
+/// is taken, so that the kubelet's calls do not wait while every set is keyed and hashed.
+#[derive(Debug)]
+pub struct HeldSets<'k> {
+    /// Each holding's set hash, by namespace, pod name and container.
+    by_container: HashMap<(&'k str, &'k str, &'k str), u64>,
+    /// Every hash.
+    sets: HashSet<u64>,
+    /// Two holdings share a set or a container: only the whole [`plan`] can tell what that means.
+    unclear: bool,
+}
+
+impl<'k> HeldSets<'k> {
+    /// The sets `kubelet` holds.
+    #[must_use]
+    pub fn of(kubelet: &'k KubeletView) -> Self {
+        let mut held = HeldSets {
+            by_container: HashMap::with_capacity(kubelet.holdings.len()),
+            sets: HashSet::with_capacity(kubelet.holdings.len()),
+            unclear: false,
+        };
+        for h in &kubelet.holdings {
+            let hash = key_hash(&request_key(&h.device_ids));
+            let fresh = held.by_container.insert((&h.namespace, &h.name, &h.container), hash).is_none();
+            held.unclear |= !held.sets.insert(hash) || !fresh;
+        }
+        held
+    }
+}
+
 /// Whether the kubelet's answer agrees with the live rows so plainly that [`plan`] would repair
-/// nothing, told from the rows' device-set hashes alone: every set the kubelet holds is the set
-/// of exactly one container's rows, for the same pod name and container, and every other
-/// container's rows are in their grace period with a set the kubelet holds for no one. Then it
-/// returns `Some` with when the first of those rows leaves its grace period (reconciling again
-/// then, the whole [`plan`] decides). `None` when it cannot tell: make the whole [`plan`].
+/// nothing, told from the rows' device-set hashes alone: every set the kubelet holds
+/// ([`HeldSets`]) is the set of exactly one container's rows, for the same pod name and
+/// container, and every other container's rows are in their grace period with a set the kubelet
+/// holds for no one. Then it returns `Some` with when the first of those rows leaves its grace
+/// period (reconciling again then, the whole [`plan`] decides). `None` when it cannot tell: make
+/// the whole [`plan`].
 ///
 /// Sets are compared by their 64-bit hash; two different sets of the same container sharing one
 /// would leave a repair to a later round that this function cannot prove quiet (the periodic
@@ -257,19 +288,12 @@ pub struct Kept<'a> {
 #[must_use]
 pub fn agrees<'a>(
     rows: impl IntoIterator<Item = Kept<'a>>,
-    kubelet: &KubeletView,
+    held: &HeldSets<'_>,
     now_ms: i64,
     grace_ms: i64,
 ) -> Option<Option<i64>> {
-    // Each holding by container: its set's hash, and whether a row group matched it.
-    let mut holdings: HashMap<(&str, &str, &str), (u64, bool)> = HashMap::with_capacity(kubelet.holdings.len());
-    let mut sets: HashSet<u64> = HashSet::with_capacity(kubelet.holdings.len());
-    for h in &kubelet.holdings {
-        let hash = key_hash(&request_key(&h.device_ids));
-        let fresh = holdings.insert((&h.namespace, &h.name, &h.container), (hash, false)).is_none();
-        if !sets.insert(hash) || !fresh {
-            return None;
-        }
+    if held.unclear {
+        return None;
     }
     // The rows by container; the first row (the lowest id) speaks for the group, as in `plan`.
     let mut groups: HashMap<(&str, &str), Kept<'a>> = HashMap::new();
@@ -288,15 +312,18 @@ pub fn agrees<'a>(
             }
         }
     }
+    // The holdings a row group matched, each at most once.
+    let mut matched: HashSet<(&str, &str, &str)> = HashSet::with_capacity(held.by_container.len());
     let mut recheck_at_ms: Option<i64> = None;
     for g in groups.values() {
-        match holdings.get_mut(&(g.pod.namespace.as_str(), g.pod.name.as_str(), g.container)) {
-            Some((hash, matched)) if *hash == g.key_hash => {
-                if std::mem::replace(matched, true) {
+        let container = (g.pod.namespace.as_str(), g.pod.name.as_str(), g.container);
+        match held.by_container.get(&container) {
+            Some(hash) if *hash == g.key_hash => {
+                if !matched.insert(container) {
                     return None;
                 }
             }
-            _ if sets.contains(&g.key_hash) => return None,
+            _ if held.sets.contains(&g.key_hash) => return None,
             _ if now_ms.saturating_sub(g.allocated_at) < grace_ms => {
                 let ends = g.allocated_at.saturating_add(grace_ms);
                 recheck_at_ms = Some(recheck_at_ms.map_or(ends, |at| at.min(ends)));
@@ -304,7 +331,7 @@ pub fn agrees<'a>(
             _ => return None,
         }
     }
-    holdings.values().all(|(_, matched)| *matched).then_some(recheck_at_ms)
+    (matched.len() == held.by_container.len()).then_some(recheck_at_ms)
 }
 
 #[cfg(test)]
@@ -490,7 +517,7 @@ mod tests {
             row(3, "b", "main", ContainerRole::App, &["x3"], OLD),
         ];
         let k = kubelet(&["a", "b"], vec![holding("a", "main", &["x2", "x1"]), holding("b", "main", &["x3"])]);
-        assert_eq!(agrees(kept(&live), &k, NOW, GRACE), Some(None));
+        assert_eq!(agrees(kept(&live), &HeldSets::of(&k), NOW, GRACE), Some(None));
     }
 
     #[test]
@@ -500,7 +527,7 @@ mod tests {
             row(2, "b", "main", ContainerRole::App, &["x2"], NOW - 1_000),
         ];
         let k = kubelet(&["a"], vec![holding("a", "main", &["x1"])]);
-        assert_eq!(agrees(kept(&live), &k, NOW, GRACE), Some(Some(NOW - 1_000 + GRACE)));
+        assert_eq!(agrees(kept(&live), &HeldSets::of(&k), NOW, GRACE), Some(Some(NOW - 1_000 + GRACE)));
     }
 
     #[test]
@@ -538,7 +565,7 @@ mod tests {
             ),
         ];
         for (live, k) in &cases {
-            assert_eq!(agrees(kept(live), k, NOW, GRACE), None, "{live:?} {k:?}");
+            assert_eq!(agrees(kept(live), &HeldSets::of(k), NOW, GRACE), None, "{live:?} {k:?}");
         }
     }
 
@@ -575,7 +602,7 @@ mod tests {
             let names: Vec<&str> = holdings.iter().map(|h| h.name.as_str()).chain(["a"]).collect();
             let k = kubelet(&names, holdings.clone());
             let whole = plan(&live, &k, known, |_| running, NOW, GRACE);
-            if let Some(recheck) = agrees(kept(&live), &k, NOW, GRACE) {
+            if let Some(recheck) = agrees(kept(&live), &HeldSets::of(&k), NOW, GRACE) {
                 proptest::prop_assert_eq!(&whole.repairs, &vec![]);
                 if let Some(at) = whole.recheck_at_ms {
                     proptest::prop_assert!(recheck.is_some_and(|r| r <= at));

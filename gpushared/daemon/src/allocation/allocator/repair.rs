@@ -12,7 +12,7 @@ use super::resolve::Held;
 use super::room::check_room;
 use super::{AllocError, Allocator, State};
 use crate::allocation::ledger::{EventKind, NewRow};
-use crate::allocation::reconcile::{Kept, KnownPod, KubeletView, Plan, Repair};
+use crate::allocation::reconcile::{HeldSets, Kept, KnownPod, KubeletView, Plan, Repair};
 
 impl Allocator {
     /// Makes the ledger agree with the kubelet's PodResources answer (see [`crate::allocation::reconcile`]);
@@ -29,7 +29,8 @@ impl Allocator {
         let now_ms = crate::allocation::ledger::now_ms();
         {
             // Most rounds find nothing to repair: proven from the rows in memory, the ledger
-            // is not read.
+            // is not read. The kubelet's sets are hashed before the lock is taken.
+            let sets = HeldSets::of(kubelet);
             let state = self.lock();
             let kept = state.held.iter().map(|h| Kept {
                 id: h.id,
@@ -38,7 +39,7 @@ impl Allocator {
                 key_hash: h.key_hash,
                 allocated_at: h.allocated_at,
             });
-            if let Some(recheck_at_ms) = crate::allocation::reconcile::agrees(kept, kubelet, now_ms, grace_ms) {
+            if let Some(recheck_at_ms) = crate::allocation::reconcile::agrees(kept, &sets, now_ms, grace_ms) {
                 return Ok((Vec::new(), recheck_at_ms));
             }
         }
