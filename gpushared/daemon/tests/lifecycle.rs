@@ -365,9 +365,11 @@ async fn a_kubelet_restart_is_followed_by_a_new_registration_within_a_second() {
         let took = started.elapsed();
         eprintln!("round {round}: registered again {took:?} after the kubelet restarted");
         assert!(took < Duration::from_secs(1), "round {round}: registered again after {took:?}");
-        // ListAndWatch resumes with the full list.
-        let devices = kubelet.wait_devices(WAIT, |d| d.len() == 2000).await.unwrap();
-        assert_eq!(devices.len(), 2000);
+        // ListAndWatch resumes with the full list; the kubelet kept the old one, unhealthy.
+        kubelet
+            .wait_devices(WAIT, |d| d.len() == 2000 && d.iter().all(|d| d.health == gpushare_proto::HEALTHY))
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: {e}\n{}", daemon.log()));
     }
     // Nothing was lost, and admission works on the new connection.
     bound_pod(&api, "after", &[("main", ContainerRole::App, &[(1, 200)])]);
@@ -983,8 +985,14 @@ mod whole {
         // A kubelet restart: both resources register again.
         kubelet.restart().await.unwrap();
         kubelet.wait_registered_since_restart(2, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
-        kubelet.wait_devices_of(WHOLE, WAIT, |d| d.len() == 2).await.unwrap();
-        kubelet.wait_devices(WAIT, |d| d.len() == 1000).await.unwrap();
+        kubelet
+            .wait_devices_of(WHOLE, WAIT, |d| d.len() == 2 && d.iter().all(|d| d.health == gpushare_proto::HEALTHY))
+            .await
+            .unwrap();
+        kubelet
+            .wait_devices(WAIT, |d| d.len() == 1000 && d.iter().all(|d| d.health == gpushare_proto::HEALTHY))
+            .await
+            .unwrap();
 
         // A kubelet that drops both clients and stays up: both resources register again.
         let before = kubelet.registrations().len();

@@ -49,7 +49,10 @@ async fn device_ids_survive_a_daemon_restart_and_it_registers_again() {
     drop(daemon);
     let daemon = Daemon::start(&config, host.path("d2.log"));
     kubelet.wait_registered(2, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
-    let after = kubelet.wait_devices(WAIT, |d| d.len() == 500).await.unwrap();
+    // The first daemon's list stays with the kubelet, turned unhealthy when its stream ended:
+    // only the new daemon's list is healthy again.
+    let healthy = |d: &[gpushare_proto::deviceplugin::Device]| d.iter().all(|x| x.health == gpushare_proto::HEALTHY);
+    let after = kubelet.wait_devices(WAIT, |d| d.len() == 500 && healthy(d)).await.unwrap();
     assert_eq!(before, after);
 }
 
