@@ -532,7 +532,7 @@ mod tests {
 
     #[test]
     fn what_may_need_a_repair_is_left_to_the_plan() {
-        let cases: [(Vec<Row>, KubeletView); 6] = [
+        let cases: [(Vec<Row>, KubeletView); 8] = [
             // Another pod holds the young row's set.
             (
                 vec![row(1, "a", "main", ContainerRole::App, &["x1"], NOW)],
@@ -562,6 +562,19 @@ mod tests {
                     row(2, "a", "main", ContainerRole::App, &["x2"], OLD),
                 ],
                 kubelet(&["a"], vec![holding("a", "main", &["x1"])]),
+            ),
+            // Two pods hold one set, each by its own rows.
+            (
+                vec![
+                    row(1, "a", "main", ContainerRole::App, &["x1"], OLD),
+                    row(2, "b", "main", ContainerRole::App, &["x1"], OLD),
+                ],
+                kubelet(&["a", "b"], vec![holding("a", "main", &["x1"]), holding("b", "main", &["x1"])]),
+            ),
+            // The kubelet lists one container twice, with two sets.
+            (
+                vec![row(1, "a", "main", ContainerRole::App, &["x2"], OLD)],
+                kubelet(&["a"], vec![holding("a", "main", &["x1"]), holding("a", "main", &["x2"])]),
             ),
         ];
         for (live, k) in &cases {
