@@ -10,7 +10,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Daemon, Host, NO_API_SERVER, WAIT, bound_pod, static_gpus};
+use common::{Daemon, Host, NO_API_SERVER, WAIT, bound_pod, healthy_list, static_gpus};
 use gpushare_core::codec::node::{NODE_STATE_KEY, NodeState};
 use gpushare_core::{ContainerRole, Mib};
 use gpushare_testkit::apiserver::ApiServer;
@@ -367,7 +367,7 @@ async fn a_kubelet_restart_is_followed_by_a_new_registration_within_a_second() {
         assert!(took < Duration::from_secs(1), "round {round}: registered again after {took:?}");
         // ListAndWatch resumes with the full list; the kubelet kept the old one, unhealthy.
         kubelet
-            .wait_devices(WAIT, |d| d.len() == 2000 && d.iter().all(|d| d.health == gpushare_proto::HEALTHY))
+            .wait_devices(WAIT, healthy_list(2000))
             .await
             .unwrap_or_else(|e| panic!("round {round}: {e}\n{}", daemon.log()));
     }
@@ -401,11 +401,7 @@ async fn a_kubelet_that_dropped_the_plugin_without_restarting_gets_a_new_registr
             .await
             .unwrap_or_else(|e| panic!("round {round}: {e}\n{}", daemon.log()));
         eprintln!("round {round}: registered again {:?} after the kubelet dropped the plugin", started.elapsed());
-        let devices = kubelet
-            .wait_devices(WAIT, |d| d.len() == 2000 && d.iter().all(|d| d.health == gpushare_proto::HEALTHY))
-            .await
-            .unwrap();
-        assert_eq!(devices.len(), 2000);
+        kubelet.wait_devices(WAIT, healthy_list(2000)).await.unwrap();
     }
     assert_eq!(kubelet.restarts(), 0);
     assert!(
@@ -985,27 +981,15 @@ mod whole {
         // A kubelet restart: both resources register again.
         kubelet.restart().await.unwrap();
         kubelet.wait_registered_since_restart(2, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
-        kubelet
-            .wait_devices_of(WHOLE, WAIT, |d| d.len() == 2 && d.iter().all(|d| d.health == gpushare_proto::HEALTHY))
-            .await
-            .unwrap();
-        kubelet
-            .wait_devices(WAIT, |d| d.len() == 1000 && d.iter().all(|d| d.health == gpushare_proto::HEALTHY))
-            .await
-            .unwrap();
+        kubelet.wait_devices_of(WHOLE, WAIT, healthy_list(2)).await.unwrap();
+        kubelet.wait_devices(WAIT, healthy_list(1000)).await.unwrap();
 
         // A kubelet that drops both clients and stays up: both resources register again.
         let before = kubelet.registrations().len();
         kubelet.disconnect_plugin();
         kubelet.wait_registered(before + 2, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
-        kubelet
-            .wait_devices_of(WHOLE, WAIT, |d| d.len() == 2 && d.iter().all(|d| d.health == gpushare_proto::HEALTHY))
-            .await
-            .unwrap();
-        kubelet
-            .wait_devices(WAIT, |d| d.len() == 1000 && d.iter().all(|d| d.health == gpushare_proto::HEALTHY))
-            .await
-            .unwrap();
+        kubelet.wait_devices_of(WHOLE, WAIT, healthy_list(2)).await.unwrap();
+        kubelet.wait_devices(WAIT, healthy_list(1000)).await.unwrap();
         assert!(daemon.log().contains("the kubelet holds no whole-GPU device-list stream; registering again"));
 
         // Stopping removes both sockets.

@@ -7,7 +7,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use common::{Daemon, Host, NO_API_SERVER, WAIT, static_gpus};
+use common::{Daemon, Host, NO_API_SERVER, WAIT, healthy_list, static_gpus};
 use gpushare_testkit::kubelet::Kubelet;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -49,10 +49,8 @@ async fn device_ids_survive_a_daemon_restart_and_it_registers_again() {
     drop(daemon);
     let daemon = Daemon::start(&config, host.path("d2.log"));
     kubelet.wait_registered(2, WAIT).await.unwrap_or_else(|e| panic!("{e}\n{}", daemon.log()));
-    // The first daemon's list stays with the kubelet, turned unhealthy when its stream ended:
-    // only the new daemon's list is healthy again.
-    let healthy = |d: &[gpushare_proto::deviceplugin::Device]| d.iter().all(|x| x.health == gpushare_proto::HEALTHY);
-    let after = kubelet.wait_devices(WAIT, |d| d.len() == 500 && healthy(d)).await.unwrap();
+    // Not the first daemon's list, which the kubelet keeps, turned unhealthy.
+    let after = kubelet.wait_devices(WAIT, healthy_list(500)).await.unwrap();
     assert_eq!(before, after);
 }
 

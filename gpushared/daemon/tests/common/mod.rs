@@ -151,6 +151,12 @@ pub const NO_API_SERVER: &str = "http://127.0.0.1:9";
 
 pub const WAIT: Duration = Duration::from_secs(15);
 
+/// A device list of `n` devices, every one healthy: one the plugin sent on its current stream,
+/// since the kubelet (and its stand-in) keeps an ended stream's list with every device unhealthy.
+pub fn healthy_list(n: usize) -> impl Fn(&[gpushare_proto::deviceplugin::Device]) -> bool {
+    move |d| d.len() == n && d.iter().all(|x| x.health == gpushare_proto::HEALTHY)
+}
+
 /// A container of a test pod: name, role, and its (GPU index, MiB) shares.
 pub type Spec<'a> = (&'a str, ContainerRole, &'a [(u32, u64)]);
 
