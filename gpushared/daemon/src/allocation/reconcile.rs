@@ -168,13 +168,12 @@ pub fn plan(
                 h.namespace, h.name, h.container
             ))),
             _ if pod_listed && first.role != ContainerRole::App => {}
-            _ if now_ms.saturating_sub(first.allocated_at) < grace_ms => {
+            _ if young(first.allocated_at, now_ms, grace_ms) => {
                 // Kept for now; looked at again when the grace period ends, unless the API
                 // server's word keeps it anyway (the arm below).
                 let kept_anyway = !held_by.contains_key(&first.request_key) && !pod_listed && running(&first.pod.uid);
                 if !kept_anyway {
-                    let ends = first.allocated_at.saturating_add(grace_ms);
-                    recheck_at_ms = Some(recheck_at_ms.map_or(ends, |at| at.min(ends)));
+                    recheck_when_grace_ends(&mut recheck_at_ms, first.allocated_at, grace_ms);
                 }
             }
             None if !pod_listed && running(&first.pod.uid) => {}
@@ -242,6 +241,18 @@ pub struct Kept<'a> {
     pub key_hash: u64,
     /// Unix milliseconds.
     pub allocated_at: i64,
+}
+
+/// Whether a row allocated at `allocated_at` (Unix milliseconds) is still in its grace period at
+/// `now_ms`: the kubelet may not list it yet. One rule for [`plan`] and [`agrees`].
+fn young(allocated_at: i64, now_ms: i64, grace_ms: i64) -> bool {
+    now_ms.saturating_sub(allocated_at) < grace_ms
+}
+
+/// Moves `at` earlier to when a young row allocated at `allocated_at` leaves its grace period.
+fn recheck_when_grace_ends(at: &mut Option<i64>, allocated_at: i64, grace_ms: i64) {
+    let ends = allocated_at.saturating_add(grace_ms);
+    *at = Some(at.map_or(ends, |a| a.min(ends)));
 }
 
 /// The device sets the kubelet holds, hashed for [`agrees`]: made before the allocator's lock
@@ -324,9 +335,8 @@ pub fn agrees<'a>(
                 }
             }
             _ if held.sets.contains(&g.key_hash) => return None,
-            _ if now_ms.saturating_sub(g.allocated_at) < grace_ms => {
-                let ends = g.allocated_at.saturating_add(grace_ms);
-                recheck_at_ms = Some(recheck_at_ms.map_or(ends, |at| at.min(ends)));
+            _ if young(g.allocated_at, now_ms, grace_ms) => {
+                recheck_when_grace_ends(&mut recheck_at_ms, g.allocated_at, grace_ms);
             }
             _ => return None,
         }
