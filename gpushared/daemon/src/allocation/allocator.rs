@@ -13,7 +13,7 @@
 //! assigned GPU and remembers the proposal, so the `Allocate` that follows is tied to the same
 //! container. A repeated `Allocate` of the same devices gets the same answer from the ledger.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
 use gpushare_core::codec::node::{NodeAllocation, OverBudget};
@@ -30,6 +30,7 @@ mod claims;
 mod env;
 mod error;
 mod gpus;
+mod held;
 mod propose;
 mod queries;
 pub use queries::spawn_history_pruning;
@@ -43,7 +44,8 @@ pub use claims::{ClaimError, ClaimRef, ClaimShare, PreparedShare};
 pub use env::{Answer, Mount};
 pub use error::AllocError;
 pub use gpus::Summary;
-use resolve::{Candidate, Held, Scope};
+use held::{Held, HeldRows};
+use resolve::{Candidate, Scope};
 pub use resolve::{Care, KubeletListing, KubeletSays};
 
 #[derive(Debug)]
@@ -52,8 +54,8 @@ struct State {
     /// The GPUs with their current health and cordon (the static facts are also in
     /// [`Allocator::inventory`]).
     inventory: NodeInventory,
-    /// The live rows, in allocation order.
-    held: Vec<Arc<Held>>,
+    /// The live rows, in allocation order, indexed.
+    held: HeldRows,
     /// The admissions under way.
     admissions: Admissions,
     /// The ledger lacks allocations the node last published: these, to be booked again once
@@ -240,7 +242,7 @@ impl Allocator {
     pub fn release_pod(&self, uid: &str, reason: &str) -> Result<usize, LedgerError> {
         let mut state = self.lock();
         let n = state.ledger.release_pod(uid, reason)?;
-        state.held.retain(|h| h.pod.uid != uid);
+        state.held.remove_where(|h| h.pod.uid == uid);
         state.admissions.apply(Step::Released { uid: uid.to_owned() });
         drop(state);
         if n > 0 {
@@ -452,27 +454,13 @@ impl Allocator {
     {
         const RECENT_MS: i64 = 120_000;
         let since = crate::allocation::ledger::now_ms() - RECENT_MS;
-        let mut first: HashMap<&str, Vec<i64>> = HashMap::new();
-        for h in state.held.iter().filter(|h| h.allocated_at >= since) {
-            if let Some(id) = &h.first_device
-                && !must_include.contains(id)
-            {
-                first.entry(id.as_str()).or_default().push(h.id);
-            }
-        }
-        if first.is_empty() {
-            return Ok(());
-        }
-        let stale: BTreeSet<i64> = available.into_iter().filter_map(|id| first.get(id)).flatten().copied().collect();
+        let stale = state.held.recent_beginning_with(available, since, must_include);
         if stale.is_empty() {
             return Ok(());
         }
         let reason = "the kubelet offers these devices as free, so it never gave them to this container";
         state.ledger.release_rows(&stale.iter().copied().collect::<Vec<_>>(), reason)?;
-        let (gone, kept): (Vec<Arc<Held>>, Vec<Arc<Held>>) =
-            std::mem::take(&mut state.held).into_iter().partition(|h| stale.contains(&h.id));
-        state.held = kept;
-        for h in gone {
+        for h in state.held.remove_where(|h| stale.contains(&h.id)) {
             tracing::warn!(pod = %h.pod, container = %h.container, gpu = h.gpu_index, mib = h.mib.get(), reason,
                 "released");
             let uid = h.pod.uid.clone();

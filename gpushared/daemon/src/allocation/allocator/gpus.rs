@@ -171,7 +171,7 @@ impl Allocator {
                     mib: r.share.mib,
                 })
                 .collect();
-            (state.inventory.clone(), state.held.clone(), state.rebuilding.clone().unwrap_or_default(), claims)
+            (state.inventory.clone(), state.held.to_vec(), state.rebuilding.clone().unwrap_or_default(), claims)
         };
         // While the ledger is rebuilt, what it lost is still published as held.
         let allocations: Vec<NodeAllocation> = held

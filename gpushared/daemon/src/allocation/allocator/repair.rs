@@ -8,7 +8,7 @@ use std::sync::Arc;
 use gpushare_core::codec::node::PodRef;
 use gpushare_core::{ContainerRole, Mib};
 
-use super::resolve::Held;
+use super::held::Held;
 use super::room::check_room;
 use super::{AllocError, Allocator, State};
 use crate::allocation::ledger::{EventKind, NewRow};
@@ -73,7 +73,7 @@ impl Allocator {
             match &repair {
                 Repair::Release { rows, pod, container, reason } => {
                     state.ledger.release_rows(rows, reason)?;
-                    state.held.retain(|h| !rows.contains(&h.id));
+                    state.held.remove_where(|h| rows.contains(&h.id));
                     let detail = format!("released {pod} container {container:?}: {reason}");
                     tracing::warn!(pod = %pod, container = %container, %reason, "reconcile: released");
                     state.ledger.record_event(EventKind::Reconcile, &detail)?;

@@ -1,5 +1,5 @@
 //! Which container a kubelet call is for, from what the daemon knows: the pods bound to this
-//! node, the live ledger rows ([`Held`]) and the admissions under way ([`Admissions`]). Pure
+//! node, the live ledger rows ([`HeldRows`]) and the admissions under way ([`Admissions`]). Pure
 //! functions over those snapshots, so every rule of the choice is tested on tables.
 //!
 //! The kubelet admits one pod at a time, its containers in order (init containers first), so
@@ -18,62 +18,17 @@
 //! admitting (added before its admission starts, dropped when rejected), with the devices each
 //! container holds. The pod being admitted is the listed one whose container holds none yet.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment};
 use gpushare_core::codec::node::PodRef;
-use gpushare_core::{ContainerRole, GpuUuid, MemoryUnit, Mib, PodRequest, ResourceNames};
+use gpushare_core::{MemoryUnit, PodRequest, ResourceNames};
 
 use super::AllocError;
 use super::admission::{Admissions, Owner};
-use crate::allocation::ledger::{Row, key_hash};
+use super::held::HeldRows;
 use crate::allocation::pods::{PodView, StoredPod};
-
-/// A live ledger row, as the allocator keeps it in memory (the ledger is the durable truth;
-/// this mirror is loaded from it at start and updated after each commit).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(super) struct Held {
-    /// [`key_hash`] of the row's device set: most `Allocate` calls are for a new set, and this
-    /// tells them so without reading the ledger.
-    pub key_hash: u64,
-    /// The ledger row.
-    pub id: i64,
-    /// The pod holding it.
-    pub pod: PodRef,
-    /// The container holding it.
-    pub container: String,
-    /// How the container runs (its memory counts by the core's footprint rule).
-    pub role: ContainerRole,
-    /// The GPU.
-    pub gpu: GpuUuid,
-    /// The GPU's index.
-    pub gpu_index: u32,
-    /// Memory held.
-    pub mib: Mib,
-    /// One device of the set (the kubelet holds a set entirely or not at all), for releasing
-    /// the rows whose devices the kubelet offers as free.
-    pub first_device: Option<String>,
-    /// When it was allocated, Unix ms.
-    pub allocated_at: i64,
-}
-
-impl From<&Row> for Held {
-    fn from(r: &Row) -> Self {
-        Held {
-            key_hash: key_hash(&r.request_key),
-            id: r.id,
-            pod: r.pod.clone(),
-            container: r.container.clone(),
-            role: r.role,
-            gpu: r.gpu_uuid.clone(),
-            gpu_index: r.gpu_index,
-            mib: r.mib,
-            first_device: r.device_ids.first().cloned(),
-            allocated_at: r.allocated_at,
-        }
-    }
-}
 
 /// A container waiting for its devices.
 #[derive(Clone, Debug)]
@@ -165,20 +120,16 @@ impl Care {
 }
 
 /// The pods the kubelet has started admitting: the pod being admitted, and those that hold
-/// rows. Indexed once per choice, which asks it of every waiting candidate.
+/// rows.
 struct Started<'a> {
-    holders: HashSet<&'a str>,
+    held: &'a HeldRows,
     admissions: &'a Admissions,
 }
 
-impl<'a> Started<'a> {
-    fn new(held: &'a [Arc<Held>], admissions: &'a Admissions) -> Self {
-        Started { holders: held.iter().map(|h| h.pod.uid.as_str()).collect(), admissions }
-    }
-
+impl Started<'_> {
     /// Whether the kubelet has started admitting pod `uid`.
     fn pod(&self, uid: &str) -> bool {
-        self.admissions.is_admitting(uid) || self.holders.contains(uid)
+        self.admissions.is_admitting(uid) || self.held.holds_any(uid)
     }
 }
 
@@ -220,11 +171,10 @@ impl Scope<'_> {
     pub(super) fn pending(
         &self,
         pods: &[Arc<StoredPod>],
-        held: &[Arc<Held>],
+        held: &HeldRows,
         units: Option<usize>,
         want_notes: bool,
     ) -> (Vec<Candidate>, Vec<String>) {
-        let held: BTreeSet<(&str, &str)> = held.iter().map(|h| (h.pod.uid.as_str(), h.container.as_str())).collect();
         let mut out = Vec::new();
         let mut notes = Vec::new();
         for pod in pods {
@@ -263,8 +213,7 @@ impl Scope<'_> {
                     continue;
                 }
             };
-            let next =
-                assignment.containers.iter().position(|c| !held.contains(&(view.pod.uid.as_str(), c.name.as_str())));
+            let next = assignment.containers.iter().position(|c| !held.holds(&view.pod.uid, &c.name));
             if let Some(position) = next {
                 let mib: u64 = assignment.containers[position].gpus.iter().map(|g| g.mib.get()).sum();
                 let n = mib / self.unit.mib_per_unit();
@@ -284,7 +233,7 @@ impl Scope<'_> {
     /// A pod bound here whose assignment is unusable and one of whose containers, without a
     /// ledger row yet, asks for `units` devices: the container the kubelet is admitting, when
     /// no pod with a usable assignment waits for that many.
-    pub(super) fn unusable_for(&self, pods: &[Arc<StoredPod>], held: &[Arc<Held>], units: usize) -> Option<AllocError> {
+    pub(super) fn unusable_for(&self, pods: &[Arc<StoredPod>], held: &HeldRows, units: usize) -> Option<AllocError> {
         let per_unit = self.unit.mib_per_unit();
         pods.iter().find_map(|pod| {
             let view = &pod.view;
@@ -294,10 +243,9 @@ impl Scope<'_> {
             let problem = self.assignment_problem(pod)?;
             let request = PodRequest::from_spec(&view.spec, self.names, self.unit).ok();
             let asks = request.is_none_or(|r| {
-                r.containers().iter().any(|c| {
-                    c.memory.get() / per_unit == units as u64
-                        && !held.iter().any(|h| h.pod.uid == view.pod.uid && h.container == c.name)
-                })
+                r.containers()
+                    .iter()
+                    .any(|c| c.memory.get() / per_unit == units as u64 && !held.holds(&view.pod.uid, &c.name))
             });
             asks.then(|| AllocError::BadAssignment { pod: view.pod.to_string(), reason: problem.to_owned() })
         })
@@ -307,7 +255,7 @@ impl Scope<'_> {
     pub(super) fn choose(
         &self,
         pods: &[Arc<StoredPod>],
-        held: &[Arc<Held>],
+        held: &HeldRows,
         admissions: &Admissions,
         units: usize,
         care: &Care,
@@ -339,7 +287,7 @@ impl Scope<'_> {
             )
         };
         fitting.sort_by_cached_key(key);
-        let started = Started::new(held, admissions);
+        let started = Started { held, admissions };
         if let KubeletSays::Listed(listing) = &care.kubelet {
             fitting.retain(|c| started.pod(&c.view().pod.uid) || listing.admitting(&c.view().pod, &c.container().name));
             if fitting.is_empty() {
@@ -369,7 +317,7 @@ impl Scope<'_> {
 
     /// Why no container waits for `units` devices: what does wait, and the pods that cannot be
     /// served.
-    fn no_candidate(&self, pods: &[Arc<StoredPod>], held: &[Arc<Held>], units: usize) -> AllocError {
+    fn no_candidate(&self, pods: &[Arc<StoredPod>], held: &HeldRows, units: usize) -> AllocError {
         let (pending, notes) = self.pending(pods, held, None, true);
         let mut seen: Vec<String> = pending
             .iter()
@@ -388,7 +336,7 @@ impl Scope<'_> {
     }
 
     /// The candidate for a remembered proposal, if that container of `pod` still waits.
-    pub(super) fn candidate_for(&self, pod: Arc<StoredPod>, owner: &Owner, held: &[Arc<Held>]) -> Option<Candidate> {
+    pub(super) fn candidate_for(&self, pod: Arc<StoredPod>, owner: &Owner, held: &HeldRows) -> Option<Candidate> {
         let (pending, _) = self.pending(&[pod], held, None, false);
         pending.into_iter().find(|c| c.view().pod.uid == owner.uid && c.container().name == owner.container)
     }

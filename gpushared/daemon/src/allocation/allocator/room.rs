@@ -12,7 +12,7 @@ use gpushare_core::placement::footprint;
 use gpushare_core::{ContainerRole, Gpu, GpuUuid, Mib, NodeInventory};
 
 use super::AllocError;
-use super::resolve::Held;
+use super::held::Held;
 use crate::allocation::ledger::{ClaimRow, NewClaimRow, NewRow};
 
 /// What the ledger holds on some GPUs: each pod's rows, counted by the footprint rule, and

@@ -1,7 +1,7 @@
 //! Allocator tests: the kubelet's call sequences for every request shape, against a real
 //! ledger file and a pod store filled as the API-server watch would fill it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use gpushare_core::codec::alibaba;
 use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment, GpuShare};
