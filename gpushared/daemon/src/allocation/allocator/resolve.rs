@@ -275,44 +275,36 @@ impl Scope<'_> {
         {
             return Err(e);
         }
-        let proposed = admissions.proposed();
-        let key = |c: &Candidate| {
-            (
-                !admissions.is_admitting(&c.view().pod.uid),
-                proposed.contains(&(c.view().pod.uid.as_str(), c.container().name.as_str())),
-                c.view().created.clone(),
-                c.pod.arrival,
-                c.view().pod.namespace.clone(),
-                c.view().pod.name.clone(),
-            )
-        };
-        fitting.sort_by_cached_key(key);
         let started = Started { held, admissions };
         if let KubeletSays::Listed(listing) = &care.kubelet {
             fitting.retain(|c| started.pod(&c.view().pod.uid) || listing.admitting(&c.view().pod, &c.container().name));
-            if fitting.is_empty() {
-                return Err(self.no_candidate(pods, held, units));
-            }
         }
-        if !care.confirmed
-            && let Some(top) = fitting.first()
-            && !started.pod(&top.view().pod.uid)
-        {
+        // Only the first in the kubelet's order is served, so it is found, not sorted for.
+        let proposed = admissions.proposed();
+        let order = |a: &Candidate, b: &Candidate| rank(a, admissions, &proposed).cmp(&rank(b, admissions, &proposed));
+        let Some(first) = (0..fitting.len()).min_by(|&a, &b| order(&fitting[a], &fitting[b])) else {
+            return Err(self.no_candidate(pods, held, units));
+        };
+        let top = &fitting[first];
+        if !care.confirmed && !started.pod(&top.view().pod.uid) {
             return Err(AllocError::Unconfirmed { pod: top.view().pod.to_string() });
         }
-        if let Some(top) = fitting.first()
-            && admissions.is_doubtful(&top.view().pod.uid)
-        {
+        if admissions.is_doubtful(&top.view().pod.uid) {
             return Err(AllocError::Doubtful { pod: top.view().pod.to_string(), units, unit: self.unit });
         }
         // Asked or askable, the kubelet names even look-alikes on the same GPUs right.
         let any_placement = care.kubelet != KubeletSays::Unasked;
         if care.patient
-            && let Some((first, other)) = ambiguity(&started, &fitting, any_placement)
+            && let Some(other) = ambiguity(&started, top, &fitting, any_placement, order)
         {
-            return Err(AllocError::Ambiguous { first, other, units, unit: self.unit });
+            return Err(AllocError::Ambiguous {
+                first: top.view().pod.to_string(),
+                other: other.view().pod.to_string(),
+                units,
+                unit: self.unit,
+            });
         }
-        fitting.into_iter().next().ok_or_else(|| self.no_candidate(pods, held, units))
+        Ok(fitting.swap_remove(first))
     }
 
     /// Why no container waits for `units` devices: what does wait, and the pods that cannot be
@@ -342,24 +334,48 @@ impl Scope<'_> {
     }
 }
 
-/// Whether the first of `fitting` (sorted by [`Scope::choose`]) is a guess: it has not started
-/// admission (no row, not the pod being admitted), and another pod that has not either waits for
-/// as many units first but is assigned differently (or at all, with `any_placement`). Returns
-/// both names.
-fn ambiguity(started: &Started<'_>, fitting: &[Candidate], any_placement: bool) -> Option<(String, String)> {
-    let top = fitting.first()?;
+/// Where a candidate stands in the kubelet's order, first lowest: the pod being admitted; then
+/// containers without an outstanding proposal; then the oldest pod, the first its watch
+/// delivered, and the name.
+fn rank<'c>(
+    c: &'c Candidate,
+    admissions: &Admissions,
+    proposed: &BTreeSet<(&str, &str)>,
+) -> (bool, bool, &'c str, u64, &'c str, &'c str) {
+    let view = c.view();
+    (
+        !admissions.is_admitting(&view.pod.uid),
+        proposed.contains(&(view.pod.uid.as_str(), c.container().name.as_str())),
+        &view.created,
+        c.pod.arrival,
+        &view.pod.namespace,
+        &view.pod.name,
+    )
+}
+
+/// Whether `top`, the first of `fitting` in the kubelet's `order` ([`Scope::choose`]), is a
+/// guess: it has not started admission (no row, not the pod being admitted), and another pod
+/// that has not either waits for as many units but is assigned differently (or at all, with
+/// `any_placement`). Returns the first such other pod in that order.
+fn ambiguity<'f>(
+    started: &Started<'_>,
+    top: &Candidate,
+    fitting: &'f [Candidate],
+    any_placement: bool,
+    order: impl Fn(&Candidate, &Candidate) -> std::cmp::Ordering,
+) -> Option<&'f Candidate> {
     let uid = top.view().pod.uid.as_str();
     if started.pod(uid) {
         return None;
     }
-    fitting[1..]
+    fitting
         .iter()
-        .find(|c| {
+        .filter(|c| {
             c.view().pod.uid != uid
                 && !started.pod(&c.view().pod.uid)
                 && (any_placement || !c.assignment.same_placement(&top.assignment))
         })
-        .map(|c| (top.view().pod.to_string(), c.view().pod.to_string()))
+        .min_by(|a, b| order(a, b))
 }
 
 #[cfg(test)]

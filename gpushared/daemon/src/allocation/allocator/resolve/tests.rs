@@ -346,6 +346,13 @@ fn the_kubelet_names_the_pod_among_look_alikes() {
         outcome(&scope.choose(&same, &HeldRows::default(), &none, 100, &askable)),
         "ambiguous default/pod-x default/pod-z"
     );
+    // Of several, the first and the next in the kubelet's order are named, whatever the
+    // order the store gives them in.
+    let reversed: Vec<_> = pods.iter().rev().cloned().collect();
+    assert_eq!(
+        outcome(&scope.choose(&reversed, &HeldRows::default(), &none, 100, &askable)),
+        "ambiguous default/pod-x default/pod-y"
+    );
     // Asked: the pod it lists without devices is the one, whatever the order says.
     assert_eq!(outcome(&scope.choose(&pods, &HeldRows::default(), &none, 100, &asked(&[("pod-y", &[])]))), "y/a");
     assert_eq!(outcome(&scope.choose(&pods, &HeldRows::default(), &none, 100, &asked(&[("pod-z", &[])]))), "z/a");
