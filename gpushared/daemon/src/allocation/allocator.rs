@@ -4,8 +4,9 @@
 //!
 //! This module is the thin service: it holds the state behind one lock and sequences the pure
 //! parts beside it — [`resolve`] (which container a call is for), [`propose`] (which devices to
-//! propose), [`room`] (whether the GPU has room), [`env`] (the container's answer) and
-//! [`admission`] (the admissions under way, changed only by its `Step`s). The node's GPUs
+//! propose), [`room`] (whether the GPU has room), [`env`] (the container's answer),
+//! [`admission`] (the admissions under way, changed only by its `Step`s) and [`held`] (the live
+//! rows in memory, with the indexes each call reads). The node's GPUs
 //! ([`gpus`]), reconciliation ([`repair`]), the operator's queries ([`queries`]) and a rebuild
 //! of a ledger that lost rows ([`rebuild`]) are the service's other jobs, one module each.
 //!
