@@ -294,17 +294,14 @@ fn an_unconfirmed_store_serves_only_a_pod_the_kubelet_already_admits() {
     let pods = stored(&[p("x", "2026-01-01", &two)]);
     let none = Admissions::default();
     // The only pod in view may not be the one the kubelet admits; nor may "none waits".
-    assert_eq!(
-        outcome(&scope.choose(&pods, &HeldRows::default(), &none, 100, &unconfirmed)),
-        "unconfirmed default/pod-x"
-    );
-    assert_eq!(outcome(&scope.choose(&pods, &HeldRows::default(), &none, 300, &unconfirmed)), "unconfirmed ");
-    assert_eq!(outcome(&scope.choose(&[], &HeldRows::default(), &none, 100, &unconfirmed)), "unconfirmed ");
+    assert_eq!(outcome(&scope.choose(&pods, &held(&[]), &none, 100, &unconfirmed)), "unconfirmed default/pod-x");
+    assert_eq!(outcome(&scope.choose(&pods, &held(&[]), &none, 300, &unconfirmed)), "unconfirmed ");
+    assert_eq!(outcome(&scope.choose(&[], &held(&[]), &none, 100, &unconfirmed)), "unconfirmed ");
     // Its next container once its first holds a row, or while it is the pod being admitted.
     assert_eq!(outcome(&scope.choose(&pods, &held(&[("x", "init")]), &none, 200, &unconfirmed)), "x/a");
     let mut admitting = Admissions::default();
     admitting.apply(Step::Allocated { key: "k".into(), uid: "x".into() });
-    assert_eq!(outcome(&scope.choose(&pods, &HeldRows::default(), &admitting, 100, &unconfirmed)), "x/init");
+    assert_eq!(outcome(&scope.choose(&pods, &held(&[]), &admitting, 100, &unconfirmed)), "x/init");
 }
 
 #[test]
@@ -329,44 +326,43 @@ fn the_kubelet_names_the_pod_among_look_alikes() {
     // placement is taken.
     let unasked = scope.choose(
         &pods[..1].iter().chain(&pods[2..]).cloned().collect::<Vec<_>>(),
-        &HeldRows::default(),
+        &held(&[]),
         &none,
         100,
         &Care::PATIENT,
     );
     assert_eq!(outcome(&unasked), "x/a");
     assert_eq!(
-        outcome(&scope.choose(&pods, &HeldRows::default(), &none, 100, &Care::PATIENT)),
+        outcome(&scope.choose(&pods, &held(&[]), &none, 100, &Care::PATIENT)),
         "ambiguous default/pod-x default/pod-y"
     );
     // Askable: any two are, so that the caller asks.
     let askable = Care { kubelet: KubeletSays::Askable, ..Care::PATIENT };
     let same = [Arc::clone(&pods[0]), Arc::clone(&pods[2])];
     assert_eq!(
-        outcome(&scope.choose(&same, &HeldRows::default(), &none, 100, &askable)),
+        outcome(&scope.choose(&same, &held(&[]), &none, 100, &askable)),
         "ambiguous default/pod-x default/pod-z"
     );
     // Of several, the first and the next in the kubelet's order are named, whatever the
     // order the store gives them in.
     let reversed: Vec<_> = pods.iter().rev().cloned().collect();
     assert_eq!(
-        outcome(&scope.choose(&reversed, &HeldRows::default(), &none, 100, &askable)),
+        outcome(&scope.choose(&reversed, &held(&[]), &none, 100, &askable)),
         "ambiguous default/pod-x default/pod-y"
     );
     // Asked: the pod it lists without devices is the one, whatever the order says.
-    assert_eq!(outcome(&scope.choose(&pods, &HeldRows::default(), &none, 100, &asked(&[("pod-y", &[])]))), "y/a");
-    assert_eq!(outcome(&scope.choose(&pods, &HeldRows::default(), &none, 100, &asked(&[("pod-z", &[])]))), "z/a");
+    assert_eq!(outcome(&scope.choose(&pods, &held(&[]), &none, 100, &asked(&[("pod-y", &[])]))), "y/a");
+    assert_eq!(outcome(&scope.choose(&pods, &held(&[]), &none, 100, &asked(&[("pod-z", &[])]))), "z/a");
     // A listed pod whose container already holds devices is not being admitted.
-    let got = scope.choose(&pods, &HeldRows::default(), &none, 100, &asked(&[("pod-x", &["a"]), ("pod-z", &[])]));
+    let got = scope.choose(&pods, &held(&[]), &none, 100, &asked(&[("pod-x", &["a"]), ("pod-z", &[])]));
     assert_eq!(outcome(&got), "z/a");
     // Two listed without devices (a kubelet before 1.34 lists the pods it rejected too): still
     // ambiguous, whatever their placement.
-    let got = scope.choose(&pods, &HeldRows::default(), &none, 100, &asked(&[("pod-x", &[]), ("pod-z", &[])]));
+    let got = scope.choose(&pods, &held(&[]), &none, 100, &asked(&[("pod-x", &[]), ("pod-z", &[])]));
     assert_eq!(outcome(&got), "ambiguous default/pod-x default/pod-z");
     // None listed: the kubelet admits no pod this daemon knows to wait for that many.
     assert!(
-        outcome(&scope.choose(&pods, &HeldRows::default(), &none, 100, &asked(&[("other", &[])])))
-            .starts_with("no candidate")
+        outcome(&scope.choose(&pods, &held(&[]), &none, 100, &asked(&[("other", &[])]))).starts_with("no candidate")
     );
 }
 
@@ -378,8 +374,7 @@ fn no_candidate_says_what_waits_and_what_cannot_be_served() {
         p("x", "2026-01-01", &[("a", APP, &[(0, 100)])]),
         P { node: "node-b", ..p("y", "2026-01-01", &[("a", APP, &[(0, 100)])]) },
     ]);
-    let e =
-        scope.choose(&pods, &HeldRows::default(), &Admissions::default(), 300, &Care::PATIENT).unwrap_err().to_string();
+    let e = scope.choose(&pods, &held(&[]), &Admissions::default(), 300, &Care::PATIENT).unwrap_err().to_string();
     assert!(e.contains("default/pod-x container \"a\" waits for 100 MiB"), "{e}");
     assert!(e.contains("default/pod-y is assigned to node node-b"), "{e}");
 }
@@ -391,12 +386,9 @@ fn a_proposal_ties_allocate_to_its_container_while_it_still_waits() {
     let pods = stored(&[p("x", "2026-01-01", &[("init", INIT, &[(0, 100)]), ("a", APP, &[(0, 100)])])]);
     let owner = |c: &str| Owner { uid: "x".into(), container: c.into() };
     let pod = Arc::clone(&pods[0]);
-    assert_eq!(
-        scope.candidate_for(Arc::clone(&pod), &owner("init"), &HeldRows::default()).map(|c| c.position),
-        Some(0)
-    );
+    assert_eq!(scope.candidate_for(Arc::clone(&pod), &owner("init"), &held(&[])).map(|c| c.position), Some(0));
     // The proposal was for the init container, which is held now: the app container is next,
     // and the proposal no longer names a waiting container.
     assert!(scope.candidate_for(Arc::clone(&pod), &owner("init"), &held(&[("x", "init")])).is_none());
-    assert!(scope.candidate_for(pod, &owner("a"), &HeldRows::default()).is_none());
+    assert!(scope.candidate_for(pod, &owner("a"), &held(&[])).is_none());
 }
