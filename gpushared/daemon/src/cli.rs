@@ -18,6 +18,12 @@ pub struct Cli {
     /// Check FILE and exit: 0 if gpushared would accept it, 1 with the reason if not.
     #[arg(long, value_name = "FILE")]
     pub check_config: Option<PathBuf>,
+    /// Print the systemd drop-in that confines gpushared.service to the API server
+    /// (`[kubernetes] confine_network` in --config) and exit: nothing when the setting is off; 1
+    /// with the reason when the kubeconfig's server is not an address. The package's systemd
+    /// generator runs it at boot and on daemon-reload.
+    #[arg(long)]
+    pub unit_drop_in: bool,
 }
 
 #[cfg(test)]
@@ -36,6 +42,7 @@ mod tests {
         let cli = Cli::parse_from(["gpushared"]);
         assert_eq!(cli.config, std::path::Path::new(DEFAULT_PATH));
         assert_eq!(cli.check_config, None);
+        assert!(!cli.unit_drop_in);
         assert_eq!(Cli::command().get_name(), "gpushared");
     }
 }

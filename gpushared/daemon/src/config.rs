@@ -303,11 +303,21 @@ pub struct KubernetesConfig {
     /// placing pods by a node's published state after three periods without a renewal.
     #[serde(default = "default_heartbeat")]
     pub heartbeat_seconds: Seconds,
+    /// Confine `gpushared.service` to the API server the kubeconfig names: the package's
+    /// systemd generator writes `IPAddressDeny=any` with `IPAddressAllow=` that address
+    /// ([`crate::cluster::confine`]). The server must be named by an address (or `localhost`);
+    /// the daemon refuses to start otherwise.
+    #[serde(default)]
+    pub confine_network: bool,
 }
 
 impl Default for KubernetesConfig {
     fn default() -> Self {
-        KubernetesConfig { kubeconfig: default_kubeconfig(), heartbeat_seconds: default_heartbeat() }
+        KubernetesConfig {
+            kubeconfig: default_kubeconfig(),
+            heartbeat_seconds: default_heartbeat(),
+            confine_network: false,
+        }
     }
 }
 

@@ -1,5 +1,5 @@
-//! The `gpushared` command line: parse flags, check a configuration or load it, and run the
-//! daemon ([`daemon`]) on a two-worker runtime.
+//! The `gpushared` command line: parse flags, check a configuration, print the unit's drop-in
+//! or load the configuration, and run the daemon ([`daemon`]) on a two-worker runtime.
 
 mod daemon;
 
@@ -44,12 +44,27 @@ fn main() -> ExitCode {
             }
         };
     }
+    let must_exist = cli.config != std::path::Path::new(DEFAULT_PATH);
+    if cli.unit_drop_in {
+        let made = Config::load(&cli.config, must_exist)
+            .map_err(anyhow::Error::from)
+            .and_then(|config| gpushared::cluster::confine::drop_in(&config).map_err(anyhow::Error::from));
+        return match made {
+            Ok(text) => {
+                print!("{}", text.unwrap_or_default());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("gpushared: {}: {e:#}", cli.config.display());
+                ExitCode::FAILURE
+            }
+        };
+    }
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let must_exist = cli.config != std::path::Path::new(DEFAULT_PATH);
     let result = Config::load(&cli.config, must_exist).map_err(anyhow::Error::from).and_then(|config| {
         // Two workers whatever the host: the daemon's work is a few calls a second, and tokio's
         // default (one worker per core) would start 128 threads on a 128-core GPU host.

@@ -10,6 +10,7 @@ use gpushare_core::{Gpu, NodeInventory};
 use thiserror::Error;
 
 use crate::allocation::ledger::{EventKind, Ledger, LedgerError};
+use crate::cluster::confine::ConfineError;
 use crate::config::{Config, StaticGpu};
 use crate::gpus::discovery::{Discovery, DiscoveryError, Lost, NvmlDiscovery, StaticDiscovery, account_for_lost};
 
@@ -48,6 +49,9 @@ pub enum StartupError {
         /// What to change.
         hint: &'static str,
     },
+    /// `[kubernetes] confine_network` is on and no confinement can be made.
+    #[error(transparent)]
+    Confine(#[from] ConfineError),
 }
 
 /// What the checks found: the host as the daemon will serve it.
@@ -85,6 +89,9 @@ impl Host {
 /// The first [`StartupError`].
 pub fn inspect_host(config: &Config, known: &[Gpu]) -> Result<Host, StartupError> {
     let node = config.node_name().ok_or(StartupError::NodeName)?;
+    // A confinement asked for is made by the unit's generator from this same answer: refusing
+    // here keeps the daemon from running unconfined when it cannot be made.
+    crate::cluster::confine::drop_in(config)?;
     let nvml = if config.gpus.is_empty() { Some(NvmlDiscovery::init(&config.nvml.library)?) } else { None };
     let (found, source) = match &nvml {
         Some(n) => (n.discover()?, n.describe()),

@@ -295,3 +295,43 @@ mod nvml {
         );
     }
 }
+
+/// `[kubernetes] confine_network`: `--unit-drop-in` prints what the package's generator writes,
+/// and a confinement that cannot be made (a server named by host name) is refused by the
+/// generator's call, by `--check-config` and by the daemon's start alike, never run without.
+#[test]
+fn a_confinement_asked_for_is_printed_for_the_generator_or_refused_everywhere() {
+    let host = Host::new();
+    let run = |args: &[&std::ffi::OsStr]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_gpushared")).args(args).output().unwrap()
+    };
+    let gpus = static_gpus(&[(1000, None)]);
+    let by_address = host.kubeconfig("https://10.9.0.1:6443");
+    let config = host.config(&by_address, "", &format!("confine_network = true\n{gpus}"));
+    let out = run(&["--config".as_ref(), config.as_os_str(), "--unit-drop-in".as_ref()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let printed = String::from_utf8_lossy(&out.stdout);
+    let settings: Vec<&str> = printed.lines().filter(|l| !l.starts_with('#')).collect();
+    assert_eq!(settings, ["[Service]", "IPAddressDeny=any", "IPAddressAllow=10.9.0.1"], "{printed}");
+    // Off: the generator gets nothing to write.
+    let off = host.config(&by_address, "", &gpus);
+    let out = run(&["--config".as_ref(), off.as_os_str(), "--unit-drop-in".as_ref()]);
+    assert!(out.status.success() && out.stdout.is_empty(), "{out:?}");
+
+    let by_name = host.kubeconfig("https://api.cluster.example:6443");
+    let config = host.config(&by_name, "", &format!("confine_network = true\n{gpus}"));
+    for args in [
+        vec!["--config".as_ref(), config.as_os_str(), "--unit-drop-in".as_ref()],
+        vec!["--check-config".as_ref(), config.as_os_str()],
+    ] {
+        let out = run(&args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        assert!(out.stdout.is_empty(), "{args:?}: {out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("https://api.cluster.example:6443, which is named by host name"), "{args:?}: {err}");
+    }
+    let mut daemon = Daemon::start(&config, host.path("daemon.log"));
+    assert_eq!(daemon.wait_exit(WAIT), Some(1), "{}", daemon.log());
+    assert!(daemon.log().contains("confine_network"), "{}", daemon.log());
+    assert!(!host.plugin_dir().join("gpushared.sock").exists(), "it served before refusing");
+}
