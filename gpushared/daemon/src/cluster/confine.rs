@@ -94,6 +94,7 @@ pub fn api_server(path: &Path) -> Result<Allowed, ConfineError> {
         return Err(not("through the proxy its proxy-url names"));
     }
     let host = host_of(&server).ok_or_else(|| not("which is not a URL with a host"))?;
+    let host = host.as_str();
     if host.eq_ignore_ascii_case("localhost") {
         return Ok(Allowed::Localhost);
     }
@@ -101,14 +102,11 @@ pub fn api_server(path: &Path) -> Result<Allowed, ConfineError> {
     ip.parse::<IpAddr>().map(Allowed::Address).map_err(|_| not("which is named by host name"))
 }
 
-/// The host of a server URL (`https://HOST[:PORT][/PATH]`): an IPv6 address keeps its brackets.
-fn host_of(server: &str) -> Option<&str> {
-    let rest = server.split_once("://").map_or(server, |(_, rest)| rest);
-    let authority = rest.split(['/', '?', '#']).next()?;
-    let authority = authority.rsplit_once('@').map_or(authority, |(_, host)| host);
-    let host =
-        if authority.starts_with('[') { &authority[..=authority.find(']')?] } else { authority.split(':').next()? };
-    (!host.is_empty()).then_some(host)
+/// The host of a server URL (`https://HOST[:PORT][/PATH]`), as `http::Uri` (the URL type kube's
+/// client connects with) reads it: an IPv6 address keeps its brackets.
+fn host_of(server: &str) -> Option<String> {
+    let uri = server.parse::<http::Uri>().ok()?;
+    uri.host().filter(|h| !h.is_empty()).map(str::to_owned)
 }
 
 /// The drop-in for `gpushared.service` that `config` asks for: `None` when
