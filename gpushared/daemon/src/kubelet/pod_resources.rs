@@ -135,6 +135,34 @@ async fn shared_since(
 /// in GiB mode, 200 ms in MiB mode, where each `List` carries every one of 131,072 device IDs).
 const SHARED_LIST_WAIT: Duration = Duration::from_millis(250);
 
+/// The least time between the starts of two rounds that follow allocations. Each round reduces
+/// a whole `List` and checks every live row, so in a burst, where a round could follow every
+/// admission, the rounds would cost the daemon work that grows with the pods on the node for
+/// each pod admitted; spaced out, the allocations of the meantime are reconciled together.
+const AFTER_CHANGES_EVERY: Duration = Duration::from_secs(1);
+
+/// Spaces the rounds that follow allocations at least `every` apart ([`AFTER_CHANGES_EVERY`]).
+#[derive(Debug)]
+struct Pacer {
+    every: Duration,
+    last: Option<tokio::time::Instant>,
+}
+
+impl Pacer {
+    fn new(every: Duration) -> Self {
+        Pacer { every, last: None }
+    }
+
+    /// Returns once a round may start (at once, unless one started less than `every` ago),
+    /// and counts that round as started.
+    async fn next_round(&mut self) {
+        if let Some(last) = self.last {
+            tokio::time::sleep_until(last + self.every).await;
+        }
+        self.last = Some(tokio::time::Instant::now());
+    }
+}
+
 /// The kubelet's PodResources API cannot be asked.
 #[derive(Debug, thiserror::Error)]
 pub enum PodResourcesError {
@@ -203,8 +231,9 @@ pub async fn list(
 }
 
 /// Reconciles the ledger with the kubelet's PodResources API every interval, when asked (after
-/// each registration) and soon after allocations, then with the `List` a device-plugin call
-/// asked for after the allocation when there is one ([`LatestList`]).
+/// each registration) and soon after allocations (at most once a second, [`AFTER_CHANGES_EVERY`]),
+/// then with the `List` a device-plugin call asked for after the allocation when there is one
+/// ([`LatestList`]).
 pub async fn reconcile_loop(
     alloc: Arc<Allocator>,
     pods: PodStore,
@@ -221,6 +250,7 @@ pub async fn reconcile_loop(
     every.tick().await;
     let mut warned = false;
     let mut changes = alloc.subscribe();
+    let mut after_changes = Pacer::new(AFTER_CHANGES_EVERY);
     // When a row kept only by its grace period leaves it (a pod deleted while the daemon or
     // the node was down, allocated moments before): reconciled again then, not an interval later.
     let mut recheck: Option<tokio::time::Instant> = None;
@@ -235,6 +265,7 @@ pub async fn reconcile_loop(
             // pod the daemon took it for.
             Ok(()) = changes.changed() => {
                 let since = tokio::time::Instant::now();
+                after_changes.next_round().await;
                 shared = shared_since(&mut shared_lists, since, SHARED_LIST_WAIT).await;
                 changes.borrow_and_update();
                 if shared.is_some() {
@@ -327,6 +358,21 @@ mod tests {
         });
         let taken = shared_since(&mut shared, change, Duration::from_secs(5)).await;
         assert_eq!(taken.map(|l| l.pod_resources.len()), Some(1), "the call's later answer is taken");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn rounds_after_allocations_start_at_most_once_a_second() {
+        let mut pacer = Pacer::new(AFTER_CHANGES_EVERY);
+        let start = tokio::time::Instant::now();
+        pacer.next_round().await;
+        assert_eq!(start.elapsed(), Duration::ZERO, "the first round starts at once");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        pacer.next_round().await;
+        assert_eq!(start.elapsed(), AFTER_CHANGES_EVERY, "the next waits until a second after the first");
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let quiet = tokio::time::Instant::now();
+        pacer.next_round().await;
+        assert_eq!(quiet.elapsed(), Duration::ZERO, "after a quiet second a round starts at once");
     }
 
     #[test]
