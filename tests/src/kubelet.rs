@@ -30,6 +30,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::unix::fs::FileTypeExt as _;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -505,11 +506,17 @@ struct Served {
 }
 
 impl Served {
-    fn start(listener: tokio::net::UnixListener, router: tonic::transport::server::Router) -> Served {
+    /// Serves `router` on `listener`, counting each connection accepted in `accepted`.
+    fn start(
+        listener: tokio::net::UnixListener,
+        router: tonic::transport::server::Router,
+        accepted: Arc<AtomicUsize>,
+    ) -> Served {
         let connections = Arc::new(Mutex::new(Vec::new()));
         let tracked = Arc::clone(&connections);
-        let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener).map(move |accepted| {
-            let std = accepted?.into_std()?;
+        let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener).map(move |accepted_now| {
+            let std = accepted_now?.into_std()?;
+            accepted.fetch_add(1, Ordering::Relaxed);
             let handle = std.try_clone()?;
             tracked.lock().unwrap_or_else(PoisonError::into_inner).push(handle);
             tokio::net::UnixStream::from_std(std)
@@ -579,6 +586,8 @@ pub struct Kubelet {
     devices_tx: Arc<watch::Sender<Vec<Device>>>,
     devices: watch::Receiver<Vec<Device>>,
     servers: Mutex<Vec<Served>>,
+    /// Connections accepted on the PodResources socket, across restarts.
+    pod_resources_connections: Arc<AtomicUsize>,
     /// The kubelet admits one pod at a time.
     admission: tokio::sync::Mutex<()>,
 }
@@ -611,6 +620,7 @@ impl Kubelet {
             devices_tx: Arc::new(tx),
             devices,
             servers: Mutex::new(Vec::new()),
+            pod_resources_connections: Arc::new(AtomicUsize::new(0)),
             admission: tokio::sync::Mutex::new(()),
         };
         kubelet.listen()?;
@@ -627,7 +637,7 @@ impl Kubelet {
             let service =
                 PodResourcesService { shared: Arc::clone(&self.shared), devices: Arc::clone(&self.devices_tx) };
             let router = tonic::transport::Server::builder().add_service(PodResourcesListerServer::new(service));
-            servers.push(Served::start(listener, router));
+            servers.push(Served::start(listener, router, Arc::clone(&self.pod_resources_connections)));
         }
         let sock = self.dir.join("kubelet.sock");
         let listener = match bind(&sock) {
@@ -644,7 +654,7 @@ impl Kubelet {
             devices: Arc::clone(&self.devices_tx),
         };
         let router = tonic::transport::Server::builder().add_service(RegistrationServer::new(service));
-        servers.push(Served::start(listener, router));
+        servers.push(Served::start(listener, router, Arc::new(AtomicUsize::new(0))));
         self.servers.lock().unwrap_or_else(PoisonError::into_inner).extend(servers);
         Ok(())
     }
@@ -758,6 +768,12 @@ impl Kubelet {
     #[must_use]
     pub fn pod_resources_requests(&self) -> usize {
         self.shared().pod_resources_requests
+    }
+
+    /// Connections accepted on the PodResources socket, across restarts.
+    #[must_use]
+    pub fn pod_resources_connections(&self) -> usize {
+        self.pod_resources_connections.load(Ordering::Relaxed)
     }
 
     /// PodResources requests refused by the rate limit.

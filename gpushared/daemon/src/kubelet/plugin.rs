@@ -26,7 +26,7 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::allocation::allocator::{AllocError, Allocator, Care, KubeletSays};
-use crate::kubelet::pod_resources::LatestList;
+use crate::kubelet::pod_resources::{LatestList, PodResourcesClient};
 use crate::kubelet::streams::StreamCount;
 
 mod asking;
@@ -120,8 +120,8 @@ pub struct Plugin {
     devices: watch::Receiver<DeviceSnapshot>,
     /// Set to `true` to end every `ListAndWatch` stream (the server is being replaced).
     stop: watch::Receiver<bool>,
-    /// The kubelet's PodResources socket, asked which pod a call is for when several could be.
-    pod_resources: Option<Arc<Path>>,
+    /// The kubelet's PodResources, asked which pod a call is for when several could be.
+    pod_resources: Option<PodResourcesClient>,
     /// The latest answer of the kubelet's PodResources, shared with reconciliation.
     latest_list: LatestList,
     /// The `ListAndWatch` streams open, on every server of this plugin.
@@ -165,7 +165,7 @@ impl Plugin {
     /// several could be (while [`Allocator::kubelet_answers`]).
     #[must_use]
     pub fn with_pod_resources(mut self, socket: &Path) -> Self {
-        self.pod_resources = Some(Arc::from(socket));
+        self.pod_resources = Some(PodResourcesClient::new(socket));
         self
     }
 

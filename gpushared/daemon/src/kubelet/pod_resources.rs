@@ -3,7 +3,8 @@
 //! ([`crate::allocation::reconcile::KubeletView`]) and to what tells a device-plugin call's pod
 //! apart from its look-alikes ([`KubeletListing`]). The latest answer a device-plugin call got
 //! is shared ([`LatestList`]): reconciliation after an allocation uses the next call's answer
-//! rather than asking again, so a burst of admissions costs the kubelet one `List` a pod.
+//! rather than asking again, so a burst of admissions costs the kubelet one `List` a pod. The
+//! calls ask over one kept connection ([`PodResourcesClient`]).
 
 use gpushare_proto::podresources::ListPodResourcesResponse;
 
@@ -59,19 +60,19 @@ pub fn kubelet_listing(list: &ListPodResourcesResponse, resource: &str) -> Kubel
     listing
 }
 
-/// Asks the kubelet's PodResources `List` on `socket` which pods it holds (within `timeout`),
-/// and shares the answer in `latest`.
+/// Asks the kubelet's PodResources `List` through `client` which pods it holds (within
+/// `timeout`), and shares the answer in `latest`.
 ///
 /// # Errors
 /// [`PodResourcesError`] when the kubelet cannot be reached or refuses.
 pub async fn listing(
-    socket: &std::path::Path,
+    client: &PodResourcesClient,
     timeout: Duration,
     resource: &str,
     latest: &LatestList,
 ) -> Result<KubeletListing, PodResourcesError> {
     let asked = tokio::time::Instant::now();
-    let list = list(socket, timeout).await?;
+    let list = client.list(timeout).await?;
     let answered = asked.elapsed();
     let listing = kubelet_listing(&list, resource);
     tracing::debug!(
@@ -198,7 +199,8 @@ impl PodResourcesError {
     }
 }
 
-/// Asks the kubelet's PodResources `List` on `socket` (within `timeout`).
+/// Asks the kubelet's PodResources `List` on `socket` (within `timeout`), over a connection of
+/// its own.
 ///
 /// # Errors
 /// [`PodResourcesError`] when the kubelet cannot be reached or refuses.
@@ -206,27 +208,96 @@ pub async fn list(
     socket: &std::path::Path,
     timeout: std::time::Duration,
 ) -> Result<ListPodResourcesResponse, PodResourcesError> {
+    let name = socket.display().to_string();
+    within(timeout, &name, async { ask_list(dial(socket, &name).await?, &name).await }).await
+}
+
+/// The kubelet's PodResources API at one socket, over a connection kept between questions: a
+/// device-plugin call asks once an admission, and a connection dialled for each question would
+/// cost the kubelet and the daemon its setup every time. A question the kept connection fails
+/// (a restarted kubelet cut it and listens on a new socket) is asked once more over a new one.
+#[derive(Clone, Debug)]
+pub struct PodResourcesClient {
+    socket: Arc<std::path::Path>,
+    kept: Arc<std::sync::Mutex<Option<tonic::transport::Channel>>>,
+}
+
+impl PodResourcesClient {
+    /// A client of the PodResources API at `socket`, dialling on its first question.
+    #[must_use]
+    pub fn new(socket: &std::path::Path) -> Self {
+        PodResourcesClient { socket: Arc::from(socket), kept: Arc::default() }
+    }
+
+    /// Asks `List` (within `timeout`, a new connection included).
+    ///
+    /// # Errors
+    /// [`PodResourcesError`] when the kubelet cannot be reached or refuses.
+    pub async fn list(&self, timeout: Duration) -> Result<ListPodResourcesResponse, PodResourcesError> {
+        let name = self.socket.display().to_string();
+        within(timeout, &name, async {
+            if let Some(channel) = self.kept() {
+                match ask_list(channel, &name).await {
+                    // Any failure but the kubelet's rate limit (an answer, so the connection
+                    // works) may be the connection's own.
+                    Err(e) if !e.is_busy() => {
+                        tracing::debug!(error = %e, "the kept PodResources connection failed; dialling again");
+                        self.keep(None);
+                    }
+                    answer => return answer,
+                }
+            }
+            let channel = dial(&self.socket, &name).await?;
+            self.keep(Some(channel.clone()));
+            ask_list(channel, &name).await
+        })
+        .await
+    }
+
+    fn kept(&self) -> Option<tonic::transport::Channel> {
+        self.kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    fn keep(&self, channel: Option<tonic::transport::Channel>) {
+        *self.kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = channel;
+    }
+}
+
+/// Dials the PodResources socket `socket` (named `name` in errors).
+async fn dial(socket: &std::path::Path, name: &str) -> Result<tonic::transport::Channel, PodResourcesError> {
+    gpushare_proto::uds::connect(socket)
+        .await
+        .map_err(|e| PodResourcesError::Unreachable { socket: name.to_owned(), reason: e.to_string() })
+}
+
+/// Asks `List` over `channel`.
+async fn ask_list(
+    channel: tonic::transport::Channel,
+    name: &str,
+) -> Result<ListPodResourcesResponse, PodResourcesError> {
     use gpushare_proto::podresources::ListPodResourcesRequest;
     use gpushare_proto::podresources::pod_resources_lister_client::PodResourcesListerClient;
-    let name = socket.display().to_string();
-    let ask = async {
-        let channel = gpushare_proto::uds::connect(socket)
-            .await
-            .map_err(|e| PodResourcesError::Unreachable { socket: name.clone(), reason: e.to_string() })?;
-        // A full MiB-mode node lists 131 072 device IDs (about 1.3 MB).
-        PodResourcesListerClient::new(channel)
-            .max_decoding_message_size(64 * 1024 * 1024)
-            .list(ListPodResourcesRequest {})
-            .await
-            .map(tonic::Response::into_inner)
-            .map_err(|s| PodResourcesError::List {
-                socket: name.clone(),
-                code: s.code(),
-                message: s.message().to_owned(),
-            })
-    };
+    // A full MiB-mode node lists 131 072 device IDs (about 1.3 MB).
+    PodResourcesListerClient::new(channel)
+        .max_decoding_message_size(64 * 1024 * 1024)
+        .list(ListPodResourcesRequest {})
+        .await
+        .map(tonic::Response::into_inner)
+        .map_err(|s| PodResourcesError::List {
+            socket: name.to_owned(),
+            code: s.code(),
+            message: s.message().to_owned(),
+        })
+}
+
+/// `ask`, or an error naming `name` if it takes longer than `timeout`.
+async fn within<T>(
+    timeout: Duration,
+    name: &str,
+    ask: impl std::future::Future<Output = Result<T, PodResourcesError>>,
+) -> Result<T, PodResourcesError> {
     tokio::time::timeout(timeout, ask).await.unwrap_or_else(|_| {
-        Err(PodResourcesError::Unreachable { socket: name.clone(), reason: format!("no answer within {timeout:?}") })
+        Err(PodResourcesError::Unreachable { socket: name.to_owned(), reason: format!("no answer within {timeout:?}") })
     })
 }
 
@@ -373,6 +444,27 @@ mod tests {
         let quiet = tokio::time::Instant::now();
         pacer.next_round().await;
         assert_eq!(quiet.elapsed(), Duration::ZERO, "after a quiet second a round starts at once");
+    }
+
+    #[tokio::test]
+    async fn one_connection_serves_every_question_and_a_restarted_kubelet_is_dialled_again() {
+        use gpushare_testkit::kubelet::Kubelet;
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("pod-resources").join("kubelet.sock");
+        let kubelet = Kubelet::start_with_pod_resources(&dir.path().join("plugins"), &socket).await.unwrap();
+        let client = PodResourcesClient::new(&socket);
+        let ask = Duration::from_secs(5);
+        for _ in 0..3 {
+            client.list(ask).await.expect("the kubelet answers");
+        }
+        assert_eq!(kubelet.pod_resources_requests(), 3);
+        assert_eq!(kubelet.pod_resources_connections(), 1, "the three questions share one connection");
+        kubelet.restart().await.unwrap();
+        client.list(ask).await.expect("asked again over a new connection to the restarted kubelet");
+        assert_eq!(kubelet.pod_resources_connections(), 2, "one new connection after the restart");
+        assert_eq!(kubelet.pod_resources_requests(), 4, "the question reached the restarted kubelet once");
+        assert!(list(&socket, ask).await.is_ok(), "a question on a connection of its own is answered too");
+        assert_eq!(kubelet.pod_resources_connections(), 3);
     }
 
     #[test]

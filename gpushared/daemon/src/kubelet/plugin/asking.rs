@@ -81,9 +81,9 @@ impl Plugin {
     /// turns the node back to look-alikes admitted one at a time (published), and the call
     /// goes on by the kubelet's order; one that is only busy (its rate limit) is asked again.
     pub(super) async fn ask_kubelet(&self) -> KubeletSays {
-        let Some(socket) = &self.pod_resources else { return KubeletSays::Unasked };
+        let Some(client) = &self.pod_resources else { return KubeletSays::Unasked };
         for _ in 0..KUBELET_ASKS {
-            match pod_resources::listing(socket, KUBELET_TIMEOUT, self.alloc.resource(), &self.latest_list).await {
+            match pod_resources::listing(client, KUBELET_TIMEOUT, self.alloc.resource(), &self.latest_list).await {
                 Ok(listing) => return KubeletSays::Listed(Arc::new(listing)),
                 Err(e) if e.is_busy() => {
                     tracing::debug!(error = %e, "the kubelet's PodResources is busy; asking again");
