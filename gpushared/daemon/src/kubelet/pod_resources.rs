@@ -4,7 +4,7 @@
 //! apart from its look-alikes ([`KubeletListing`]). The latest answer a device-plugin call got
 //! is shared ([`LatestList`]): reconciliation after an allocation uses the next call's answer
 //! rather than asking again, so a burst of admissions costs the kubelet one `List` a pod. The
-//! calls ask over one kept connection ([`PodResourcesClient`]).
+//! calls, and reconciliation, each ask over one kept connection ([`PodResourcesClient`]).
 
 use gpushare_proto::podresources::ListPodResourcesResponse;
 
@@ -199,19 +199,6 @@ impl PodResourcesError {
     }
 }
 
-/// Asks the kubelet's PodResources `List` on `socket` (within `timeout`), over a connection of
-/// its own.
-///
-/// # Errors
-/// [`PodResourcesError`] when the kubelet cannot be reached or refuses.
-pub async fn list(
-    socket: &std::path::Path,
-    timeout: std::time::Duration,
-) -> Result<ListPodResourcesResponse, PodResourcesError> {
-    let name = socket.display().to_string();
-    within(timeout, &name, async { ask_list(dial(socket, &name).await?, &name).await }).await
-}
-
 /// The kubelet's PodResources API at one socket, over a connection kept between questions: a
 /// device-plugin call asks once an admission, and a connection dialled for each question would
 /// cost the kubelet and the daemon its setup every time. A question the kept connection fails
@@ -313,6 +300,8 @@ pub async fn reconcile_loop(
     now: Arc<tokio::sync::Notify>,
     latest: LatestList,
 ) {
+    // Reconciliation's own questions, rarer than the calls', keep a connection of their own.
+    let client = PodResourcesClient::new(&socket);
     let mut shared_lists = latest.subscribe();
     let mut admission = alloc.subscribe_admission();
     let grace = i64::try_from(config.grace_seconds.duration().as_millis()).unwrap_or(i64::MAX);
@@ -361,7 +350,7 @@ pub async fn reconcile_loop(
         }
         let asked = match shared {
             Some(list) => Ok(list),
-            None => list(&socket, Duration::from_secs(10)).await.map(Arc::new),
+            None => client.list(Duration::from_secs(10)).await.map(Arc::new),
         };
         let list = match asked {
             Ok(list) => {
@@ -463,7 +452,8 @@ mod tests {
         client.list(ask).await.expect("asked again over a new connection to the restarted kubelet");
         assert_eq!(kubelet.pod_resources_connections(), 2, "one new connection after the restart");
         assert_eq!(kubelet.pod_resources_requests(), 4, "the question reached the restarted kubelet once");
-        assert!(list(&socket, ask).await.is_ok(), "a question on a connection of its own is answered too");
+        let other = PodResourcesClient::new(&socket);
+        assert!(other.list(ask).await.is_ok(), "a question on a connection of its own is answered too");
         assert_eq!(kubelet.pod_resources_connections(), 3);
     }
 
