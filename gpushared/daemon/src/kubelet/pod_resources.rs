@@ -1,16 +1,21 @@
 //! The kubelet's PodResources API (`List`): asked over its unix socket for the containers that
 //! hold this daemon's devices, and reduced to what reconciliation reads
 //! ([`crate::allocation::reconcile::KubeletView`]) and to what tells a device-plugin call's pod
-//! apart from its look-alikes ([`KubeletListing`]). The latest answer a device-plugin call got
-//! is shared ([`LatestList`]): reconciliation after an allocation uses the next call's answer
-//! rather than asking again, so a burst of admissions costs the kubelet one `List` a pod. The
-//! calls, and reconciliation, each ask over one kept connection ([`PodResourcesClient`]).
+//! apart from its look-alikes ([`KubeletListing`], read from the answer's bytes without its
+//! device IDs: [`listing`]). The latest answer a device-plugin call got is shared, as it came
+//! ([`LatestList`]): reconciliation after an allocation uses the next call's answer rather than
+//! asking again, so a burst of admissions costs the kubelet one `List` a pod. The calls, and
+//! reconciliation, each ask over one kept connection ([`PodResourcesClient`]).
+
+mod listing;
 
 use gpushare_proto::podresources::ListPodResourcesResponse;
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use prost::Message;
+use prost::bytes::{Buf, Bytes};
 use tokio::sync::watch;
 
 use crate::allocation::allocator::{Allocator, KubeletListing};
@@ -44,27 +49,13 @@ pub fn kubelet_view(list: &ListPodResourcesResponse, resource: &str) -> KubeletV
     view
 }
 
-/// Reduces a `List` answer to the pods the kubelet holds and, for each, the containers that
-/// hold devices of `resource`.
-#[must_use]
-pub fn kubelet_listing(list: &ListPodResourcesResponse, resource: &str) -> KubeletListing {
-    let mut listing = KubeletListing::default();
-    for pod in &list.pod_resources {
-        let holding = pod
-            .containers
-            .iter()
-            .filter(|c| c.devices.iter().any(|d| d.resource_name == resource && !d.device_ids.is_empty()))
-            .map(|c| c.name.clone());
-        listing.insert(&pod.namespace, &pod.name, holding);
-    }
-    listing
-}
-
 /// Asks the kubelet's PodResources `List` through `client` which pods it holds (within
-/// `timeout`), and shares the answer in `latest`.
+/// `timeout`), reads from the answer the pods and their containers that hold devices of
+/// `resource`, and shares the answer in `latest`.
 ///
 /// # Errors
-/// [`PodResourcesError`] when the kubelet cannot be reached or refuses.
+/// [`PodResourcesError`] when the kubelet cannot be reached, refuses, or answers what is no
+/// `List` answer.
 pub async fn listing(
     client: &PodResourcesClient,
     timeout: Duration,
@@ -72,17 +63,26 @@ pub async fn listing(
     latest: &LatestList,
 ) -> Result<KubeletListing, PodResourcesError> {
     let asked = tokio::time::Instant::now();
-    let list = client.list(timeout).await?;
+    let answer = client.answer(timeout).await?;
     let answered = asked.elapsed();
-    let listing = kubelet_listing(&list, resource);
+    let listing = listing::kubelet_listing(&answer, resource).map_err(|e| client.malformed(&e))?;
     tracing::debug!(
-        pods = list.pod_resources.len(),
+        bytes = answer.len(),
         list_us = answered.as_micros(),
         reduced_us = (asked.elapsed() - answered).as_micros(),
         "asked the kubelet which pods it holds"
     );
-    latest.record(asked, Arc::new(list));
+    latest.record(asked, answer);
     Ok(listing)
+}
+
+/// Decodes a `List` answer, as the kubelet at `socket` sent it, in full.
+///
+/// # Errors
+/// [`PodResourcesError::Malformed`] when the bytes are no `List` answer.
+pub fn decode_list(answer: &Bytes, socket: &str) -> Result<ListPodResourcesResponse, PodResourcesError> {
+    ListPodResourcesResponse::decode(answer.clone())
+        .map_err(|e| PodResourcesError::Malformed { socket: socket.to_owned(), reason: e.to_string() })
 }
 
 /// The latest `List` answer a device-plugin call got, with when it was asked for; shared by
@@ -96,8 +96,9 @@ pub struct LatestList(watch::Sender<Option<AskedList>>);
 pub struct AskedList {
     /// When it was asked for.
     pub asked: tokio::time::Instant,
-    /// The answer.
-    pub list: Arc<ListPodResourcesResponse>,
+    /// The answer, as the kubelet sent it (protobuf): decoded in full only by reconciliation
+    /// ([`decode_list`]), which reads the device IDs.
+    pub answer: Bytes,
 }
 
 impl Default for LatestList {
@@ -108,8 +109,8 @@ impl Default for LatestList {
 
 impl LatestList {
     /// Shares an answer asked for at `asked`.
-    pub fn record(&self, asked: tokio::time::Instant, list: Arc<ListPodResourcesResponse>) {
-        self.0.send_replace(Some(AskedList { asked, list }));
+    pub fn record(&self, asked: tokio::time::Instant, answer: Bytes) {
+        self.0.send_replace(Some(AskedList { asked, answer }));
     }
 
     /// Follows the latest answer shared, and each one after it.
@@ -124,10 +125,10 @@ async fn shared_since(
     latest: &mut watch::Receiver<Option<AskedList>>,
     since: tokio::time::Instant,
     wait: Duration,
-) -> Option<Arc<ListPodResourcesResponse>> {
+) -> Option<Bytes> {
     let fresh = |a: &Option<AskedList>| a.as_ref().is_some_and(|a| a.asked >= since);
     let found = tokio::time::timeout(wait, latest.wait_for(fresh)).await.ok()?.ok()?;
-    found.as_ref().map(|a| Arc::clone(&a.list))
+    found.as_ref().map(|a| a.answer.clone())
 }
 
 /// How long reconciliation after an allocation waits for a device-plugin call's `List` before
@@ -188,6 +189,17 @@ pub enum PodResourcesError {
         /// Its message.
         message: String,
     },
+    /// The kubelet's answer does not decode as a `List` answer.
+    #[error(
+        "the kubelet's PodResources List at {socket} answered what is no ListPodResourcesResponse: {reason}; \
+         is [kubelet] pod_resources_socket the kubelet's pod-resources socket?"
+    )]
+    Malformed {
+        /// The socket.
+        socket: String,
+        /// What did not decode.
+        reason: String,
+    },
 }
 
 impl PodResourcesError {
@@ -216,11 +228,20 @@ impl PodResourcesClient {
         PodResourcesClient { socket: Arc::from(socket), kept: Arc::default() }
     }
 
-    /// Asks `List` (within `timeout`, a new connection included).
+    /// Asks `List` (within `timeout`, a new connection included), decoded in full.
+    ///
+    /// # Errors
+    /// [`PodResourcesError`] when the kubelet cannot be reached, refuses, or answers what is no
+    /// `List` answer.
+    pub async fn list(&self, timeout: Duration) -> Result<ListPodResourcesResponse, PodResourcesError> {
+        decode_list(&self.answer(timeout).await?, &self.socket.display().to_string())
+    }
+
+    /// Asks `List` (within `timeout`, a new connection included): the answer as sent.
     ///
     /// # Errors
     /// [`PodResourcesError`] when the kubelet cannot be reached or refuses.
-    pub async fn list(&self, timeout: Duration) -> Result<ListPodResourcesResponse, PodResourcesError> {
+    pub async fn answer(&self, timeout: Duration) -> Result<Bytes, PodResourcesError> {
         let name = self.socket.display().to_string();
         within(timeout, &name, async {
             if let Some(channel) = self.kept() {
@@ -241,6 +262,11 @@ impl PodResourcesClient {
         .await
     }
 
+    /// The error for an answer of this kubelet's that did not decode.
+    fn malformed(&self, e: &prost::DecodeError) -> PodResourcesError {
+        PodResourcesError::Malformed { socket: self.socket.display().to_string(), reason: e.to_string() }
+    }
+
     fn kept(&self) -> Option<tonic::transport::Channel> {
         self.kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
@@ -257,24 +283,61 @@ async fn dial(socket: &std::path::Path, name: &str) -> Result<tonic::transport::
         .map_err(|e| PodResourcesError::Unreachable { socket: name.to_owned(), reason: e.to_string() })
 }
 
-/// Asks `List` over `channel`.
-async fn ask_list(
-    channel: tonic::transport::Channel,
-    name: &str,
-) -> Result<ListPodResourcesResponse, PodResourcesError> {
+/// Asks `List` over `channel`; the answer as sent ([`AsSent`]).
+async fn ask_list(channel: tonic::transport::Channel, name: &str) -> Result<Bytes, PodResourcesError> {
     use gpushare_proto::podresources::ListPodResourcesRequest;
-    use gpushare_proto::podresources::pod_resources_lister_client::PodResourcesListerClient;
+    let refused = |s: &tonic::Status| PodResourcesError::List {
+        socket: name.to_owned(),
+        code: s.code(),
+        message: s.message().to_owned(),
+    };
     // A full MiB-mode node lists 131 072 device IDs (about 1.3 MB).
-    PodResourcesListerClient::new(channel)
-        .max_decoding_message_size(64 * 1024 * 1024)
-        .list(ListPodResourcesRequest {})
+    let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(64 * 1024 * 1024);
+    grpc.ready().await.map_err(|e| refused(&tonic::Status::unavailable(e.to_string())))?;
+    let path = http::uri::PathAndQuery::from_static("/v1.PodResourcesLister/List");
+    grpc.unary(tonic::Request::new(ListPodResourcesRequest {}), path, AsSent)
         .await
         .map(tonic::Response::into_inner)
-        .map_err(|s| PodResourcesError::List {
-            socket: name.to_owned(),
-            code: s.code(),
-            message: s.message().to_owned(),
-        })
+        .map_err(|s| refused(&s))
+}
+
+/// The codec of `List` that keeps the answer as the kubelet sent it: a device-plugin call
+/// reads only its pods and containers ([`listing`]), and reconciliation decodes it in full
+/// ([`decode_list`]).
+#[derive(Clone, Copy, Debug, Default)]
+struct AsSent;
+
+impl tonic::codec::Codec for AsSent {
+    type Encode = gpushare_proto::podresources::ListPodResourcesRequest;
+    type Decode = Bytes;
+    type Encoder = AsSent;
+    type Decoder = AsSent;
+
+    fn encoder(&mut self) -> AsSent {
+        AsSent
+    }
+
+    fn decoder(&mut self) -> AsSent {
+        AsSent
+    }
+}
+
+impl tonic::codec::Encoder for AsSent {
+    type Item = gpushare_proto::podresources::ListPodResourcesRequest;
+    type Error = tonic::Status;
+
+    fn encode(&mut self, item: Self::Item, dst: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
+        item.encode(dst).map_err(|e| tonic::Status::internal(format!("cannot encode the List request: {e}")))
+    }
+}
+
+impl tonic::codec::Decoder for AsSent {
+    type Item = Bytes;
+    type Error = tonic::Status;
+
+    fn decode(&mut self, src: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<Bytes>, tonic::Status> {
+        Ok(Some(src.copy_to_bytes(src.remaining())))
+    }
 }
 
 /// `ask`, or an error naming `name` if it takes longer than `timeout`.
@@ -335,7 +398,7 @@ pub async fn reconcile_loop(
                     // newest answer. Allocations meanwhile start the next round.
                     crate::cluster::publish::kubelet_quiet(&mut admission, crate::cluster::publish::Timing::default())
                         .await;
-                    shared = shared_lists.borrow().as_ref().map(|a| Arc::clone(&a.list)).or(shared);
+                    shared = shared_lists.borrow().as_ref().map(|a| a.answer.clone()).or(shared);
                 }
             }
         }
@@ -349,8 +412,8 @@ pub async fn reconcile_loop(
             }
         }
         let asked = match shared {
-            Some(list) => Ok(list),
-            None => client.list(Duration::from_secs(10)).await.map(Arc::new),
+            Some(answer) => decode_list(&answer, &socket.display().to_string()),
+            None => client.list(Duration::from_secs(10)).await,
         };
         let list = match asked {
             Ok(list) => {
@@ -403,7 +466,7 @@ mod tests {
         use gpushare_proto::podresources::PodResources;
         let latest = LatestList::default();
         let mut shared = latest.subscribe();
-        latest.record(tokio::time::Instant::now(), Arc::new(ListPodResourcesResponse::default()));
+        latest.record(tokio::time::Instant::now(), Bytes::new());
         tokio::time::sleep(Duration::from_millis(2)).await;
         let change = tokio::time::Instant::now();
         assert!(
@@ -414,10 +477,11 @@ mod tests {
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(10)).await;
             let one = PodResources { name: "p".into(), namespace: "ns".into(), ..PodResources::default() };
-            call.record(tokio::time::Instant::now(), Arc::new(ListPodResourcesResponse { pod_resources: vec![one] }));
+            let answer = ListPodResourcesResponse { pod_resources: vec![one] }.encode_to_vec();
+            call.record(tokio::time::Instant::now(), Bytes::from(answer));
         });
-        let taken = shared_since(&mut shared, change, Duration::from_secs(5)).await;
-        assert_eq!(taken.map(|l| l.pod_resources.len()), Some(1), "the call's later answer is taken");
+        let taken = shared_since(&mut shared, change, Duration::from_secs(5)).await.expect("the call's later answer");
+        assert_eq!(decode_list(&taken, "kubelet.sock").unwrap().pod_resources.len(), 1, "is taken");
     }
 
     #[tokio::test(start_paused = true)]
