@@ -2,9 +2,14 @@
 //! calls read on every kubelet call: which containers of a pod hold rows, and which rows a
 //! device set begins with. The ledger is the durable truth; this mirror is loaded from it at
 //! start and changed after each commit, only through [`HeldRows`], so the indexes never drift
-//! from the rows (a proptest checks them against a plain scan of the rows).
+//! from the rows (a proptest checks them against a plain scan of the rows). The indexes hash
+//! with foldhash, not the standard library's `SipHash`: a `GetPreferredAllocation` looks up each
+//! device the kubelet offers (in MiB mode up to 131,072 a call), and the keys are device IDs and
+//! the API server's pod UIDs, which no tenant chooses.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
+
+use foldhash::HashMap;
 use std::ops::Deref;
 use std::sync::Arc;
 
