@@ -32,7 +32,7 @@ async fn an_init_container_and_its_app_share_a_gpu_when_that_charges_less() {
                             "containers": [{"name": "serve", "image": "cuda", "resources": limits(1000)}]}}),
         )
         .unwrap();
-    until("ready", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().1 == 3)).await;
+    until("ready", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().0 == 1 && v.counts().1 == 3)).await;
     for p in &fillers {
         let (_, body) = http(h.addr, "POST", "/gpushare-scheduler/bind", &bind_body(p, "gpu-a")).await;
         assert_eq!(body, r#"{"Error":""}"#);
