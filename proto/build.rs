@@ -6,7 +6,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("cargo:rerun-if-changed={f}");
     }
     let fds = protox::compile(files, ["."])?;
-    // The two large lists are hand-written (src/compact.rs): wire-compatible, cheap in memory.
+    // The large lists are hand-written (src/compact.rs): wire-compatible, cheap in memory.
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
@@ -15,6 +15,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "crate::compact::ContainerPreferredAllocationRequest",
         )
         .extern_path(".v1beta1.ListAndWatchResponse", "crate::compact::ListAndWatchResponse")
+        .extern_path(".v1.ContainerDevices", "crate::compact::ContainerDevices")
         .compile_fds(fds)?;
     Ok(())
 }

@@ -1,4 +1,4 @@
-//! Hand-written messages for the kubelet's two large lists, wire-compatible with the generated
+//! Hand-written messages for the kubelet's large lists, wire-compatible with the generated
 //! ones (same field numbers and types) but cheap in memory:
 //!
 //! - [`ContainerPreferredAllocationRequest`]: the kubelet lists every free device in each
@@ -9,6 +9,9 @@
 //!   it a [`DeviceSource`] and each device is written straight into the message as it is
 //!   encoded, with no `Device` values in between; a decoded message (the kubelet side, in the
 //!   tests) holds ordinary [`Device`]s.
+//! - [`ContainerDevices`]: the PodResources API's device sets. A MiB-mode node's `List` answer
+//!   lists every device held (up to 131 072 IDs), asked once an admission; each set's IDs are
+//!   decoded as [`DeviceIds`] too.
 //!
 //! `build.rs` maps the generated code's types to these with `extern_path`.
 
@@ -192,6 +195,57 @@ impl Message for ContainerPreferredAllocationRequest {
     }
 }
 
+/// `v1.ContainerDevices` (PodResources): one resource's devices in a container, as the
+/// kubelet's `List` and `GetAllocatableResources` answer them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ContainerDevices {
+    /// `resource_name = 1`.
+    pub resource_name: String,
+    /// `device_ids = 2`.
+    pub device_ids: DeviceIds,
+    /// `topology = 3`.
+    pub topology: Option<crate::podresources::TopologyInfo>,
+}
+
+impl Message for ContainerDevices {
+    fn encode_raw(&self, buf: &mut impl BufMut) {
+        if !self.resource_name.is_empty() {
+            prost::encoding::string::encode(1, &self.resource_name, buf);
+        }
+        self.device_ids.encode_field(2, buf);
+        if let Some(topology) = &self.topology {
+            prost::encoding::message::encode(3, topology, buf);
+        }
+    }
+
+    fn merge_field(
+        &mut self,
+        tag: u32,
+        wire_type: WireType,
+        buf: &mut impl Buf,
+        ctx: DecodeContext,
+    ) -> Result<(), DecodeError> {
+        match tag {
+            1 => prost::encoding::string::merge(wire_type, &mut self.resource_name, buf, ctx),
+            2 => self.device_ids.merge_one(wire_type, buf, ctx),
+            3 => {
+                prost::encoding::message::merge(wire_type, self.topology.get_or_insert_with(Default::default), buf, ctx)
+            }
+            _ => prost::encoding::skip_field(wire_type, tag, buf, ctx),
+        }
+    }
+
+    fn encoded_len(&self) -> usize {
+        (if self.resource_name.is_empty() { 0 } else { prost::encoding::string::encoded_len(1, &self.resource_name) })
+            + self.device_ids.field_len(2)
+            + self.topology.as_ref().map_or(0, |t| prost::encoding::message::encoded_len(3, t))
+    }
+
+    fn clear(&mut self) {
+        *self = Self::default();
+    }
+}
+
 /// Where the daemon's device list comes from when it is encoded.
 pub trait DeviceSource: Send + Sync + fmt::Debug {
     /// Calls `f` with every device: its ID, whether it is healthy, and its NUMA node if
@@ -354,6 +408,45 @@ mod tests {
         bad.extend(std::iter::repeat_n(b'x', 64));
         bad.push(0xff);
         assert!(ContainerPreferredAllocationRequest::decode(bad.as_slice()).is_err(), "a long ID that is not UTF-8");
+    }
+
+    /// The generated `v1.ContainerDevices`, for comparing encodings.
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct GeneratedDevices {
+        #[prost(string, tag = "1")]
+        resource_name: String,
+        #[prost(string, repeated, tag = "2")]
+        device_ids: Vec<String>,
+        #[prost(message, optional, tag = "3")]
+        topology: Option<crate::podresources::TopologyInfo>,
+    }
+
+    #[test]
+    fn the_compact_device_set_is_wire_compatible() {
+        use crate::podresources::{NumaNode, TopologyInfo};
+        let topology = Some(TopologyInfo { nodes: vec![NumaNode { id: 0 }, NumaNode { id: 1 }] });
+        for generated in [
+            GeneratedDevices {
+                resource_name: "gpushare.io/gpu-mem".into(),
+                device_ids: vec!["Q0-1".into(), "Q0-2".into(), "ünï".into()],
+                topology: topology.clone(),
+            },
+            GeneratedDevices { resource_name: String::new(), device_ids: vec![], topology: None },
+            GeneratedDevices { resource_name: "x.io/r".into(), device_ids: vec!["a".into()], topology: None },
+        ] {
+            let bytes = generated.encode_to_vec();
+            let compact = ContainerDevices::decode(bytes.as_slice()).unwrap();
+            assert_eq!(compact.resource_name, generated.resource_name);
+            assert_eq!(compact.device_ids.to_vec(), generated.device_ids);
+            assert_eq!(compact.topology, generated.topology);
+            assert_eq!(compact.encode_to_vec(), bytes, "encodes as the generated message");
+            assert_eq!(compact.encoded_len(), bytes.len());
+        }
+        // Bad input is an error, not a panic: a cut ID, an ID that is not UTF-8, an ID sent as
+        // a number, a topology that is no message.
+        for bad in [&[0x12, 0x05, b'a'][..], &[0x12, 0x01, 0xff], &[0x10, 0x01], &[0x1a, 0x02, 0x08]] {
+            assert!(ContainerDevices::decode(bad).is_err(), "{bad:?} is refused");
+        }
     }
 
     #[derive(Debug)]

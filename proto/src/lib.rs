@@ -4,7 +4,7 @@
 //! PodResources API it reconciles against, and the DRA plugin API it serves as a DRA driver,
 //! registered through the kubelet's plugin watcher. The
 //! stand-in kubelet of the tests uses the same code from the other side. [`compact`] holds the
-//! hand-written messages for the two large device lists; [`uds`] dials gRPC servers on unix
+//! hand-written messages for the large device lists; [`uds`] dials gRPC servers on unix
 //! sockets; [`authority`] lets tonic serve the kubelet's plugin watcher, whose requests it would
 //! refuse.
 
@@ -19,6 +19,7 @@ pub mod deviceplugin {
 #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic)]
 pub mod podresources {
     tonic::include_proto!("v1");
+    pub use crate::compact::ContainerDevices;
 }
 
 /// The DRA plugin API, package `k8s.io.kubelet.pkg.apis.dra.v1`.

@@ -165,7 +165,7 @@ fn per_numa_node(resource: &str, device: &Device) -> Vec<ContainerDevices> {
     if nodes.is_empty() {
         return vec![ContainerDevices {
             resource_name: resource.to_owned(),
-            device_ids: vec![device.id.clone()],
+            device_ids: vec![device.id.clone()].into(),
             topology: None,
         }];
     }
@@ -173,7 +173,7 @@ fn per_numa_node(resource: &str, device: &Device) -> Vec<ContainerDevices> {
         .iter()
         .map(|n| ContainerDevices {
             resource_name: resource.to_owned(),
-            device_ids: vec![device.id.clone()],
+            device_ids: vec![device.id.clone()].into(),
             topology: Some(TopologyInfo { nodes: vec![NumaNode { id: n.id }] }),
         })
         .collect()
@@ -282,7 +282,7 @@ impl Shared {
             for c in &pod.containers {
                 for d in &c.devices {
                     if self.resource.as_deref().is_none_or(|r| r == d.resource_name) {
-                        in_use.extend(d.device_ids.iter().cloned());
+                        in_use.extend(d.device_ids.iter().map(str::to_owned));
                     }
                 }
             }
@@ -1298,7 +1298,7 @@ mod tests {
         let e = per_numa_node("x.io/r", &two);
         let nodes: Vec<i64> = e.iter().map(|c| c.topology.as_ref().unwrap().nodes[0].id).collect();
         assert_eq!(nodes, [0, 1]);
-        assert!(e.iter().all(|c| c.device_ids == ["b"] && c.resource_name == "x.io/r"));
+        assert!(e.iter().all(|c| c.device_ids.to_vec() == ["b"] && c.resource_name == "x.io/r"));
     }
 
     #[test]

@@ -256,7 +256,7 @@ impl Node {
 
 /// Every device ID of a container, in order.
 fn ids(c: &ContainerResources) -> Vec<String> {
-    c.devices.iter().flat_map(|d| d.device_ids.iter().cloned()).collect()
+    c.devices.iter().flat_map(|d| d.device_ids.iter().map(str::to_owned)).collect()
 }
 
 /// `namespace/name` of each listed pod.
@@ -291,7 +291,7 @@ async fn admits_a_named_pod_and_lists_it_over_pod_resources() {
         assert_eq!(a_devices.len(), 2);
         for (entry, id) in a_devices.iter().zip(["d0", "d1"]) {
             assert_eq!(entry.resource_name, RESOURCE);
-            assert_eq!(entry.device_ids, [id]);
+            assert_eq!(entry.device_ids.to_vec(), [id]);
             assert_eq!(entry.topology.as_ref().unwrap().nodes[0].id, 0);
         }
         assert!(list[0].containers[1].devices.is_empty(), "a container without devices is listed empty");
@@ -312,7 +312,7 @@ async fn admits_a_named_pod_and_lists_it_over_pod_resources() {
             .unwrap()
             .into_inner()
             .devices;
-        let all: Vec<&str> = allocatable.iter().map(|d| d.device_ids[0].as_str()).collect();
+        let all: Vec<&str> = allocatable.iter().filter_map(|d| d.device_ids.iter().next()).collect();
         assert_eq!(all, ["d0", "d1", "d2", "d3", "d4", "d5", "d6"]);
         assert!(allocatable.iter().all(|d| d.device_ids.len() == 1 && d.resource_name == RESOURCE));
         assert_eq!(allocatable[4].topology.as_ref().unwrap().nodes[0].id, 1);
@@ -432,10 +432,14 @@ async fn removed_pods_free_their_devices_and_injected_pods_are_listed_and_held()
             containers: vec![ContainerResources {
                 name: "c".into(),
                 devices: vec![
-                    ContainerDevices { resource_name: RESOURCE.into(), device_ids: strings(&["d1"]), topology: None },
+                    ContainerDevices {
+                        resource_name: RESOURCE.into(),
+                        device_ids: strings(&["d1"]).into(),
+                        topology: None,
+                    },
                     ContainerDevices {
                         resource_name: "example.com/else".into(),
-                        device_ids: strings(&["d2"]),
+                        device_ids: strings(&["d2"]).into(),
                         topology: None,
                     },
                 ],

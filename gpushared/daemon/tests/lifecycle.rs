@@ -77,7 +77,7 @@ fn held_by(name: &str, device_ids: Vec<String>) -> gpushare_proto::podresources:
             name: "main".into(),
             devices: vec![gpushare_proto::podresources::ContainerDevices {
                 resource_name: "gpushare.io/gpu-mem".into(),
-                device_ids,
+                device_ids: device_ids.into(),
                 topology: None,
             }],
             ..Default::default()

@@ -1,21 +1,18 @@
 //! The kubelet's PodResources API (`List`): asked over its unix socket for the containers that
 //! hold this daemon's devices, and reduced to what reconciliation reads
 //! ([`crate::allocation::reconcile::KubeletView`]) and to what tells a device-plugin call's pod
-//! apart from its look-alikes ([`KubeletListing`], read from the answer's bytes without its
-//! device IDs: [`listing`]). The latest answer a device-plugin call got is shared, as it came
-//! ([`LatestList`]): reconciliation after an allocation uses the next call's answer rather than
-//! asking again, so a burst of admissions costs the kubelet one `List` a pod. The calls, and
-//! reconciliation, each ask over one kept connection ([`PodResourcesClient`]).
-
-mod listing;
+//! apart from its look-alikes ([`KubeletListing`]). The latest answer a device-plugin call got
+//! is shared ([`LatestList`]): reconciliation after an allocation uses the next call's answer
+//! rather than asking again, so a burst of admissions costs the kubelet one `List` a pod. The
+//! calls, and reconciliation, each ask over one kept connection ([`PodResourcesClient`]). A
+//! device set's IDs decode into one buffer ([`gpushare_proto::compact::DeviceIds`]): a
+//! MiB-mode node lists up to 131,072 of them in every answer.
 
 use gpushare_proto::podresources::ListPodResourcesResponse;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use prost::Message;
-use prost::bytes::{Buf, Bytes};
 use tokio::sync::watch;
 
 use crate::allocation::allocator::{Allocator, KubeletListing};
@@ -34,7 +31,7 @@ pub fn kubelet_view(list: &ListPodResourcesResponse, resource: &str) -> KubeletV
                 .devices
                 .iter()
                 .filter(|d| d.resource_name == resource)
-                .flat_map(|d| d.device_ids.iter().cloned())
+                .flat_map(|d| d.device_ids.iter().map(str::to_owned))
                 .collect();
             if !device_ids.is_empty() {
                 view.holdings.push(Holding {
@@ -49,13 +46,27 @@ pub fn kubelet_view(list: &ListPodResourcesResponse, resource: &str) -> KubeletV
     view
 }
 
+/// Reduces a `List` answer to the pods the kubelet holds and, for each, the containers that
+/// hold devices of `resource`.
+#[must_use]
+pub fn kubelet_listing(list: &ListPodResourcesResponse, resource: &str) -> KubeletListing {
+    let mut listing = KubeletListing::default();
+    for pod in &list.pod_resources {
+        let holding = pod
+            .containers
+            .iter()
+            .filter(|c| c.devices.iter().any(|d| d.resource_name == resource && !d.device_ids.is_empty()))
+            .map(|c| c.name.clone());
+        listing.insert(&pod.namespace, &pod.name, holding);
+    }
+    listing
+}
+
 /// Asks the kubelet's PodResources `List` through `client` which pods it holds (within
-/// `timeout`), reads from the answer the pods and their containers that hold devices of
-/// `resource`, and shares the answer in `latest`.
+/// `timeout`), and shares the answer in `latest`.
 ///
 /// # Errors
-/// [`PodResourcesError`] when the kubelet cannot be reached, refuses, or answers what is no
-/// `List` answer.
+/// [`PodResourcesError`] when the kubelet cannot be reached or refuses.
 pub async fn listing(
     client: &PodResourcesClient,
     timeout: Duration,
@@ -63,26 +74,17 @@ pub async fn listing(
     latest: &LatestList,
 ) -> Result<KubeletListing, PodResourcesError> {
     let asked = tokio::time::Instant::now();
-    let answer = client.answer(timeout).await?;
+    let list = client.list(timeout).await?;
     let answered = asked.elapsed();
-    let listing = listing::kubelet_listing(&answer, resource).map_err(|e| client.malformed(&e))?;
+    let listing = kubelet_listing(&list, resource);
     tracing::debug!(
-        bytes = answer.len(),
+        pods = list.pod_resources.len(),
         list_us = answered.as_micros(),
         reduced_us = (asked.elapsed() - answered).as_micros(),
         "asked the kubelet which pods it holds"
     );
-    latest.record(asked, answer);
+    latest.record(asked, Arc::new(list));
     Ok(listing)
-}
-
-/// Decodes a `List` answer, as the kubelet at `socket` sent it, in full.
-///
-/// # Errors
-/// [`PodResourcesError::Malformed`] when the bytes are no `List` answer.
-pub fn decode_list(answer: &Bytes, socket: &str) -> Result<ListPodResourcesResponse, PodResourcesError> {
-    ListPodResourcesResponse::decode(answer.clone())
-        .map_err(|e| PodResourcesError::Malformed { socket: socket.to_owned(), reason: e.to_string() })
 }
 
 /// The latest `List` answer a device-plugin call got, with when it was asked for; shared by
@@ -96,9 +98,8 @@ pub struct LatestList(watch::Sender<Option<AskedList>>);
 pub struct AskedList {
     /// When it was asked for.
     pub asked: tokio::time::Instant,
-    /// The answer, as the kubelet sent it (protobuf): decoded in full only by reconciliation
-    /// ([`decode_list`]), which reads the device IDs.
-    pub answer: Bytes,
+    /// The answer.
+    pub list: Arc<ListPodResourcesResponse>,
 }
 
 impl Default for LatestList {
@@ -109,8 +110,8 @@ impl Default for LatestList {
 
 impl LatestList {
     /// Shares an answer asked for at `asked`.
-    pub fn record(&self, asked: tokio::time::Instant, answer: Bytes) {
-        self.0.send_replace(Some(AskedList { asked, answer }));
+    pub fn record(&self, asked: tokio::time::Instant, list: Arc<ListPodResourcesResponse>) {
+        self.0.send_replace(Some(AskedList { asked, list }));
     }
 
     /// Follows the latest answer shared, and each one after it.
@@ -125,10 +126,10 @@ async fn shared_since(
     latest: &mut watch::Receiver<Option<AskedList>>,
     since: tokio::time::Instant,
     wait: Duration,
-) -> Option<Bytes> {
+) -> Option<Arc<ListPodResourcesResponse>> {
     let fresh = |a: &Option<AskedList>| a.as_ref().is_some_and(|a| a.asked >= since);
     let found = tokio::time::timeout(wait, latest.wait_for(fresh)).await.ok()?.ok()?;
-    found.as_ref().map(|a| a.answer.clone())
+    found.as_ref().map(|a| Arc::clone(&a.list))
 }
 
 /// How long reconciliation after an allocation waits for a device-plugin call's `List` before
@@ -189,17 +190,6 @@ pub enum PodResourcesError {
         /// Its message.
         message: String,
     },
-    /// The kubelet's answer does not decode as a `List` answer.
-    #[error(
-        "the kubelet's PodResources List at {socket} answered what is no ListPodResourcesResponse: {reason}; \
-         is [kubelet] pod_resources_socket the kubelet's pod-resources socket?"
-    )]
-    Malformed {
-        /// The socket.
-        socket: String,
-        /// What did not decode.
-        reason: String,
-    },
 }
 
 impl PodResourcesError {
@@ -228,20 +218,11 @@ impl PodResourcesClient {
         PodResourcesClient { socket: Arc::from(socket), kept: Arc::default() }
     }
 
-    /// Asks `List` (within `timeout`, a new connection included), decoded in full.
-    ///
-    /// # Errors
-    /// [`PodResourcesError`] when the kubelet cannot be reached, refuses, or answers what is no
-    /// `List` answer.
-    pub async fn list(&self, timeout: Duration) -> Result<ListPodResourcesResponse, PodResourcesError> {
-        decode_list(&self.answer(timeout).await?, &self.socket.display().to_string())
-    }
-
-    /// Asks `List` (within `timeout`, a new connection included): the answer as sent.
+    /// Asks `List` (within `timeout`, a new connection included).
     ///
     /// # Errors
     /// [`PodResourcesError`] when the kubelet cannot be reached or refuses.
-    pub async fn answer(&self, timeout: Duration) -> Result<Bytes, PodResourcesError> {
+    pub async fn list(&self, timeout: Duration) -> Result<ListPodResourcesResponse, PodResourcesError> {
         let name = self.socket.display().to_string();
         within(timeout, &name, async {
             if let Some(channel) = self.kept() {
@@ -262,11 +243,6 @@ impl PodResourcesClient {
         .await
     }
 
-    /// The error for an answer of this kubelet's that did not decode.
-    fn malformed(&self, e: &prost::DecodeError) -> PodResourcesError {
-        PodResourcesError::Malformed { socket: self.socket.display().to_string(), reason: e.to_string() }
-    }
-
     fn kept(&self) -> Option<tonic::transport::Channel> {
         self.kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
@@ -283,61 +259,24 @@ async fn dial(socket: &std::path::Path, name: &str) -> Result<tonic::transport::
         .map_err(|e| PodResourcesError::Unreachable { socket: name.to_owned(), reason: e.to_string() })
 }
 
-/// Asks `List` over `channel`; the answer as sent ([`AsSent`]).
-async fn ask_list(channel: tonic::transport::Channel, name: &str) -> Result<Bytes, PodResourcesError> {
+/// Asks `List` over `channel`.
+async fn ask_list(
+    channel: tonic::transport::Channel,
+    name: &str,
+) -> Result<ListPodResourcesResponse, PodResourcesError> {
     use gpushare_proto::podresources::ListPodResourcesRequest;
-    let refused = |s: &tonic::Status| PodResourcesError::List {
-        socket: name.to_owned(),
-        code: s.code(),
-        message: s.message().to_owned(),
-    };
+    use gpushare_proto::podresources::pod_resources_lister_client::PodResourcesListerClient;
     // A full MiB-mode node lists 131 072 device IDs (about 1.3 MB).
-    let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(64 * 1024 * 1024);
-    grpc.ready().await.map_err(|e| refused(&tonic::Status::unavailable(e.to_string())))?;
-    let path = http::uri::PathAndQuery::from_static("/v1.PodResourcesLister/List");
-    grpc.unary(tonic::Request::new(ListPodResourcesRequest {}), path, AsSent)
+    PodResourcesListerClient::new(channel)
+        .max_decoding_message_size(64 * 1024 * 1024)
+        .list(ListPodResourcesRequest {})
         .await
         .map(tonic::Response::into_inner)
-        .map_err(|s| refused(&s))
-}
-
-/// The codec of `List` that keeps the answer as the kubelet sent it: a device-plugin call
-/// reads only its pods and containers ([`listing`]), and reconciliation decodes it in full
-/// ([`decode_list`]).
-#[derive(Clone, Copy, Debug, Default)]
-struct AsSent;
-
-impl tonic::codec::Codec for AsSent {
-    type Encode = gpushare_proto::podresources::ListPodResourcesRequest;
-    type Decode = Bytes;
-    type Encoder = AsSent;
-    type Decoder = AsSent;
-
-    fn encoder(&mut self) -> AsSent {
-        AsSent
-    }
-
-    fn decoder(&mut self) -> AsSent {
-        AsSent
-    }
-}
-
-impl tonic::codec::Encoder for AsSent {
-    type Item = gpushare_proto::podresources::ListPodResourcesRequest;
-    type Error = tonic::Status;
-
-    fn encode(&mut self, item: Self::Item, dst: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
-        item.encode(dst).map_err(|e| tonic::Status::internal(format!("cannot encode the List request: {e}")))
-    }
-}
-
-impl tonic::codec::Decoder for AsSent {
-    type Item = Bytes;
-    type Error = tonic::Status;
-
-    fn decode(&mut self, src: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<Bytes>, tonic::Status> {
-        Ok(Some(src.copy_to_bytes(src.remaining())))
-    }
+        .map_err(|s| PodResourcesError::List {
+            socket: name.to_owned(),
+            code: s.code(),
+            message: s.message().to_owned(),
+        })
 }
 
 /// `ask`, or an error naming `name` if it takes longer than `timeout`.
@@ -398,7 +337,7 @@ pub async fn reconcile_loop(
                     // newest answer. Allocations meanwhile start the next round.
                     crate::cluster::publish::kubelet_quiet(&mut admission, crate::cluster::publish::Timing::default())
                         .await;
-                    shared = shared_lists.borrow().as_ref().map(|a| a.answer.clone()).or(shared);
+                    shared = shared_lists.borrow().as_ref().map(|a| Arc::clone(&a.list)).or(shared);
                 }
             }
         }
@@ -412,8 +351,8 @@ pub async fn reconcile_loop(
             }
         }
         let asked = match shared {
-            Some(answer) => decode_list(&answer, &socket.display().to_string()),
-            None => client.list(Duration::from_secs(10)).await,
+            Some(list) => Ok(list),
+            None => client.list(Duration::from_secs(10)).await.map(Arc::new),
         };
         let list = match asked {
             Ok(list) => {
@@ -466,7 +405,7 @@ mod tests {
         use gpushare_proto::podresources::PodResources;
         let latest = LatestList::default();
         let mut shared = latest.subscribe();
-        latest.record(tokio::time::Instant::now(), Bytes::new());
+        latest.record(tokio::time::Instant::now(), Arc::new(ListPodResourcesResponse::default()));
         tokio::time::sleep(Duration::from_millis(2)).await;
         let change = tokio::time::Instant::now();
         assert!(
@@ -477,11 +416,10 @@ mod tests {
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(10)).await;
             let one = PodResources { name: "p".into(), namespace: "ns".into(), ..PodResources::default() };
-            let answer = ListPodResourcesResponse { pod_resources: vec![one] }.encode_to_vec();
-            call.record(tokio::time::Instant::now(), Bytes::from(answer));
+            call.record(tokio::time::Instant::now(), Arc::new(ListPodResourcesResponse { pod_resources: vec![one] }));
         });
-        let taken = shared_since(&mut shared, change, Duration::from_secs(5)).await.expect("the call's later answer");
-        assert_eq!(decode_list(&taken, "kubelet.sock").unwrap().pod_resources.len(), 1, "is taken");
+        let taken = shared_since(&mut shared, change, Duration::from_secs(5)).await;
+        assert_eq!(taken.map(|l| l.pod_resources.len()), Some(1), "the call's later answer is taken");
     }
 
     #[tokio::test(start_paused = true)]
@@ -522,6 +460,64 @@ mod tests {
     }
 
     #[test]
+    fn a_call_reads_the_holders_of_this_resource_as_the_answer_on_the_wire_says() {
+        use gpushare_proto::podresources::{
+            ContainerDevices, ContainerMemory, ContainerResources, NumaNode, PodResources, TopologyInfo,
+        };
+        use prost::Message;
+        const MINE: &str = "gpushare.io/gpu-mem";
+        let devices = |resource: &str, ids: &[&str]| ContainerDevices {
+            resource_name: resource.into(),
+            device_ids: ids.iter().collect(),
+            topology: Some(TopologyInfo { nodes: vec![NumaNode { id: 1 }] }),
+        };
+        let container = |name: &str, devices: Vec<ContainerDevices>| ContainerResources {
+            name: name.into(),
+            devices,
+            cpu_ids: vec![2, 3],
+            memory: vec![ContainerMemory { memory_type: "memory".into(), size: 1 << 20, topology: None }],
+            ..ContainerResources::default()
+        };
+        let pod = |name: &str, containers| PodResources {
+            name: name.into(),
+            namespace: "ns".into(),
+            containers,
+            ..PodResources::default()
+        };
+        let sent = ListPodResourcesResponse {
+            pod_resources: vec![
+                pod("held", vec![container("main", vec![devices(MINE, &["Q0-1", "Q0-2"])])]),
+                // Only another resource's devices, an empty set of this one's, or none at all:
+                // the pod is listed and its containers hold nothing of this resource.
+                pod(
+                    "admitting",
+                    vec![
+                        container("gpu", vec![devices("nvidia.com/gpu", &["GPU-1"])]),
+                        container("empty", vec![devices(MINE, &[])]),
+                        container("plain", vec![]),
+                    ],
+                ),
+                pod("sidecar", vec![container("init", vec![devices(MINE, &["Q1-0"])]), container("main", vec![])]),
+            ],
+        };
+        let answer = ListPodResourcesResponse::decode(sent.encode_to_vec().as_slice()).unwrap();
+        let listing = kubelet_listing(&answer, MINE);
+        let mut nothing = listing.holding_nothing();
+        nothing.sort();
+        assert_eq!(nothing, vec![("ns".to_owned(), "admitting".to_owned())]);
+        let mut expected = KubeletListing::default();
+        expected.insert("ns", "held", ["main".to_owned()]);
+        expected.insert("ns", "admitting", []);
+        expected.insert("ns", "sidecar", ["init".to_owned()]);
+        assert_eq!(listing, expected);
+        assert_eq!(kubelet_listing(&ListPodResourcesResponse::default(), MINE), KubeletListing::default());
+        let view = kubelet_view(&answer, MINE);
+        assert_eq!(view.pods.len(), 3);
+        let held: Vec<_> = view.holdings.iter().map(|h| (h.name.as_str(), h.device_ids.clone())).collect();
+        assert_eq!(held, [("held", vec!["Q0-1".to_owned(), "Q0-2".to_owned()]), ("sidecar", vec!["Q1-0".to_owned()])]);
+    }
+
+    #[test]
     fn only_this_resource_counts() {
         use gpushare_proto::podresources::{ContainerDevices, ContainerResources, PodResources};
         let list = ListPodResourcesResponse {
@@ -534,12 +530,12 @@ mod tests {
                         devices: vec![
                             ContainerDevices {
                                 resource_name: "gpushare.io/gpu-mem".into(),
-                                device_ids: vec!["x1".into()],
+                                device_ids: ["x1"].into_iter().collect(),
                                 topology: None,
                             },
                             ContainerDevices {
                                 resource_name: "nvidia.com/gpu".into(),
-                                device_ids: vec!["GPU-1".into()],
+                                device_ids: ["GPU-1"].into_iter().collect(),
                                 topology: None,
                             },
                         ],
