@@ -2,11 +2,12 @@
 /*
  * packaging/vmtest's stand-in for NVIDIA's character devices: registers the device groups the
  * NVIDIA driver registers in /proc/devices (nvidia-frontend at its fixed major 195, nvidia-caps
- * and nvidia-uvm at dynamic majors) and one group of no GPU's (gpushare-vmtest-other), each
- * with an open and a read that succeed and return nothing. gpushared.service's
- * DeviceAllow=char-nvidia* rules are resolved against these names when the unit starts, so a
- * probe in the unit can open the NVIDIA nodes and is refused (EPERM) the other group's node.
- * Built against the virtual machine's kernel headers; never loaded on a real host.
+ * at a dynamic major) and one group of no GPU's (gpushare-vmtest-other), each with an open and
+ * a read that succeed and return nothing. Built a second time as nvidia-uvm.ko (vmtest_uvm.c,
+ * VMTEST_UVM), it registers nvidia-uvm alone, as NVIDIA's unified memory module does when
+ * loaded. The units' DeviceAllow=char-nvidia* rules are resolved against these names when a unit
+ * starts, so a probe in the unit can open the NVIDIA nodes and is refused (EPERM) the other
+ * group's node. Built against the virtual machine's kernel headers; never loaded on a real host.
  */
 #include <linux/fs.h>
 #include <linux/kernel.h>
@@ -29,8 +30,13 @@ static const struct file_operations vmtest_fops = {
 	.llseek = noop_llseek,
 };
 
-static const char *const names[] = { "nvidia-frontend", "nvidia-caps", "nvidia-uvm", "gpushare-vmtest-other" };
-static const unsigned int fixed[] = { 195, 0, 0, 0 };
+#ifdef VMTEST_UVM
+static const char *const names[] = { "nvidia-uvm" };
+static const unsigned int fixed[] = { 0 };
+#else
+static const char *const names[] = { "nvidia-frontend", "nvidia-caps", "gpushare-vmtest-other" };
+static const unsigned int fixed[] = { 195, 0, 0 };
+#endif
 static int majors[ARRAY_SIZE(names)];
 
 static void vmtest_unregister(size_t n)
