@@ -11,9 +11,12 @@
 //! - [`codec`]: the annotation schemas (node state, pod assignment, Alibaba's keys).
 //! - [`devices`]: kubelet device IDs and the size of the device list the kubelet receives;
 //! - [`dra`]: the DRA driver's device and CDI names, its pool, and the memory a claim consumes;
-//! - [`time`]: RFC 3339 UTC times, formatted and parsed without a clock.
+//! - [`time`]: RFC 3339 UTC times, formatted and parsed without a clock;
+//! - [`confine`]: a unit's network confinement (`confine_network`): what may be allowed, and the
+//!   systemd drop-in.
 
 pub mod codec;
+pub mod confine;
 pub mod devices;
 pub mod dra;
 pub mod inventory;

@@ -5,31 +5,14 @@
 //! setting is on and no drop-in can be made, so a confinement asked for is never silently
 //! missing.
 
-use std::net::IpAddr;
 use std::path::Path;
 
+pub use gpushare_core::confine::Allowed;
+use gpushare_core::confine::ServerError;
 use kube::config::Kubeconfig;
 use thiserror::Error;
 
 use crate::config::Config;
-
-/// What the drop-in allows: one address, or systemd's `localhost` (127.0.0.0/8, `::1`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Allowed {
-    /// An IPv4 or IPv6 address.
-    Address(IpAddr),
-    /// The loopback addresses.
-    Localhost,
-}
-
-impl std::fmt::Display for Allowed {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Allowed::Address(a) => write!(f, "{a}"),
-            Allowed::Localhost => f.write_str("localhost"),
-        }
-    }
-}
 
 /// The confinement cannot be made.
 #[derive(Debug, Error)]
@@ -61,7 +44,7 @@ pub enum ConfineError {
         /// The server as written.
         server: String,
         /// Why it cannot be allowed.
-        why: &'static str,
+        why: ServerError,
     },
 }
 
@@ -89,24 +72,11 @@ pub fn api_server(path: &Path) -> Result<Allowed, ConfineError> {
     .and_then(|c| c.cluster.as_ref())
     .ok_or_else(|| ConfineError::NoServer { path: shown.clone() })?;
     let server = cluster.server.clone().ok_or_else(|| ConfineError::NoServer { path: shown.clone() })?;
-    let not = |why| ConfineError::NotAnAddress { path: shown.clone(), server: server.clone(), why };
-    if cluster.proxy_url.is_some() {
-        return Err(not("through the proxy its proxy-url names"));
-    }
-    let host = host_of(&server).ok_or_else(|| not("which is not a URL with a host"))?;
-    let host = host.as_str();
-    if host.eq_ignore_ascii_case("localhost") {
-        return Ok(Allowed::Localhost);
-    }
-    let ip = host.trim_start_matches('[').trim_end_matches(']');
-    ip.parse::<IpAddr>().map(Allowed::Address).map_err(|_| not("which is named by host name"))
-}
-
-/// The host of a server URL (`https://HOST[:PORT][/PATH]`), as `http::Uri` (the URL type kube's
-/// client connects with) reads it: an IPv6 address keeps its brackets.
-fn host_of(server: &str) -> Option<String> {
-    let uri = server.parse::<http::Uri>().ok()?;
-    uri.host().filter(|h| !h.is_empty()).map(str::to_owned)
+    gpushare_core::confine::api_server(&server, cluster.proxy_url.is_some()).map_err(|why| ConfineError::NotAnAddress {
+        path: shown,
+        server,
+        why,
+    })
 }
 
 /// The drop-in for `gpushared.service` that `config` asks for: `None` when
@@ -120,13 +90,10 @@ pub fn drop_in(config: &Config) -> Result<Option<String>, ConfineError> {
     }
     let path = config.kubernetes.kubeconfig.path();
     let allowed = api_server(path)?;
-    Ok(Some(format!(
-        "# Written by gpushared's systemd generator ([kubernetes] confine_network): the API server\n\
-         # that {} names, and no other address.\n\
-         [Service]\n\
-         IPAddressDeny=any\n\
-         IPAddressAllow={allowed}\n",
-        path.display()
+    let why = format!("that {} names, and no other address.", path.display());
+    Ok(Some(gpushare_core::confine::drop_in(
+        &["Written by gpushared's systemd generator ([kubernetes] confine_network): the API server", &why],
+        &[allowed],
     )))
 }
 

@@ -80,12 +80,3 @@ fn the_drop_in_denies_every_address_but_the_api_servers_and_only_when_asked() {
     let settings: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
     assert_eq!(settings, ["[Service]", "IPAddressDeny=any", "IPAddressAllow=10.9.0.1"]);
 }
-
-#[test]
-fn host_of_takes_the_authority_apart() {
-    assert_eq!(host_of("https://user@10.0.0.1:443/x").as_deref(), Some("10.0.0.1"));
-    assert_eq!(host_of("https://[::1]:6443").as_deref(), Some("[::1]"));
-    assert_eq!(host_of("https://").as_deref(), None);
-    assert_eq!(host_of("https://[::1").as_deref(), None);
-    assert_eq!(host_of("10.0.0.1:6443").as_deref(), Some("10.0.0.1"));
-}
