@@ -22,6 +22,12 @@ pub struct ExtenderCli {
     /// Validate FILE and exit: 0 if it is usable, 1 with the line and the fix if not.
     #[arg(long, value_name = "FILE")]
     pub check_config: Option<PathBuf>,
+    /// Print the systemd drop-in that confines gpushare-extender.service to the API server,
+    /// loopback and the configured callers (`[kubernetes] confine_network` in --config) and
+    /// exit: nothing when the setting is off; 1 with the reason when the kubeconfig's server is
+    /// not an address. The package's systemd generator runs it at boot and on daemon-reload.
+    #[arg(long)]
+    pub unit_drop_in: bool,
     /// What to run instead of serving kube-scheduler.
     #[command(subcommand)]
     pub command: Option<ExtenderCommand>,

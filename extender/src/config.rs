@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use gpushare_core::confine::Allowed;
 use gpushare_core::placement::{GpuPolicy, NodePolicy};
 pub use gpushare_core::request::Compatibility;
 
@@ -92,6 +93,16 @@ pub struct ServerConfig {
     /// memory). Off by default.
     #[serde(default)]
     pub allow_unauthenticated: bool,
+    /// Where kube-scheduler and the metrics scraper call from (addresses, networks or
+    /// `localhost`): with `[kubernetes] confine_network`, the unit allows these, the API server
+    /// and loopback (when a listener is on it), and no other address.
+    #[serde(default, deserialize_with = "callers")]
+    pub callers: Vec<Allowed>,
+}
+
+fn callers<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<Allowed>, D::Error> {
+    let entries = Vec::<String>::deserialize(d)?;
+    entries.iter().map(|e| Allowed::parse_entry(e).map_err(serde::de::Error::custom)).collect()
 }
 
 fn default_listen() -> SocketAddr {
@@ -122,6 +133,7 @@ impl Default for ServerConfig {
             tls_key: None,
             client_ca: None,
             allow_unauthenticated: false,
+            callers: Vec::new(),
         }
     }
 }
@@ -147,6 +159,12 @@ pub struct KubernetesConfig {
     /// The kubeconfig; unset: `$KUBECONFIG`, `~/.kube/config`, in-cluster.
     #[serde(default)]
     pub kubeconfig: Option<PathBuf>,
+    /// Confine `gpushare-extender.service` to the API server the kubeconfig names, the
+    /// `[server] callers` and loopback: the package's systemd generator writes
+    /// `IPAddressDeny=any` with `IPAddressAllow=` those ([`crate::confine`]). Needs `kubeconfig`,
+    /// whose server must be named by an address; the extender refuses to start otherwise.
+    #[serde(default)]
+    pub confine_network: bool,
 }
 
 /// `[scheduling]`.
@@ -298,6 +316,25 @@ impl Config {
                 k.display().to_string()
             )));
         }
+        if config.kubernetes.confine_network {
+            if config.kubernetes.kubeconfig.is_none() {
+                return Err(invalid(
+                    "kubernetes.confine_network needs kubernetes.kubeconfig: the unit is confined to the API server \
+                     that file names"
+                        .to_owned(),
+                ));
+            }
+            // A listener beyond loopback is there for callers on other hosts: name them.
+            let open = [("listen", s.listen), ("observe_listen", s.observe_listen)];
+            if let Some((key, addr)) = open.into_iter().find(|(_, a)| !a.ip().is_loopback())
+                && s.callers.is_empty()
+            {
+                return Err(invalid(format!(
+                    "kubernetes.confine_network would let no other host reach server.{key} = {addr}: list where \
+                     kube-scheduler and the metrics scraper call from in server.callers, such as [\"10.0.0.0/24\"]"
+                )));
+            }
+        }
         if config.scheduling.busy_weight > 100 {
             return Err(invalid(format!(
                 "scheduling.busy_weight is {}; write a percentage from 0 (off, the default) to 100",
@@ -370,6 +407,7 @@ mod tests {
         // The one key set to other than its default: the packaged service needs credentials.
         assert_eq!(c.kubernetes.kubeconfig.as_deref(), Some(Path::new("/etc/gpushare/gpushare-extender.kubeconfig")));
         assert!(d.kubernetes.kubeconfig.is_none());
+        assert!(!c.kubernetes.confine_network && c.server.callers.is_empty());
     }
 
     #[test]
@@ -430,5 +468,34 @@ mod tests {
         assert!(e.contains("two different resources"), "{e}");
         assert!(Config::load(Path::new("/nonexistent/x.toml"), true).is_err());
         assert!(Config::load(Path::new("/nonexistent/x.toml"), false).is_ok());
+    }
+
+    #[test]
+    fn a_confinement_needs_a_kubeconfig_and_someone_to_reach_the_extender() {
+        let kubeconfig = "[kubernetes]\nkubeconfig = \"/etc/gpushare/k\"\nconfine_network = true\n";
+        let c =
+            parse(&format!("[server]\ncallers = [\"10.0.0.0/24\", \"localhost\", \"fd00::7\"]\n{kubeconfig}")).unwrap();
+        assert!(c.kubernetes.confine_network);
+        let shown: Vec<String> = c.server.callers.iter().map(ToString::to_string).collect();
+        assert_eq!(shown, ["10.0.0.0/24", "localhost", "fd00::7"]);
+        assert!(!parse("").unwrap().kubernetes.confine_network);
+        // Loopback listeners (the defaults) are reached from this host: no caller list needed.
+        assert!(parse(kubeconfig).is_ok());
+        let e = parse("[kubernetes]\nconfine_network = true\n").unwrap_err();
+        assert!(e.contains("confine_network needs kubernetes.kubeconfig"), "{e}");
+        let open =
+            "[server]\nlisten = \"0.0.0.0:39999\"\nobserve_listen = \"0.0.0.0:39998\"\nallow_unauthenticated = true\n";
+        let e = parse(&format!("{open}{kubeconfig}")).unwrap_err();
+        assert!(e.contains("would let no other host reach server.listen") && e.contains("server.callers"), "{e}");
+        // One listener beyond loopback is enough to need them.
+        let scraped = "[server]\nobserve_listen = \"10.0.0.2:39998\"\nallow_unauthenticated = true\n";
+        let e = parse(&format!("{scraped}{kubeconfig}")).unwrap_err();
+        assert!(e.contains("reach server.observe_listen = 10.0.0.2:39998"), "{e}");
+        assert!(parse(&format!("{open}callers = [\"10.0.0.9\"]\n{kubeconfig}")).is_ok());
+        // An entry systemd would read as more than meant, or not at all, names its line.
+        for bad in ["any", "scheduler.example", "10.0.0.0/40"] {
+            let e = parse(&format!("[server]\ncallers = [\"{bad}\"]\n")).unwrap_err();
+            assert!(e.contains("line 2") && e.contains(bad) && e.contains("localhost"), "{bad}: {e}");
+        }
     }
 }

@@ -7,12 +7,14 @@
 //! - [`service`]: the verbs, over the view and the [`service::Cluster`] seam;
 //! - [`wire`]: kube-scheduler's extender JSON;
 //! - [`server`]: the HTTP adapter; [`kube`]: the API server; [`config`]: the config file;
+//! - [`confine`]: the unit's network confinement (`--unit-drop-in`);
 //! - [`cli`]: the command lines of `gpushare-extender` and `kubectl-inspect-gpushare`;
 //! - [`metrics`], [`inspect`], [`simulate`], [`memory`].
 
 pub mod cli;
 pub mod clock;
 pub mod config;
+pub mod confine;
 pub mod inspect;
 pub mod kube;
 pub mod memory;

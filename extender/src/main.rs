@@ -13,6 +13,7 @@ use gpushare_core::placement::{GpuPolicy, NodePolicy};
 use gpushare_core::schedule::Policies;
 use gpushare_extender::cli::{ExtenderCli, ExtenderCommand, print_stdout};
 use gpushare_extender::config::{Compatibility, Config, DEFAULT_PATH};
+use gpushare_extender::confine;
 use gpushare_extender::kube::{KubeCluster, client, watch};
 use gpushare_extender::server::{ServerOptions, observe_router, router, serve, tls_acceptor};
 use gpushare_extender::service::Extender;
@@ -33,12 +34,17 @@ fn main() -> ExitCode {
 fn real_main() -> anyhow::Result<()> {
     let cli = ExtenderCli::parse();
     if let Some(path) = cli.check_config {
-        Config::load(&path, true)?;
+        // The confinement too: the extender refuses to start without the one asked for.
+        unit_drop_in(&Config::load(&path, true)?)?;
         println!("{}: ok", path.display());
         return Ok(());
     }
+    let must_exist = cli.config != Path::new(DEFAULT_PATH);
+    if cli.unit_drop_in {
+        let made = unit_drop_in(&Config::load(&cli.config, must_exist)?)?;
+        return print_stdout(&made.unwrap_or_default()).context("writing to stdout");
+    }
     let Some(command) = cli.command else {
-        let must_exist = cli.config != Path::new(DEFAULT_PATH);
         let config = Config::load(&cli.config, must_exist)?;
         tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
@@ -75,6 +81,13 @@ fn real_main() -> anyhow::Result<()> {
     }
 }
 
+/// The drop-in `config` asks for ([`confine::drop_in`]), outside the serving runtime.
+fn unit_drop_in(config: &Config) -> anyhow::Result<Option<String>> {
+    let runtime =
+        tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the async runtime")?;
+    Ok(runtime.block_on(confine::drop_in(config))?)
+}
+
 /// Resolves when SIGTERM or SIGINT arrives.
 async fn terminated() {
     use tokio::signal::unix::{SignalKind, signal};
@@ -88,6 +101,9 @@ async fn terminated() {
 }
 
 async fn serve_scheduler(config: Config) -> anyhow::Result<()> {
+    // A confinement asked for is made by the unit's generator from this same answer: refusing
+    // here keeps the extender from running unconfined when it cannot be made.
+    confine::drop_in(&config).await?;
     let tls = match config.server.tls() {
         Some((cert, key)) => Some(tls_acceptor(cert, key, config.server.client_ca.as_deref())?),
         None => None,

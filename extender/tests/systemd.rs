@@ -1,7 +1,8 @@
 //! The extender binary under systemd's protocol (`Type=notify`), driven as the packaged unit
 //! runs it: `READY=1` once it listens (healthz answers at once), a `STATUS=` line that follows
 //! the view's sync, `WATCHDOG=1` every half of `$WATCHDOG_USEC`, and `STOPPING=1` with a clean
-//! exit on SIGTERM. The test binds the `NOTIFY_SOCKET` datagram socket itself.
+//! exit on SIGTERM. The test binds the `NOTIFY_SOCKET` datagram socket itself. And the network
+//! confinement the package's generator writes from `--unit-drop-in`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -82,4 +83,67 @@ async fn ready_once_listening_status_follows_the_view_watchdog_and_stopping() {
     };
     assert_eq!(code, Some(0), "{}", log());
     tokio::task::block_in_place(|| notes.wait_for("STOPPING", WAIT, |m| m.starts_with("STOPPING=1\nSTATUS=stopping")));
+}
+
+/// `[kubernetes] confine_network`: `--unit-drop-in` prints what the package's generator writes
+/// (the API server, loopback, the callers), and a confinement that cannot be made (a server
+/// named by host name) is refused by the generator's call, by `--check-config` and by the
+/// extender's start alike, never served without.
+#[test]
+fn a_confinement_asked_for_is_printed_for_the_generator_or_refused_everywhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let run =
+        |args: &[&std::ffi::OsStr]| Command::new(env!("CARGO_BIN_EXE_gpushare-extender")).args(args).output().unwrap();
+    let write = |name: &str, text: String| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let kubeconfig = |name: &str, server: &str| {
+        write(
+            name,
+            format!(
+                "apiVersion: v1\nkind: Config\ncurrent-context: x\ncontexts:\n- name: x\n  context:\n    cluster: c\n    \
+                 user: x\nclusters:\n- name: c\n  cluster:\n    server: {server}\nusers:\n- name: x\n  user:\n    token: t\n"
+            ),
+        )
+    };
+    let listen =
+        format!("[server]\nlisten = \"127.0.0.1:{}\"\nobserve_listen = \"127.0.0.1:{}\"\n", free_port(), free_port());
+    let config = |name: &str, kubeconfig: &std::path::Path, extra: &str| {
+        write(name, format!("{listen}{extra}[kubernetes]\nkubeconfig = {:?}\n", kubeconfig.display().to_string()))
+    };
+    let by_address = kubeconfig("by-address", "https://10.9.0.1:6443");
+    let on = config("on.toml", &by_address, "callers = [\"10.0.0.0/24\"]\n");
+    std::fs::write(&on, std::fs::read_to_string(&on).unwrap() + "confine_network = true\n").unwrap();
+    let out = run(&["--config".as_ref(), on.as_os_str(), "--unit-drop-in".as_ref()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let printed = String::from_utf8_lossy(&out.stdout);
+    let settings: Vec<&str> = printed.lines().filter(|l| !l.starts_with('#')).collect();
+    assert_eq!(
+        settings,
+        ["[Service]", "IPAddressDeny=any", "IPAddressAllow=10.9.0.1 localhost 10.0.0.0/24"],
+        "{printed}"
+    );
+    assert!(run(&["--check-config".as_ref(), on.as_os_str()]).status.success());
+    // Off: the generator gets nothing to write.
+    let off = config("off.toml", &by_address, "");
+    let out = run(&["--config".as_ref(), off.as_os_str(), "--unit-drop-in".as_ref()]);
+    assert!(out.status.success() && out.stdout.is_empty(), "{out:?}");
+
+    let by_name = kubeconfig("by-name", "https://api.cluster.example:6443");
+    let refused = config("refused.toml", &by_name, "");
+    std::fs::write(&refused, std::fs::read_to_string(&refused).unwrap() + "confine_network = true\n").unwrap();
+    for args in [
+        vec!["--config".as_ref(), refused.as_os_str(), "--unit-drop-in".as_ref()],
+        vec!["--check-config".as_ref(), refused.as_os_str()],
+        vec!["--config".as_ref(), refused.as_os_str()],
+    ] {
+        let out = run(&args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        assert!(out.stdout.is_empty(), "{args:?}: {out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("https://api.cluster.example:6443/, which is named by host name"), "{args:?}: {err}");
+        assert!(err.contains("confine_network = false"), "{args:?}: {err}");
+    }
 }

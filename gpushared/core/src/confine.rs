@@ -1,18 +1,22 @@
 //! A unit's network confinement, as systemd writes it (`IPAddressDeny=any` and
-//! `IPAddressAllow=`), for `[kubernetes] confine_network`: the API server a kubeconfig's server
-//! URL names, and the drop-in that allows it and no other address. Reading the kubeconfig is the
-//! binaries'; what it may say, and what the drop-in then says, is decided here.
+//! `IPAddressAllow=`), for both binaries' `[kubernetes] confine_network`: the API server a
+//! kubeconfig's server URL names, the callers an operator lists, and the drop-in that allows
+//! those and no other address. Reading the kubeconfig is the binaries'; what it may say, and
+//! what the drop-in then says, is decided here.
 
 use std::fmt;
 use std::net::IpAddr;
 
 use thiserror::Error;
 
-/// One `IPAddressAllow=` entry: an address or systemd's `localhost` (127.0.0.0/8 and `::1`).
+/// One `IPAddressAllow=` entry: an address, a network, or systemd's `localhost` (127.0.0.0/8
+/// and `::1`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Allowed {
     /// An IPv4 or IPv6 address.
     Address(IpAddr),
+    /// An address with a prefix length (`10.0.0.0/24`).
+    Network(IpAddr, u8),
     /// The loopback addresses.
     Localhost,
 }
@@ -21,8 +25,50 @@ impl fmt::Display for Allowed {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Allowed::Address(a) => write!(f, "{a}"),
+            Allowed::Network(a, prefix) => write!(f, "{a}/{prefix}"),
             Allowed::Localhost => f.write_str("localhost"),
         }
+    }
+}
+
+/// An entry an operator wrote that systemd's `IPAddressAllow=` cannot take as meant.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[error("{entry:?} {why}; write an address (10.0.0.5, fd00::5), a network (10.0.0.0/24) or \"localhost\"")]
+pub struct EntryError {
+    /// The entry as written.
+    pub entry: String,
+    /// What is wrong with it.
+    pub why: &'static str,
+}
+
+impl Allowed {
+    /// Reads an entry of a configured caller list: an address, `ADDRESS/PREFIX` or `localhost`.
+    /// systemd's other names (`any`, `link-local`, `multicast`) are refused: each allows far
+    /// more than one caller.
+    ///
+    /// # Errors
+    /// [`EntryError`] saying what is wrong.
+    pub fn parse_entry(entry: &str) -> Result<Allowed, EntryError> {
+        let fail = |why| EntryError { entry: entry.to_owned(), why };
+        if entry.eq_ignore_ascii_case("localhost") {
+            return Ok(Allowed::Localhost);
+        }
+        if ["any", "link-local", "multicast"].iter().any(|n| entry.eq_ignore_ascii_case(n)) {
+            return Err(fail("allows far more than the callers meant"));
+        }
+        let Some((address, prefix)) = entry.split_once('/') else {
+            return entry.parse().map(Allowed::Address).map_err(|_| fail("is not an address"));
+        };
+        let address: IpAddr = address.parse().map_err(|_| fail("is not an address with a prefix length"))?;
+        let longest = if address.is_ipv4() { 32 } else { 128 };
+        let prefix = prefix.parse::<u8>().ok().filter(|p| (1..=longest).contains(p)).ok_or_else(|| {
+            fail(if address.is_ipv4() {
+                "needs a prefix length from 1 to 32"
+            } else {
+                "needs a prefix length from 1 to 128"
+            })
+        })?;
+        Ok(Allowed::Network(address, prefix))
     }
 }
 
@@ -38,6 +84,42 @@ pub enum ServerError {
     /// Reached through a proxy, whose address is what the unit would connect to.
     #[error("through the proxy its proxy-url names")]
     Proxied,
+}
+
+/// A confinement that cannot be made from a unit's kubeconfig, with what to do. `by_hand` names
+/// the section of docs/install.md that confines the unit by hand.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum ConfineError {
+    /// The kubeconfig cannot be read or resolved to a server.
+    #[error("[kubernetes] confine_network: cannot read the kubeconfig {path}: {reason}")]
+    Kubeconfig {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The kubeconfig does not say which server it uses.
+    #[error("[kubernetes] confine_network: the kubeconfig {path} names no server for its current context")]
+    NoServer {
+        /// The file.
+        path: String,
+    },
+    /// The server is not one systemd's `IPAddressAllow=` can name.
+    #[error(
+        "[kubernetes] confine_network: the kubeconfig {path} reaches the API server {server}, {why}; \
+         systemd's IPAddressAllow= takes addresses only. Name the server by its address in the kubeconfig, \
+         or set confine_network = false and confine the unit by hand (docs/install.md, {by_hand})"
+    )]
+    NotAnAddress {
+        /// The file.
+        path: String,
+        /// The server as the client reads it.
+        server: String,
+        /// Why it cannot be allowed.
+        why: ServerError,
+        /// The section of docs/install.md that confines the unit by hand.
+        by_hand: &'static str,
+    },
 }
 
 /// The `IPAddressAllow=` entry for an API server URL (`https://HOST[:PORT][/PATH]`, as a
@@ -123,6 +205,29 @@ mod tests {
         assert_eq!(api_server("https://[api]:6443", false), Err(ServerError::HostName));
         assert_eq!(api_server("https://", false), Err(ServerError::NoHost));
         assert_eq!(api_server("https://10.9.0.1:6443", true), Err(ServerError::Proxied));
+    }
+
+    #[test]
+    fn entries_are_addresses_networks_or_localhost() {
+        assert_eq!(Allowed::parse_entry("10.0.0.5"), Ok(Allowed::Address("10.0.0.5".parse().expect("ip"))));
+        assert_eq!(Allowed::parse_entry("Localhost"), Ok(Allowed::Localhost));
+        assert_eq!(Allowed::parse_entry("10.0.0.0/24").map(|a| a.to_string()), Ok("10.0.0.0/24".to_owned()));
+        assert_eq!(Allowed::parse_entry("fd00::/64").map(|a| a.to_string()), Ok("fd00::/64".to_owned()));
+        for (bad, why) in [
+            ("any", "far more"),
+            ("link-local", "far more"),
+            ("scheduler.example", "not an address"),
+            ("10.0.0.0/33", "1 to 32"),
+            ("10.0.0.0/0", "1 to 32"),
+            ("fd00::/129", "1 to 128"),
+            ("10.0.0.0/x", "1 to 32"),
+            ("host/24", "not an address"),
+            ("", "not an address"),
+        ] {
+            let e = Allowed::parse_entry(bad).expect_err(bad);
+            assert!(e.to_string().contains(why), "{bad}: {e}");
+            assert!(e.to_string().contains("localhost"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -7,46 +7,13 @@
 
 use std::path::Path;
 
-pub use gpushare_core::confine::Allowed;
-use gpushare_core::confine::ServerError;
+pub use gpushare_core::confine::{Allowed, ConfineError};
 use kube::config::Kubeconfig;
-use thiserror::Error;
 
 use crate::config::Config;
 
-/// The confinement cannot be made.
-#[derive(Debug, Error)]
-pub enum ConfineError {
-    /// The kubeconfig cannot be read.
-    #[error("[kubernetes] confine_network: cannot read the kubeconfig {path}: {reason}")]
-    Kubeconfig {
-        /// The file.
-        path: String,
-        /// What is wrong.
-        reason: String,
-    },
-    /// The kubeconfig does not say which server it uses.
-    #[error("[kubernetes] confine_network: the kubeconfig {path} names no server for its current context")]
-    NoServer {
-        /// The file.
-        path: String,
-    },
-    /// The server is not one systemd's `IPAddressAllow=` can name.
-    #[error(
-        "[kubernetes] confine_network: the kubeconfig {path} reaches the API server {server}, {why}; \
-         systemd's IPAddressAllow= takes addresses only. Name the server by its address in the kubeconfig, \
-         or set confine_network = false and confine the unit by hand (docs/install.md, Confine gpushared \
-         to the API server)"
-    )]
-    NotAnAddress {
-        /// The file.
-        path: String,
-        /// The server as written.
-        server: String,
-        /// Why it cannot be allowed.
-        why: ServerError,
-    },
-}
+/// The section of docs/install.md that confines the unit by hand.
+const BY_HAND: &str = "Confine gpushared to the API server";
 
 /// The address the kubeconfig at `path` reaches the API server at (its current context's
 /// cluster, or its only cluster).
@@ -76,6 +43,7 @@ pub fn api_server(path: &Path) -> Result<Allowed, ConfineError> {
         path: shown,
         server,
         why,
+        by_hand: BY_HAND,
     })
 }
 
