@@ -110,12 +110,14 @@ fn a_confinement_asked_for_is_printed_for_the_generator_or_refused_everywhere() 
     };
     let listen =
         format!("[server]\nlisten = \"127.0.0.1:{}\"\nobserve_listen = \"127.0.0.1:{}\"\n", free_port(), free_port());
-    let config = |name: &str, kubeconfig: &std::path::Path, extra: &str| {
-        write(name, format!("{listen}{extra}[kubernetes]\nkubeconfig = {:?}\n", kubeconfig.display().to_string()))
+    // `server` adds to [server], `kubernetes` to [kubernetes].
+    let config = |name: &str, kubeconfig: &std::path::Path, server: &str, kubernetes: &str| {
+        let kubeconfig = kubeconfig.display().to_string();
+        write(name, format!("{listen}{server}[kubernetes]\nkubeconfig = {kubeconfig:?}\n{kubernetes}"))
     };
+    let confined = "confine_network = true\n";
     let by_address = kubeconfig("by-address", "https://10.9.0.1:6443");
-    let on = config("on.toml", &by_address, "callers = [\"10.0.0.0/24\"]\n");
-    std::fs::write(&on, std::fs::read_to_string(&on).unwrap() + "confine_network = true\n").unwrap();
+    let on = config("on.toml", &by_address, "callers = [\"10.0.0.0/24\"]\n", confined);
     let out = run(&["--config".as_ref(), on.as_os_str(), "--unit-drop-in".as_ref()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let printed = String::from_utf8_lossy(&out.stdout);
@@ -127,13 +129,12 @@ fn a_confinement_asked_for_is_printed_for_the_generator_or_refused_everywhere() 
     );
     assert!(run(&["--check-config".as_ref(), on.as_os_str()]).status.success());
     // Off: the generator gets nothing to write.
-    let off = config("off.toml", &by_address, "");
+    let off = config("off.toml", &by_address, "", "");
     let out = run(&["--config".as_ref(), off.as_os_str(), "--unit-drop-in".as_ref()]);
     assert!(out.status.success() && out.stdout.is_empty(), "{out:?}");
 
     let by_name = kubeconfig("by-name", "https://api.cluster.example:6443");
-    let refused = config("refused.toml", &by_name, "");
-    std::fs::write(&refused, std::fs::read_to_string(&refused).unwrap() + "confine_network = true\n").unwrap();
+    let refused = config("refused.toml", &by_name, "", confined);
     for args in [
         vec!["--config".as_ref(), refused.as_os_str(), "--unit-drop-in".as_ref()],
         vec!["--check-config".as_ref(), refused.as_os_str()],
