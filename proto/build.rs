@@ -14,6 +14,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ".v1beta1.ContainerPreferredAllocationRequest",
             "crate::compact::ContainerPreferredAllocationRequest",
         )
+        .extern_path(".v1beta1.PreferredAllocationRequest", "crate::compact::PreferredAllocationRequest")
         .extern_path(".v1beta1.ListAndWatchResponse", "crate::compact::ListAndWatchResponse")
         .extern_path(".v1.ContainerDevices", "crate::compact::ContainerDevices")
         .compile_fds(fds)?;

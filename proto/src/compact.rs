@@ -4,7 +4,10 @@
 //! - [`ContainerPreferredAllocationRequest`]: the kubelet lists every free device in each
 //!   `GetPreferredAllocation` (131 072 IDs for 8 GPUs of 16 GiB in MiB mode). Decoded as
 //!   [`DeviceIds`], one string buffer and one offset per ID (about 9 bytes an ID), instead of
-//!   a `String` each (about 60 bytes an ID, and 131 072 allocations).
+//!   a `String` each (about 60 bytes an ID, and 131 072 allocations). Its envelope,
+//!   [`PreferredAllocationRequest`], is hand-written too, so that a container's request lying
+//!   whole in the received buffer (tonic's is one piece) is read from that slice in one loop,
+//!   not an ID at a time through prost's generic buffer calls.
 //! - [`ListAndWatchResponse`]: the complete device list, one entry per unit. The daemon hands
 //!   it a [`DeviceSource`] and each device is written straight into the message as it is
 //!   encoded, with no `Device` values in between; a decoded message (the kubelet side, in the
@@ -90,16 +93,27 @@ impl DeviceIds {
 
     /// Decodes one occurrence of the repeated string field with the checks and errors of
     /// prost's string decoding (wire type, length, UTF-8), copying the ID straight into the
-    /// list: a short ID passes through the stack, not a `String` of its own (the kubelet sends
-    /// 131 072 of them in a MiB-mode `GetPreferredAllocation`).
+    /// list, not into a `String` of its own (the kubelet sends 131 072 of them in a MiB-mode
+    /// `GetPreferredAllocation`). An ID with a one-byte length that lies whole in the buffer's
+    /// current piece (tonic hands over a message in one) is read from that piece; any other
+    /// goes through prost's buffer calls, a short ID through the stack.
     #[allow(deprecated)] // DecodeError::new: prost offers no other way to make one.
     fn merge_one(&mut self, wire_type: WireType, buf: &mut impl Buf, _: DecodeContext) -> Result<(), DecodeError> {
         const SHORT: usize = 64;
         prost::encoding::check_wire_type(WireType::LengthDelimited, wire_type)?;
-        let len = prost::encoding::decode_varint(buf)?;
-        let Some(len) = usize::try_from(len).ok().filter(|&len| len <= buf.remaining()) else {
-            return Err(DecodeError::new("buffer underflow"));
-        };
+        // Nearly always the ID and its one-byte length lie whole in the buffer's piece at hand.
+        if let [len @ 0..0x80, rest @ ..] = buf.chunk()
+            && let Some(id) = rest.get(..usize::from(*len))
+        {
+            let (id, taken) = (std::str::from_utf8(id), 1 + id.len());
+            let id = id.map_err(|_| DecodeError::new("invalid string value: data is not UTF-8 encoded"))?;
+            if !self.push(id) {
+                return Err(DecodeError::new("device ID list over 4 GiB"));
+            }
+            buf.advance(taken);
+            return Ok(());
+        }
+        let len = delimited_len(buf)?;
         let (mut short, mut long) = ([0u8; SHORT], Vec::new());
         let bytes = if len <= SHORT {
             &mut short[..len]
@@ -117,6 +131,13 @@ impl DeviceIds {
             Err(DecodeError::new("device ID list over 4 GiB"))
         }
     }
+}
+
+/// Reads a length-delimited field's length, which must not pass the end of `buf`.
+#[allow(deprecated)] // DecodeError::new: prost offers no other way to make one.
+fn delimited_len(buf: &mut impl Buf) -> Result<usize, DecodeError> {
+    let len = prost::encoding::decode_varint(buf)?;
+    usize::try_from(len).ok().filter(|&len| len <= buf.remaining()).ok_or_else(|| DecodeError::new("buffer underflow"))
 }
 
 impl fmt::Debug for DeviceIds {
@@ -192,6 +213,100 @@ impl Message for ContainerPreferredAllocationRequest {
 
     fn clear(&mut self) {
         *self = Self::default();
+    }
+}
+
+impl ContainerPreferredAllocationRequest {
+    /// Merges the fields in `bytes`, which hold this message whole (its length taken off): the
+    /// IDs with a one-byte key and length, nearly all of them, are read straight from the
+    /// slice; any other field goes through [`Message::merge_field`], with prost's checks and
+    /// errors.
+    #[allow(deprecated)] // DecodeError::new: prost offers no other way to make one.
+    fn merge_slice(&mut self, mut bytes: &[u8], ctx: &DecodeContext) -> Result<(), DecodeError> {
+        // Field 1 and 2, length-delimited: `tag << 3 | 2`.
+        const AVAILABLE: u8 = (1 << 3) | 2;
+        const MUST_INCLUDE: u8 = (2 << 3) | 2;
+        // The IDs' text is shorter than the message: one growth instead of many.
+        self.available_device_i_ds.text.reserve(bytes.len());
+        loop {
+            match bytes {
+                [] => return Ok(()),
+                [key @ (AVAILABLE | MUST_INCLUDE), len @ 0..0x80, rest @ ..] => {
+                    let Some((id, after)) = rest.split_at_checked(usize::from(*len)) else {
+                        return Err(DecodeError::new("buffer underflow"));
+                    };
+                    let id = std::str::from_utf8(id)
+                        .map_err(|_| DecodeError::new("invalid string value: data is not UTF-8 encoded"))?;
+                    let ids = if *key == AVAILABLE {
+                        &mut self.available_device_i_ds
+                    } else {
+                        &mut self.must_include_device_i_ds
+                    };
+                    if !ids.push(id) {
+                        // Unreachable through gRPC, whose messages are far smaller.
+                        return Err(DecodeError::new("device ID list over 4 GiB"));
+                    }
+                    bytes = after;
+                }
+                _ => {
+                    let (tag, wire_type) = prost::encoding::decode_key(&mut bytes)?;
+                    self.merge_field(tag, wire_type, &mut bytes, ctx.clone())?;
+                }
+            }
+        }
+    }
+}
+
+/// `v1beta1.PreferredAllocationRequest`: `repeated ContainerPreferredAllocationRequest
+/// container_requests = 1`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct PreferredAllocationRequest {
+    /// `container_requests = 1`: one request per container.
+    pub container_requests: Vec<ContainerPreferredAllocationRequest>,
+}
+
+impl Message for PreferredAllocationRequest {
+    fn encode_raw(&self, buf: &mut impl BufMut) {
+        for r in &self.container_requests {
+            prost::encoding::message::encode(1, r, buf);
+        }
+    }
+
+    #[allow(deprecated)] // DecodeError::new: prost offers no other way to make one.
+    fn merge_field(
+        &mut self,
+        tag: u32,
+        wire_type: WireType,
+        buf: &mut impl Buf,
+        ctx: DecodeContext,
+    ) -> Result<(), DecodeError> {
+        if tag != 1 {
+            return prost::encoding::skip_field(wire_type, tag, buf, ctx);
+        }
+        prost::encoding::check_wire_type(WireType::LengthDelimited, wire_type)?;
+        let len = delimited_len(buf)?;
+        let mut request = ContainerPreferredAllocationRequest::default();
+        if let Some(whole) = buf.chunk().get(..len) {
+            request.merge_slice(whole, &ctx)?;
+            buf.advance(len);
+        } else {
+            // Spread over pieces of the buffer: prost's way, a field at a time.
+            let mut piece = buf.take(len);
+            while piece.has_remaining() {
+                let (tag, wire_type) = prost::encoding::decode_key(&mut piece)?;
+                request.merge_field(tag, wire_type, &mut piece, ctx.clone())?;
+            }
+        }
+        self.container_requests.push(request);
+        Ok(())
+    }
+
+    fn encoded_len(&self) -> usize {
+        prost::encoding::message::encoded_len_repeated(1, &self.container_requests)
+    }
+
+    fn clear(&mut self) {
+        self.container_requests.clear();
     }
 }
 
@@ -408,6 +523,103 @@ mod tests {
         bad.extend(std::iter::repeat_n(b'x', 64));
         bad.push(0xff);
         assert!(ContainerPreferredAllocationRequest::decode(bad.as_slice()).is_err(), "a long ID that is not UTF-8");
+    }
+
+    /// The generated `v1beta1.PreferredAllocationRequest`, for comparing encodings.
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct GeneratedEnvelope {
+        #[prost(message, repeated, tag = "1")]
+        requests: Vec<GeneratedRequest>,
+    }
+
+    #[test]
+    fn the_request_envelope_is_wire_compatible_however_the_buffer_is_cut() {
+        let generated = GeneratedEnvelope {
+            requests: vec![
+                GeneratedRequest {
+                    available: vec!["Q30".into(), "x".repeat(200), "ünï".into(), String::new()],
+                    must: vec!["Q30".into()],
+                    size: 2,
+                },
+                GeneratedRequest { available: vec![], must: vec![], size: 0 },
+                GeneratedRequest { available: vec!["Z".into(); 3], must: vec![], size: -1 },
+            ],
+        };
+        let bytes = generated.encode_to_vec();
+        for decoded in decode_every_way::<PreferredAllocationRequest>(&bytes) {
+            let decoded = decoded.unwrap();
+            assert_eq!(decoded.container_requests.len(), 3);
+            for (compact, want) in decoded.container_requests.iter().zip(&generated.requests) {
+                assert_eq!(compact.available_device_i_ds.to_vec(), want.available);
+                assert_eq!(compact.must_include_device_i_ds.to_vec(), want.must);
+                assert_eq!(compact.allocation_size, want.size);
+            }
+            assert_eq!(decoded.encode_to_vec(), bytes, "encodes as the generated message");
+            assert_eq!(decoded.encoded_len(), bytes.len());
+        }
+        // Fields this build does not know are skipped, in the envelope and in a request.
+        // The envelope's field 4 (7), then a request of 7 bytes: ID "A", field 5 (1), size 3.
+        let unknown = [0x20, 0x07, 0x0a, 0x07, 0x0a, 0x01, b'A', 0x28, 0x01, 0x18, 0x03];
+        for decoded in decode_every_way::<PreferredAllocationRequest>(&unknown) {
+            let decoded = decoded.unwrap();
+            assert_eq!(decoded.container_requests[0].available_device_i_ds.to_vec(), ["A"]);
+            assert_eq!(decoded.container_requests[0].allocation_size, 3);
+        }
+    }
+
+    #[test]
+    fn a_bad_request_envelope_is_an_error_however_the_buffer_is_cut() {
+        for bad in [
+            &[0x0a, 0x03, 0x0a, 0x05, b'a'][..],         // an ID longer than its request
+            &[0x0a, 0x03, 0x0a, 0x01, 0xff],             // an ID that is not UTF-8
+            &[0x0a, 0x02, 0x0a, 0x01],                   // an ID cut at the request's end
+            &[0x0a, 0x01, 0x0a],                         // a key without its field
+            &[0x0a, 0x02, 0x08, 0x01],                   // an ID sent as a number
+            &[0x0a, 0x05, 0x0a, 0x80, 0x01, b'a', b'b'], // a long length, cut
+            &[0x08, 0x01, 0x0a, 0x09],                   // a request sent as a number, then cut
+            &[0x0a, 0x09, 0x0a, 0x01, b'a'],             // a request longer than the message
+        ] {
+            for decoded in decode_every_way::<PreferredAllocationRequest>(bad) {
+                assert!(decoded.is_err(), "{bad:?} is refused, got {decoded:?}");
+            }
+        }
+    }
+
+    /// Decodes `bytes` in one piece and cut in two at every place: an ID cut in two, or whose
+    /// length is, takes the path through prost's buffer calls.
+    fn decode_every_way<M: Message + Default>(bytes: &[u8]) -> Vec<Result<M, DecodeError>> {
+        let mut all = vec![M::decode(bytes)];
+        all.extend((0..=bytes.len()).map(|cut| {
+            let (a, b) = bytes.split_at(cut);
+            M::decode(a.chain(b))
+        }));
+        all
+    }
+
+    #[test]
+    fn an_id_is_decoded_alike_whole_or_in_pieces() {
+        let generated = GeneratedRequest {
+            available: vec!["Q30".into(), "x".repeat(200), "ü".repeat(40), String::new(), "y".repeat(70)],
+            must: vec!["Q30".into()],
+            size: 2,
+        };
+        let bytes = generated.encode_to_vec();
+        for decoded in decode_every_way::<ContainerPreferredAllocationRequest>(&bytes) {
+            let decoded = decoded.unwrap();
+            assert_eq!(decoded.available_device_i_ds.to_vec(), generated.available);
+            assert_eq!(decoded.must_include_device_i_ds.to_vec(), generated.must);
+            assert_eq!(decoded.allocation_size, 2);
+        }
+        for bad in [
+            &[0x0a, 0x05, b'a'][..],               // cut short
+            &[0x0a, 0x02, b'a', 0xff],             // not UTF-8
+            &[0x0a, 0x81, 0x01, b'a'],             // a two-byte length, cut short
+            &[0x0a, 0x02, 0xc3, 0x12, 0x01, 0xbc], // a character split between two IDs
+        ] {
+            for decoded in decode_every_way::<ContainerPreferredAllocationRequest>(bad) {
+                assert!(decoded.is_err(), "{bad:?} is refused, got {decoded:?}");
+            }
+        }
     }
 
     /// The generated `v1.ContainerDevices`, for comparing encodings.

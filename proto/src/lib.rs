@@ -12,7 +12,7 @@
 #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic)]
 pub mod deviceplugin {
     tonic::include_proto!("v1beta1");
-    pub use crate::compact::{ContainerPreferredAllocationRequest, ListAndWatchResponse};
+    pub use crate::compact::{ContainerPreferredAllocationRequest, ListAndWatchResponse, PreferredAllocationRequest};
 }
 
 /// The PodResources API, package `v1`.
