@@ -614,7 +614,7 @@ mod tests {
             &[0x0a, 0x05, b'a'][..],               // cut short
             &[0x0a, 0x02, b'a', 0xff],             // not UTF-8
             &[0x0a, 0x81, 0x01, b'a'],             // a two-byte length, cut short
-            &[0x0a, 0x02, 0xc3, 0x12, 0x01, 0xbc], // a character split between two IDs
+            &[0x0a, 0x01, 0xc3, 0x0a, 0x01, 0xbc], // a character split between two IDs
         ] {
             for decoded in decode_every_way::<ContainerPreferredAllocationRequest>(bad) {
                 assert!(decoded.is_err(), "{bad:?} is refused, got {decoded:?}");
