@@ -97,7 +97,6 @@ impl DeviceIds {
     /// `GetPreferredAllocation`). An ID with a one-byte length that lies whole in the buffer's
     /// current piece (tonic hands over a message in one) is read from that piece; any other
     /// goes through prost's buffer calls, a short ID through the stack.
-    #[allow(deprecated)] // DecodeError::new: prost offers no other way to make one.
     fn merge_one(&mut self, wire_type: WireType, buf: &mut impl Buf, _: DecodeContext) -> Result<(), DecodeError> {
         const SHORT: usize = 64;
         prost::encoding::check_wire_type(WireType::LengthDelimited, wire_type)?;
@@ -105,11 +104,8 @@ impl DeviceIds {
         if let [len @ 0..0x80, rest @ ..] = buf.chunk()
             && let Some(id) = rest.get(..usize::from(*len))
         {
-            let (id, taken) = (std::str::from_utf8(id), 1 + id.len());
-            let id = id.map_err(|_| DecodeError::new("invalid string value: data is not UTF-8 encoded"))?;
-            if !self.push(id) {
-                return Err(DecodeError::new("device ID list over 4 GiB"));
-            }
+            let taken = 1 + id.len();
+            self.push_decoded(id)?;
             buf.advance(taken);
             return Ok(());
         }
@@ -122,8 +118,14 @@ impl DeviceIds {
             &mut long[..]
         };
         buf.copy_to_slice(bytes);
-        let id = std::str::from_utf8(bytes)
-            .map_err(|_| DecodeError::new("invalid string value: data is not UTF-8 encoded"))?;
+        self.push_decoded(bytes)
+    }
+
+    /// Appends an ID as decoded from the wire, with prost's error for one that is not UTF-8.
+    #[allow(deprecated)] // DecodeError::new: prost offers no other way to make one.
+    fn push_decoded(&mut self, id: &[u8]) -> Result<(), DecodeError> {
+        let id =
+            std::str::from_utf8(id).map_err(|_| DecodeError::new("invalid string value: data is not UTF-8 encoded"))?;
         if self.push(id) {
             Ok(())
         } else {
@@ -235,17 +237,12 @@ impl ContainerPreferredAllocationRequest {
                     let Some((id, after)) = rest.split_at_checked(usize::from(*len)) else {
                         return Err(DecodeError::new("buffer underflow"));
                     };
-                    let id = std::str::from_utf8(id)
-                        .map_err(|_| DecodeError::new("invalid string value: data is not UTF-8 encoded"))?;
                     let ids = if *key == AVAILABLE {
                         &mut self.available_device_i_ds
                     } else {
                         &mut self.must_include_device_i_ds
                     };
-                    if !ids.push(id) {
-                        // Unreachable through gRPC, whose messages are far smaller.
-                        return Err(DecodeError::new("device ID list over 4 GiB"));
-                    }
+                    ids.push_decoded(id)?;
                     bytes = after;
                 }
                 _ => {
