@@ -505,8 +505,9 @@ impl Server {
 
 /// Registers `resource` served at `endpoint` with the kubelet at `kubelet_sock` (`preferred`:
 /// whether the plugin offers `GetPreferredAllocation`), retrying with backoff (100 ms doubling
-/// to 5 s) while the kubelet is not there. Returns once the kubelet accepted, or with the
-/// kubelet's refusal (a refused registration is final: the kubelet rejects the name or version).
+/// to 5 s) while the kubelet is not there, or went away before it answered (a kubelet
+/// restarting mid-call). Returns once the kubelet accepted, or with the kubelet's refusal (a
+/// refused registration is final: the kubelet rejects the name or version).
 ///
 /// # Errors
 /// The kubelet's refusal.
@@ -539,7 +540,7 @@ pub async fn register(
                 tracing::info!(kubelet = %kubelet_sock.display(), %resource, %endpoint, "registered with the kubelet");
                 return Ok(());
             }
-            Err(s) if s.code() == tonic::Code::Unavailable => {
+            Err(s) if s.code() == tonic::Code::Unavailable || unanswered(&s) => {
                 tracing::info!(kubelet = %kubelet_sock.display(), error = %s.message(), "waiting for the kubelet");
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(Duration::from_secs(5));
@@ -547,6 +548,12 @@ pub async fn register(
             Err(s) => return Err(s),
         }
     }
+}
+
+/// Whether a call failed below gRPC, its connection lost before an answer came (tonic's
+/// "transport error"), rather than with a status the other side sent.
+fn unanswered(status: &Status) -> bool {
+    std::error::Error::source(status).is_some_and(<dyn std::error::Error>::is::<tonic::transport::Error>)
 }
 
 /// Sends the kubelet a new device list when a GPU's health changes.
@@ -595,6 +602,26 @@ mod tests {
 
     fn allocate(ids: Vec<String>) -> Request<AllocateRequest> {
         Request::new(AllocateRequest { container_requests: vec![ContainerAllocateRequest { devices_ids: ids }] })
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_registration_the_kubelet_dropped_unanswered_is_made_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("kubelet.sock");
+        let (plugin, _fixture) = plugin();
+        let _server = Server::start(plugin, &dir.path().join("gpushared.sock")).unwrap();
+        // A kubelet that takes the call and goes away before answering, as one restarting does.
+        let listener = tokio::net::UnixListener::bind(&sock).unwrap();
+        let registering =
+            tokio::spawn(register(sock.clone(), "gpushared.sock".into(), "gpushare.io/gpu-mem".into(), true));
+        let (mut call, _) = listener.accept().await.unwrap();
+        let _ = tokio::io::AsyncReadExt::read(&mut call, &mut [0u8; 64]).await;
+        drop((call, listener));
+        // The kubelet after it, on the same path.
+        let kubelet = gpushare_testkit::kubelet::Kubelet::start(dir.path()).await.unwrap();
+        let registered = tokio::time::timeout(Duration::from_secs(10), registering).await.unwrap().unwrap();
+        assert!(registered.is_ok(), "{registered:?}");
+        assert_eq!(kubelet.registrations().len(), 1);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
