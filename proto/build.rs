@@ -1,4 +1,5 @@
-//! Compiles the kubelet protos with protox (pure Rust; no `protoc` needed) into `OUT_DIR`.
+//! Compiles the kubelet protos, NRI's and ttrpc's envelope with protox (pure Rust; no `protoc`
+//! needed) into `OUT_DIR`.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let files = ["deviceplugin.proto", "podresources.proto", "dra.proto", "pluginregistration.proto"];
@@ -18,5 +19,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .extern_path(".v1beta1.ListAndWatchResponse", "crate::compact::ListAndWatchResponse")
         .extern_path(".v1.ContainerDevices", "crate::compact::ContainerDevices")
         .compile_fds(fds)?;
+    // NRI's messages and ttrpc's envelope: carried over ttrpc, not gRPC, so no services.
+    let ttrpc = ["nri.proto", "ttrpc.proto"];
+    for f in ttrpc {
+        println!("cargo:rerun-if-changed={f}");
+    }
+    tonic_prost_build::configure()
+        .build_client(false)
+        .build_server(false)
+        .compile_fds(protox::compile(ttrpc, ["."])?)?;
     Ok(())
 }

@@ -2,7 +2,9 @@
 //! `podresources.proto`, `dra.proto` and `pluginregistration.proto` (written from the upstream
 //! field tables): the device plugin API that gpushared serves and registers with, the
 //! PodResources API it reconciles against, and the DRA plugin API it serves as a DRA driver,
-//! registered through the kubelet's plugin watcher. The
+//! registered through the kubelet's plugin watcher; and the part of the container runtime's NRI
+//! API (`nri.proto`, with ttrpc's envelope `ttrpc.proto`) that gpushared's NRI plugin speaks,
+//! framed by [`nri_wire`]. The
 //! stand-in kubelet of the tests uses the same code from the other side. [`compact`] holds the
 //! hand-written messages for the large device lists; [`uds`] dials gRPC servers on unix
 //! sockets; [`authority`] lets tonic serve the kubelet's plugin watcher, whose requests it would
@@ -34,6 +36,25 @@ pub mod pluginregistration {
     tonic::include_proto!("pluginregistration");
 }
 
+/// The NRI plugin API, package `nri.pkg.api.v1alpha1` (the part gpushared uses), carried over
+/// ttrpc.
+#[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic)]
+pub mod nri {
+    tonic::include_proto!("nri.pkg.api.v1alpha1");
+    /// The ttrpc service the runtime serves.
+    pub const RUNTIME_SERVICE: &str = "nri.pkg.api.v1alpha1.Runtime";
+    /// The ttrpc service a plugin serves.
+    pub const PLUGIN_SERVICE: &str = "nri.pkg.api.v1alpha1.Plugin";
+    /// `Event.CREATE_CONTAINER`: bit `4 - 1` of `ConfigureResponse.events`.
+    pub const EVENT_CREATE_CONTAINER: i32 = 4;
+}
+
+/// ttrpc's envelope, package `ttrpc`.
+#[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic)]
+pub mod ttrpc {
+    tonic::include_proto!("ttrpc");
+}
+
 /// The service a DRA plugin names in `PluginInfo.supported_versions`.
 pub const DRA_PLUGIN_SERVICE: &str = "v1.DRAPlugin";
 /// `PluginInfo.type` of a DRA plugin.
@@ -41,6 +62,7 @@ pub const DRA_PLUGIN_TYPE: &str = "DRAPlugin";
 
 pub mod authority;
 pub mod compact;
+pub mod nri_wire;
 pub mod registration;
 pub mod uds;
 

@@ -6,7 +6,8 @@
 //! spec, the folder the recording runtime reads too), the box's images imported (no registry is
 //! reachable), and a pod network of its own: containerd runs in a network namespace of its own
 //! (`unshare --net`) where the CNI bridge plugin makes the node's bridge, so nodes side by side
-//! neither collide nor touch the machine's network. NRI is off (its socket is one per machine).
+//! neither collide nor touch the machine's network. NRI is on, its socket in the node's folder
+//! ([`NRI_SOCKET`]), where gpushared's NRI plugin dials it; it launches no plugins of its own.
 //! The build machines' containers lack `CAP_SYS_RESOURCE`, so no process may lower its OOM score
 //! below its parent's: containerd keeps each container's at or above its own
 //! (`restrict_oom_score_adj`, as for a containerd that runs in a user namespace).
@@ -43,6 +44,9 @@ pub const PROBE_IMAGE: &str = "registry.example/probe:1";
 
 /// The containerd namespace of the CRI plugin.
 const NAMESPACE: &str = "k8s.io";
+
+/// containerd's NRI socket, in the folder given to [`Containerd::start`].
+pub const NRI_SOCKET: &str = "nri.sock";
 
 /// One node's containerd, serving while this lives.
 #[derive(Debug)]
@@ -266,7 +270,8 @@ fn config(dir: &Path, bin: &Path, cdi: &Path) -> String {
          [plugins.'io.containerd.server.v1.grpc']\n  address = '{d}/containerd.sock'\n\
          [plugins.'io.containerd.server.v1.ttrpc']\n  address = '{d}/containerd.sock.ttrpc'\n\
          [plugins.'io.containerd.internal.v1.opt']\n  path = '{d}/opt'\n\
-         [plugins.'io.containerd.nri.v1.nri']\n  disable = true\n\
+         [plugins.'io.containerd.nri.v1.nri']\n  disable = false\n  socket_path = '{d}/{nri}'\n  \
+         plugin_path = '{d}/nri-plugins'\n  plugin_config_path = '{d}/nri-conf.d'\n\
          [plugins.'io.containerd.cri.v1.images']\n  snapshotter = 'overlayfs'\n\
          [plugins.'io.containerd.cri.v1.images'.pinned_images]\n  sandbox = 'registry.k8s.io/pause:3.10.2'\n\
          [plugins.'io.containerd.cri.v1.runtime']\n  enable_cdi = true\n  cdi_spec_dirs = ['{cdi}']\n  \
@@ -274,6 +279,7 @@ fn config(dir: &Path, bin: &Path, cdi: &Path) -> String {
          [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]\n  \
          BinaryName = '{runc}'\n  Root = '{d}/runc'\n\
          [plugins.'io.containerd.cri.v1.runtime'.cni]\n  bin_dirs = ['{bin}']\n  conf_dir = '{d}/net.d'\n",
+        nri = NRI_SOCKET,
         cdi = cdi.display(),
         runc = bin.join("runc").display(),
         bin = bin.display(),

@@ -2,8 +2,9 @@
 //! kubelet drives containerd 2 and runc (`gpushare_testkit::containerd`), so every container
 //! really starts. Its process, the probe of `tests/runtime/cmd/probe`, reports what it sees, and
 //! each check reads that: the device plugin's `Allocate` environment and device nodes, a DRA
-//! claim's CDI spec as containerd injects it (its device nodes among it), and a restart of
-//! containerd with the pods running.
+//! claim's CDI spec as containerd injects it (its device nodes among it), the rest of the
+//! environment of a lean answer through gpushared's NRI plugin, and a restart of containerd with
+//! the pods running.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeMap;
@@ -46,9 +47,11 @@ async fn containerd_box() -> Option<RealBox> {
     // gpushared-mps.service makes the pipe directory on a host (`install -d`).
     std::fs::create_dir_all(&pipe).unwrap();
     let host = b.plane.dir.join(NODE);
+    // The device plugin's answers carry the lean set: the rest of each container's environment
+    // (`GPUSHARE_MEMORY_MIB`, which the checks read, among it) reaches it through NRI.
     let mps = format!(
         "[sharing]\nmps = [1, 3]\n[mps]\npipe_directory = \"{pipe}\"\nlog_directory = \"{log}\"\n\
-         environment_file = \"{env}\"\n",
+         environment_file = \"{env}\"\n[kubelet]\nenvironment = \"lean\"\n",
         log = host.join("mps-log").display(),
         env = host.join("mps.env").display(),
     );
@@ -106,6 +109,36 @@ fn wait_seen(b: &RealBox, name: &str, containers: &[&str]) -> BTreeMap<String, S
         );
         std::thread::sleep(Duration::from_millis(250));
     }
+}
+
+/// Waits until gpushared has registered as containerd's NRI plugin `times` times.
+fn wait_registered(b: &RealBox, times: usize) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let log = node(b).daemon.log();
+        if log.matches("registered as the runtime's NRI plugin").count() >= times {
+            return;
+        }
+        assert!(Instant::now() < deadline, "gpushared has not registered with NRI {times} times:\n{log}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Standard base64, as Go's JSON writes a byte slice.
+fn base64(text: &str) -> Vec<u8> {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = Vec::new();
+    let (mut acc, mut bits) = (0u32, 0);
+    for c in text.bytes().filter(|&c| c != b'=') {
+        let v = ALPHABET.iter().position(|&a| a == c).unwrap_or_else(|| panic!("{c} is not base64"));
+        acc = (acc << 6) | u32::try_from(v).unwrap();
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push(u8::try_from((acc >> bits) & 0xff).unwrap());
+        }
+    }
+    out
 }
 
 /// The UUID of the node's GPU `index`.
@@ -192,6 +225,7 @@ async fn on_containerd_each_process_sees_its_grant_and_a_restart_keeps_them_runn
 
     // Device plugin: Allocate's environment and mounts reach each process. 30,000 and 20,000
     // MiB cannot share a GPU, so both GPUs, the MPS one among them, are used.
+    wait_registered(&b, 1);
     let plugin = [("cp-a", 6000), ("cp-b", 30000), ("cp-c", 20000)];
     for (name, mib) in plugin {
         b.plane.create(&plugin_pod(name, mib, &pipe)).unwrap();
@@ -203,6 +237,39 @@ async fn on_containerd_each_process_sees_its_grant_and_a_restart_keeps_them_runn
         gpus.push(check_plugin_pod(&b, name, &seen["main"]));
     }
     assert!(gpus.contains(&uuid(0)) && gpus.contains(&uuid(1)), "{gpus:?}");
+    // What the kubelet keeps of each answer is the lean set: `GPUSHARE_MEMORY_MIB`, which each
+    // process saw, came through NRI.
+    let checkpoint = node(&b).kubelet.dirs.device_plugins().join("kubelet_internal_checkpoint");
+    let checkpoint: Value = serde_json::from_slice(&std::fs::read(&checkpoint).unwrap()).unwrap();
+    let entries = checkpoint["Data"]["PodDeviceEntries"].as_array().unwrap();
+    assert_eq!(entries.len(), plugin.len());
+    for e in entries {
+        let answer = String::from_utf8_lossy(&base64(e["AllocResp"].as_str().unwrap())).into_owned();
+        assert!(answer.contains("GPUSHARE_POD") && !answer.contains("GPUSHARE_MEMORY_MIB"), "{answer:?}");
+    }
+
+    // A container whose environment names another pod in GPUSHARE_POD (here its own spec's, as
+    // a wrong answer would) is refused by gpushared's NRI plugin: containerd fails its creation
+    // with gpushared's reason, which the kubelet reports on the pod.
+    let mut forged = plugin_pod("cp-forged", 0, &pipe);
+    forged["spec"]["containers"][0]["resources"] = json!({});
+    forged["spec"]["containers"][0]["env"] = json!([{"name": "GPUSHARE_POD", "value": "default/cp-a"}]);
+    b.plane.create(&forged).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let p = get(&b.plane, &["get", "pod", "cp-forged", "-n", "default"]);
+        let waiting = &p["status"]["containerStatuses"][0]["state"]["waiting"];
+        if waiting["reason"] == "CreateContainerError" {
+            let message = waiting["message"].as_str().unwrap_or_default();
+            assert!(message.contains("refusing to create container \"main\" of pod default/cp-forged"), "{p}");
+            break;
+        }
+        assert_ne!(p["status"]["phase"], "Running", "a container carrying another pod's answer started: {p}");
+        assert!(Instant::now() < deadline, "cp-forged was not refused within 60 s: {p}");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert!(node(&b).seen().unwrap().iter().all(|s| s.pod != "cp-forged"));
+    b.plane.kubectl(&["delete", "pod", "cp-forged", "-n", "default", "--wait=false"]).unwrap();
 
     // DRA: containerd resolves each claim's CDI device from the spec gpushared wrote. Both
     // containers of a pod share a plain claim on GPU 2; a claim on the dra-mps GPU 3 makes its
@@ -239,6 +306,9 @@ async fn on_containerd_each_process_sees_its_grant_and_a_restart_keeps_them_runn
     let before = node(&b).seen().unwrap().len();
     let n = b.nodes.iter_mut().find(|n| n.name == NODE).unwrap();
     n.runtime.containerd_mut().expect("the box runs containerd").restart().unwrap_or_else(|e| panic!("{e:#}"));
+    // gpushared dials the new containerd's NRI again; a container created before it has would
+    // get the lean answer alone.
+    wait_registered(&b, 2);
     b.plane.create(&plugin_pod("cp-after", 8000, &pipe)).unwrap();
     wait_bound(&b, &["cp-after".to_owned()]).await;
     let seen = wait_seen(&b, "cp-after", &["main"]);

@@ -3,7 +3,7 @@
 //! the line and what to write instead; a missing file means all defaults.
 //!
 //! Sections with rules of their own have a file each: `sharing` (`[sharing]`, `[mps]`), `health`
-//! (`[health]`, `[overuse]`) and `dra` (`[dra]`).
+//! (`[health]`, `[overuse]`), `dra` (`[dra]`) and `nri` (`[nri]`).
 
 use std::path::{Path, PathBuf};
 
@@ -143,6 +143,9 @@ pub struct Config {
     /// The NVIDIA device nodes gpushared names to the runtime itself, if any.
     #[serde(default)]
     pub device_nodes: DeviceNodesConfig,
+    /// gpushared as an NRI plugin of the container runtime.
+    #[serde(default)]
+    pub nri: NriConfig,
 }
 
 /// `[dbus]`: the local status API.
@@ -572,10 +575,12 @@ impl Config {
 mod devices;
 mod dra;
 mod health;
+mod nri;
 mod sharing;
 pub use devices::{DeviceNode, DeviceNodesConfig};
 pub use dra::DraConfig;
 pub use health::{DEFAULT_IGNORED_XIDS, HealthConfig, OveruseAction, OveruseConfig};
+pub use nri::NriConfig;
 pub use sharing::{GpuRef, MpsConfig, SharingConfig, ThreadShare};
 
 fn is_dns_subdomain(s: &str) -> bool {
@@ -692,6 +697,8 @@ mod tests {
         assert!(c.gpus.is_empty());
         assert_eq!(c.kubelet.pod_resources_socket.path(), Path::new("/var/lib/kubelet/pod-resources/kubelet.sock"));
         assert_eq!(c.kubelet.environment, ContainerEnvironment::Full);
+        assert!(!c.nri.enabled);
+        assert_eq!((c.nri.socket.path(), c.nri.index.as_str()), (Path::new("/var/run/nri/nri.sock"), "50"));
         assert_eq!(c.reconcile.interval_seconds.duration().as_secs(), 60);
         assert_eq!(c.reconcile.grace_seconds.duration().as_secs(), 30);
         assert_eq!(c.health.ignored_xids, vec![13, 31, 43, 45, 68, 109]);
@@ -785,6 +792,9 @@ numa_node = 1
             ("[kubelet]\nsocket_name = \"kubelet.sock\"", &["line 2", "not a usable socket file name"]),
             ("[resources]\nunit = \"KiB\"", &["line 2", "unknown variant `KiB`", "`MiB`"]),
             ("[kubelet]\nenvironment = \"minimal\"", &["line 2", "unknown variant `minimal`", "`full`", "`lean`"]),
+            ("[nri]\nindex = \"5\"", &["line 2", "\"5\" is not two digits", "\"50\""]),
+            ("[nri]\nsocket = \"nri.sock\"", &["line 2", "is relative"]),
+            ("[nri]\nenable = true", &["line 2", "unknown field `enable`", "enabled"]),
             ("[resources]\ncompatibility = \"nvidia\"", &["line 2", "`gpushare`", "`alibaba`"]),
             ("[resources]\nmemory = \"gpu-mem\"", &["line 2", "no domain prefix"]),
             ("[resources]\nnuma_topology = \"yes\"", &["line 2", "expected a boolean"]),

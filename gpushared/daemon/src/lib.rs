@@ -12,11 +12,12 @@
 //! - [`dra`]: the DRA driver (ResourceSlice, the kubelet's DRA plugin API, CDI specs);
 //! - [`cli`], [`config`], [`startup`]: the command line, the configuration file and the checks
 //!   on it against this host before serving;
+//! - [`nri`]: the container runtime's side (an NRI plugin completing each container's environment);
 //! - [`memory`]: keeping resident memory small after the kubelet's large device lists;
 //! - [`status`]: the status line systemd shows;
 //! - [`systemd`]: readiness, status and the watchdog for `Type=notify`.
 //!
-//! The arrows point one way: `kubelet`, `dbus` and `cluster::publish` call the allocation
+//! The arrows point one way: `kubelet`, `nri`, `dbus` and `cluster::publish` call the allocation
 //! service; it reads `allocation::pods` and the GPUs' state; nothing in `allocation` or `gpus`
 //! knows a protocol.
 
@@ -29,6 +30,7 @@ pub mod dra;
 pub mod gpus;
 pub mod kubelet;
 pub mod memory;
+pub mod nri;
 pub mod startup;
 pub mod status;
 

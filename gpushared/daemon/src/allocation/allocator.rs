@@ -28,6 +28,7 @@ use crate::config::{Compatibility, DeviceNodesConfig, MpsConfig};
 
 mod admission;
 mod claims;
+mod creating;
 mod env;
 mod error;
 mod gpus;
@@ -42,6 +43,7 @@ mod room;
 
 use admission::{Admissions, Owner, Step};
 pub use claims::{ClaimError, ClaimRef, ClaimShare, PreparedShare};
+pub use creating::Creation;
 pub use env::{Answer, Mount};
 pub use error::AllocError;
 pub use gpus::Summary;

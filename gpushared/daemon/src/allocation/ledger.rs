@@ -357,6 +357,17 @@ impl Ledger {
         self.rows("WHERE released_at IS NULL AND device_ids = ?1 ORDER BY id", params![key])
     }
 
+    /// Live rows of one pod's container, oldest first.
+    ///
+    /// # Errors
+    /// [`LedgerError`] if SQLite refuses or a row is malformed.
+    pub fn live_of(&self, pod_uid: &str, container: &str) -> Result<Vec<Row>, LedgerError> {
+        self.rows(
+            "WHERE released_at IS NULL AND pod_uid = ?1 AND container = ?2 ORDER BY id",
+            params![pod_uid, container],
+        )
+    }
+
     /// Whether the ledger has ever held a row, live or released, for this pod's container.
     ///
     /// # Errors

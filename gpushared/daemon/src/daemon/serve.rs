@@ -112,6 +112,9 @@ impl Serving {
             Arc::clone(&reconcile_now),
             self.plugin.latest_list(),
         ));
+        if config.nri.enabled {
+            tasks.spawn(gpushared::nri::run(Arc::clone(&self.alloc), config.nri.clone()));
+        }
         let mut registration = Some(self.register(config));
         let (others_stop, others_stop_rx) = watch::channel(false);
         let mut whole = self.start_whole(config, others_stop_rx);

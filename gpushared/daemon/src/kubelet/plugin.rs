@@ -78,7 +78,8 @@ fn status(e: &AllocError) -> Status {
         | AllocError::Doubtful { .. }
         | AllocError::UnknownGpu { .. }
         | AllocError::Unhealthy { .. }
-        | AllocError::Cordoned { .. } => Status::failed_precondition(msg),
+        | AllocError::Cordoned { .. }
+        | AllocError::WrongPod { .. } => Status::failed_precondition(msg),
         AllocError::Ledger(_) => Status::internal(msg),
         AllocError::Rebuilding { .. } | AllocError::Unconfirmed { .. } => Status::unavailable(msg),
         AllocError::NoSuchGpu(_) => Status::not_found(msg),

@@ -29,6 +29,24 @@ pub enum AllocError {
         /// The annotation key.
         key: &'static str,
     },
+    /// A container the runtime is creating carries a device-plugin answer that is not its own.
+    #[error(
+        "refusing to create container {container:?} of pod {pod} (UID {uid}): its environment names pod {answered} \
+         (GPUSHARE_POD) and {why}; it would run on GPUs granted to another pod. The kubelet retries the container; \
+         if it keeps failing, delete the pod so that it is admitted again"
+    )]
+    WrongPod {
+        /// namespace/name.
+        pod: String,
+        /// The pod's UID.
+        uid: String,
+        /// The container.
+        container: String,
+        /// The pod its answer names.
+        answered: String,
+        /// What shows that the answer is not its own.
+        why: String,
+    },
     /// A device ID that is not one of this daemon's.
     #[error("device {0:?} is not one of gpushared's devices on this node (a stale kubelet checkpoint?)")]
     UnknownDevice(String),

@@ -682,3 +682,50 @@ fn the_history_is_read_beside_an_allocation_and_neither_waits_for_the_other() {
         "{page:?}"
     );
 }
+
+/// `KEY=value` lines of an answer, as the runtime holds a container's environment.
+fn env_lines(answer: &Answer) -> Vec<String> {
+    answer.envs.iter().map(|(k, v)| format!("{k}={v}")).collect()
+}
+
+#[test]
+fn a_container_being_created_gets_its_full_environment_and_no_other_pods() {
+    let lean = crate::config::ContainerEnvironment::Lean;
+    let f = fixture_with(Compatibility::Gpushare, crate::config::DeviceNodesConfig::default(), lean);
+    pod(&f, "u1", "2026-01-01T00:00:00Z", &[("train", ContainerRole::App, &[(0, 300), (2, 300)])]);
+    let answer = admit(&f, 600).unwrap();
+    let own = PodRef { namespace: "default".into(), name: "pod-u1".into(), uid: "u1".into() };
+
+    // The lean answer is completed to the full one, and only what it lacks is added.
+    let Creation::Environment(added) = f.alloc.container_creating(&own, "train", &env_lines(&answer)).unwrap() else {
+        panic!("the container holds devices");
+    };
+    let full = fixture(Compatibility::Gpushare);
+    pod(&full, "u1", "2026-01-01T00:00:00Z", &[("train", ContainerRole::App, &[(0, 300), (2, 300)])]);
+    let full_answer = admit(&full, 600).unwrap();
+    let mut completed = answer.envs.clone();
+    completed.extend(added.clone());
+    assert_eq!(completed, full_answer.envs);
+    assert!(added.keys().all(|k| !answer.envs.contains_key(k)), "{added:?}");
+    assert_eq!(added["GPUSHARE_MEMORY_TOTAL_MIB"], "600");
+    // A full answer needs nothing added.
+    assert_eq!(
+        full.alloc.container_creating(&own, "train", &env_lines(&full_answer)).unwrap(),
+        Creation::Environment(BTreeMap::new())
+    );
+
+    // Another pod carrying this answer, or this pod's name under a new UID, is refused.
+    let other = PodRef { namespace: "default".into(), name: "pod-u2".into(), uid: "u2".into() };
+    let e = f.alloc.container_creating(&other, "train", &env_lines(&answer)).unwrap_err();
+    assert!(matches!(e, AllocError::WrongPod { .. }), "{e}");
+    assert!(e.to_string().contains("names pod default/pod-u1"), "{e}");
+    let again = PodRef { uid: "u9".into(), ..own.clone() };
+    let e = f.alloc.container_creating(&again, "train", &env_lines(&answer)).unwrap_err();
+    assert!(e.to_string().contains("the ledger holds no devices for it"), "{e}");
+    // A container of this pod that holds nothing, yet carries the answer, is refused too.
+    assert!(f.alloc.container_creating(&own, "sidecar", &env_lines(&answer)).is_err());
+
+    // A container without a device-plugin answer is not gpushared's.
+    let plain = vec!["PATH=/usr/bin".to_owned()];
+    assert_eq!(f.alloc.container_creating(&other, "main", &plain).unwrap(), Creation::NotOurs);
+}

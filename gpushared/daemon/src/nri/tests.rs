@@ -1,0 +1,172 @@
+//! The plugin against a stand-in runtime on a real unix socket, speaking NRI's framing from the
+//! runtime's side: registration, configuration, synchronization, container creation, a refused
+//! creation, and shutdown; and the connection's errors.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+
+use gpushare_core::ContainerRole;
+use tokio::net::UnixListener;
+
+use super::*;
+use crate::allocation::allocator::tests::{Fixture, fixture, pod};
+use crate::config::Compatibility;
+
+/// The runtime's end of one plugin connection.
+struct Runtime {
+    socket: UnixStream,
+    decoder: Decoder,
+    stream: u32,
+}
+
+impl Runtime {
+    async fn message(&mut self) -> Option<Message> {
+        let mut buf = [0u8; 4096];
+        loop {
+            if let Some(m) = self.decoder.next_message().unwrap() {
+                return Some(m);
+            }
+            let n = self.socket.read(&mut buf).await.unwrap();
+            if n == 0 {
+                return None;
+            }
+            self.decoder.push(&buf[..n]);
+        }
+    }
+
+    /// Calls the plugin's `method`, returning its response.
+    async fn call(&mut self, method: &str, payload: Vec<u8>) -> ttrpc::Response {
+        self.stream += 2;
+        let request =
+            ttrpc::Request { service: PLUGIN_SERVICE.into(), method: method.into(), payload, ..Default::default() };
+        let bytes = wire::frame(PLUGIN_CONN, self.stream, REQUEST, &request.encode_to_vec()).unwrap();
+        self.socket.write_all(&bytes).await.unwrap();
+        let m = self.message().await.expect("an answer");
+        assert_eq!((m.conn, m.stream, m.kind), (PLUGIN_CONN, self.stream, RESPONSE));
+        ttrpc::Response::decode(m.payload).unwrap()
+    }
+
+    /// Reads the plugin's registration and answers it with `status`.
+    async fn registration(&mut self, status: Option<ttrpc::Status>) -> api::RegisterPluginRequest {
+        let m = self.message().await.expect("a registration");
+        assert_eq!((m.conn, m.stream, m.kind), (RUNTIME_CONN, REGISTRATION, REQUEST));
+        let request = ttrpc::Request::decode(m.payload).unwrap();
+        assert_eq!((request.service.as_str(), request.method.as_str()), (RUNTIME_SERVICE, "RegisterPlugin"));
+        let response = ttrpc::Response { status, payload: api::Empty {}.encode_to_vec() };
+        let bytes = wire::frame(RUNTIME_CONN, REGISTRATION, RESPONSE, &response.encode_to_vec()).unwrap();
+        self.socket.write_all(&bytes).await.unwrap();
+        api::RegisterPluginRequest::decode(request.payload.as_slice()).unwrap()
+    }
+}
+
+/// A node whose pod `u1` holds 350 MiB of GPU 1 in container `main`, the plugin dialling a
+/// stand-in runtime: returns the fixture, the runtime's end, and the plugin's task.
+async fn connected() -> (Fixture, Runtime, tokio::task::JoinHandle<Result<(), NriError>>, tempfile::TempDir) {
+    let f = fixture(Compatibility::Gpushare);
+    pod(&f, "u1", "2026-12-01T00:00:00Z", &[("main", ContainerRole::App, &[(1, 350)])]);
+    let free: Vec<String> = (0..3).flat_map(|g| f.alloc.devices().ids(g).collect::<Vec<_>>()).collect();
+    let ids = f.alloc.preferred(free.iter().map(String::as_str), &[], 350).unwrap();
+    f.alloc.allocate(&ids).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nri.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    let config: NriConfig = toml::from_str(&format!("enabled = true\nsocket = {path:?}\nindex = \"07\"")).unwrap();
+    let alloc = Arc::clone(&f.alloc);
+    let plugin = tokio::spawn(async move { serve(&alloc, &config).await });
+    let (socket, _) = listener.accept().await.unwrap();
+    (f, Runtime { socket, decoder: Decoder::default(), stream: 1 }, plugin, dir)
+}
+
+fn create(uid: &str, name: &str, container: &str, env: &[&str]) -> Vec<u8> {
+    api::CreateContainerRequest {
+        pod: Some(api::PodSandbox {
+            id: "sandbox".into(),
+            name: name.into(),
+            uid: uid.into(),
+            namespace: "default".into(),
+        }),
+        container: Some(api::Container {
+            id: "c".into(),
+            pod_sandbox_id: "sandbox".into(),
+            name: container.into(),
+            env: env.iter().map(|&s| s.to_owned()).collect(),
+        }),
+    }
+    .encode_to_vec()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_runtime_is_told_each_containers_environment_and_refused_another_pods() {
+    let (_f, mut runtime, plugin, _dir) = connected().await;
+    let registered = runtime.registration(None).await;
+    assert_eq!((registered.plugin_name.as_str(), registered.plugin_idx.as_str()), (PLUGIN_NAME, "07"));
+
+    let configure = api::ConfigureRequest { runtime_name: "containerd".into(), ..Default::default() };
+    let r = runtime.call("Configure", configure.encode_to_vec()).await;
+    assert_eq!(r.status.unwrap().code, 0);
+    // CreateContainer alone: bit 4 - 1.
+    assert_eq!(api::ConfigureResponse::decode(r.payload.as_slice()).unwrap().events, 0b1000);
+
+    // A split synchronization is acknowledged as split (the runtime drops a plugin that does not).
+    for more in [true, false] {
+        let r =
+            runtime.call("Synchronize", api::SynchronizeRequest { more, ..Default::default() }.encode_to_vec()).await;
+        let sync = api::SynchronizeResponse::decode(r.payload.as_slice()).unwrap();
+        assert_eq!((sync.more, sync.update.len()), (more, 0));
+    }
+
+    // The container's answer was cut short: the rest of its environment is added.
+    let lean = ["NVIDIA_VISIBLE_DEVICES=GPU-1", "GPUSHARE_POD=default/pod-u1", "PATH=/bin"];
+    let r = runtime.call("CreateContainer", create("u1", "pod-u1", "main", &lean)).await;
+    assert_eq!(r.status.unwrap().code, 0);
+    let adjust = api::CreateContainerResponse::decode(r.payload.as_slice()).unwrap().adjust.unwrap();
+    let added: BTreeMap<String, String> = adjust.env.into_iter().map(|kv| (kv.key, kv.value)).collect();
+    assert_eq!(added.get("GPUSHARE_MEMORY_MIB").map(String::as_str), Some("350"), "{added:?}");
+    assert!(!added.contains_key("NVIDIA_VISIBLE_DEVICES") && !added.contains_key("PATH"), "{added:?}");
+
+    // A container of another pod that carries this pod's answer does not start.
+    let r = runtime.call("CreateContainer", create("u2", "pod-u2", "main", &lean)).await;
+    let status = r.status.unwrap();
+    assert_eq!(status.code, FAILED_PRECONDITION);
+    assert!(
+        status.message.contains("refusing to create container \"main\" of pod default/pod-u2"),
+        "{}",
+        status.message
+    );
+
+    // A container gpushared knows nothing of is left alone.
+    let r = runtime.call("CreateContainer", create("u3", "pod-u3", "main", &["PATH=/bin"])).await;
+    assert_eq!(api::CreateContainerResponse::decode(r.payload.as_slice()).unwrap(), Default::default());
+
+    // A call it does not serve, and a request that does not decode, are answered with errors.
+    assert_eq!(runtime.call("UpdateContainer", Vec::new()).await.status.unwrap().code, UNIMPLEMENTED);
+    assert_eq!(runtime.call("CreateContainer", vec![0x0a, 0x05]).await.status.unwrap().code, INTERNAL);
+
+    assert_eq!(runtime.call("Shutdown", api::Empty {}.encode_to_vec()).await.status.unwrap().code, 0);
+    plugin.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_registration_and_malformed_framing_end_the_connection_with_the_reason() {
+    let (_f, mut runtime, plugin, _dir) = connected().await;
+    runtime.registration(Some(ttrpc::Status { code: 6, message: "plugin 07-gpushare already exists".into() })).await;
+    let e = plugin.await.unwrap().unwrap_err();
+    assert!(matches!(e, NriError::Refused { code: 6, .. }), "{e}");
+    assert!(e.to_string().contains("already exists"), "{e}");
+
+    let (_f, mut runtime, plugin, _dir) = connected().await;
+    runtime.registration(None).await;
+    runtime.socket.write_all(&[0, 0, 0, 0, 0, 0, 0, 1, 0]).await.unwrap();
+    let e = plugin.await.unwrap().unwrap_err();
+    assert!(e.to_string().contains("malformed framing"), "{e}");
+
+    // The runtime closing the connection ends it quietly; a socket nobody serves is a dial error.
+    let (_f, mut runtime, plugin, dir) = connected().await;
+    runtime.registration(None).await;
+    drop(runtime);
+    plugin.await.unwrap().unwrap();
+    let config: NriConfig =
+        toml::from_str(&format!("enabled = true\nsocket = {:?}", dir.path().join("none.sock"))).unwrap();
+    let e = serve(&fixture(Compatibility::Gpushare).alloc, &config).await.unwrap_err();
+    assert!(e.to_string().contains("is the runtime running with NRI enabled"), "{e}");
+}
