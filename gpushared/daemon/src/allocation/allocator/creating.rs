@@ -31,9 +31,13 @@ impl Allocator {
     /// # Errors
     /// [`AllocError::WrongPod`] when its environment carries an answer for another pod, or
     /// none of the ledger's rows are its own although it carries an answer;
-    /// [`AllocError::Ledger`].
+    /// [`AllocError::Ledger`] when it carries an answer and the ledger cannot be read.
     pub fn container_creating(&self, pod: &PodRef, container: &str, env: &[String]) -> Result<Creation, AllocError> {
-        let answered = env.iter().find_map(|kv| kv.strip_prefix(ANSWERED_POD)?.strip_prefix('='));
+        // Every answer names its pod: a container without one holds nothing of this node's, and
+        // is let through without a look at the ledger (whose trouble would stop it otherwise).
+        let Some(answered) = env.iter().find_map(|kv| kv.strip_prefix(ANSWERED_POD)?.strip_prefix('=')) else {
+            return Ok(Creation::NotOurs);
+        };
         let this = format!("{}/{}", pod.namespace, pod.name);
         let wrong = |answered: &str, why: &str| AllocError::WrongPod {
             pod: this.clone(),
@@ -42,17 +46,12 @@ impl Allocator {
             answered: answered.to_owned(),
             why: why.to_owned(),
         };
-        if let Some(answered) = answered
-            && answered != this
-        {
+        if answered != this {
             return Err(wrong(answered, "its device-plugin answer was for that pod"));
         }
         let rows = self.lock().ledger.live_of(&pod.uid, container)?;
         let Some(last) = rows.last() else {
-            return match answered {
-                Some(answered) => Err(wrong(answered, "the ledger holds no devices for it")),
-                None => Ok(Creation::NotOurs),
-            };
+            return Err(wrong(answered, "the ledger holds no devices for it"));
         };
         let stored = self.pods.get(&pod.uid);
         let mut environment = self.environment();
