@@ -111,15 +111,20 @@ fn wait_seen(b: &RealBox, name: &str, containers: &[&str]) -> BTreeMap<String, S
     }
 }
 
+/// How many times gpushared has registered as containerd's NRI plugin.
+fn registrations(b: &RealBox) -> usize {
+    node(b).daemon.log().matches("registered as the runtime's NRI plugin").count()
+}
+
 /// Waits until gpushared has registered as containerd's NRI plugin `times` times.
 fn wait_registered(b: &RealBox, times: usize) {
     let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let log = node(b).daemon.log();
-        if log.matches("registered as the runtime's NRI plugin").count() >= times {
-            return;
-        }
-        assert!(Instant::now() < deadline, "gpushared has not registered with NRI {times} times:\n{log}");
+    while registrations(b) < times {
+        assert!(
+            Instant::now() < deadline,
+            "gpushared has not registered with NRI {times} times:\n{}",
+            node(b).daemon.log_tail(40)
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -304,11 +309,12 @@ async fn on_containerd_each_process_sees_its_grant_and_a_restart_keeps_them_runn
     // containerd killed and started again: the shims keep the containers running, the kubelet
     // starts none of them again, and a pod placed afterwards runs with its grant.
     let before = node(&b).seen().unwrap().len();
+    let registered = registrations(&b);
     let n = b.nodes.iter_mut().find(|n| n.name == NODE).unwrap();
     n.runtime.containerd_mut().expect("the box runs containerd").restart().unwrap_or_else(|e| panic!("{e:#}"));
     // gpushared dials the new containerd's NRI again; a container created before it has would
     // get the lean answer alone.
-    wait_registered(&b, 2);
+    wait_registered(&b, registered + 1);
     b.plane.create(&plugin_pod("cp-after", 8000, &pipe)).unwrap();
     wait_bound(&b, &["cp-after".to_owned()]).await;
     let seen = wait_seen(&b, "cp-after", &["main"]);
