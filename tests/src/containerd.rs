@@ -344,7 +344,9 @@ mod tests {
             "cdi_spec_dirs = ['/n/cri/cdi']",
             "Root = '/n/cri/runc'",
             "BinaryName = '/b/runc'",
-            "disable = true",
+            "socket_path = '/n/cri/nri.sock'",
+            "plugin_path = '/n/cri/nri-plugins'",
+            "plugin_config_path = '/n/cri/nri-conf.d'",
         ] {
             assert!(c.contains(line), "{line} missing from\n{c}");
         }
