@@ -164,8 +164,10 @@ fn registered(message: &Message, config: &NriConfig) -> Result<(), NriError> {
     }
 }
 
-/// The response to one call of the runtime.
-fn answer(alloc: &Allocator, request: &ttrpc::Request) -> ttrpc::Response {
+/// The response to one call of the runtime: its result, or a status saying why not (a method
+/// gpushared does not serve, a payload that does not decode, a refused container).
+#[must_use]
+pub fn answer(alloc: &Allocator, request: &ttrpc::Request) -> ttrpc::Response {
     let result = if request.service == PLUGIN_SERVICE {
         call(alloc, &request.method, &request.payload)
     } else {
