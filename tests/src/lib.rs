@@ -11,6 +11,7 @@
 //! - [`lag`]: a TCP relay that holds back a server's answers, for a daemon whose pod watch lags the kubelet's;
 //! - [`kubelet`]: the kubelet's side of the device plugin API and its PodResources API, restarts included;
 //! - [`notify`]: systemd's end of `sd_notify`, recording what a service notifies;
+//! - [`nri`]: the container runtime's end of an NRI plugin's connection;
 //! - [`node`]: the kubelet stand-in as a node: registers its Node, admits the pods bound to it, writes their status;
 //! - [`ports`]: free TCP ports for the servers a test starts, outside the kernel's ephemeral range;
 //! - [`peers`]: the peer systems (NVIDIA's device plugin) built from Go modules and run as a node of the real-cluster box;
@@ -33,6 +34,7 @@ pub mod kubelet;
 pub mod lag;
 pub mod node;
 pub mod notify;
+pub mod nri;
 pub mod null_dra;
 pub mod null_plugin;
 pub mod nvidia_dra;

@@ -14,57 +14,26 @@
 //! Run: `cargo bench -p gpushared --bench allocate`. Results: BENCHMARKS.md.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::cast_precision_loss)]
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment, GpuShare};
-use gpushare_core::codec::node::PodRef;
-use gpushare_core::{ContainerRole, Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory, ResourceNames};
+use gpushare_core::{Gpu, MemoryUnit, Mib, NodeInventory, ResourceNames};
 use gpushare_testkit::kubelet::Kubelet;
 use gpushared::allocation::allocator::Allocator;
 use gpushared::allocation::ledger::Ledger;
-use gpushared::allocation::pods::{PodStore, PodView};
+use gpushared::allocation::pods::PodStore;
 use gpushared::config::Compatibility;
 use gpushared::kubelet::plugin::{self, Plugin};
 
 mod common;
-use common::{percentile, report};
+mod workload;
+use common::report;
+use workload::{pod, quantile, uuid};
 
 const GPUS: u32 = 8;
 const GPU_MIB: u64 = 16_384;
 const PODS: usize = 500;
 const POD_MIB: u64 = 200;
-
-fn uuid(i: u32) -> GpuUuid {
-    GpuUuid::new(format!("GPU-bench-{i}")).unwrap()
-}
-
-/// Pod `p`'s view: one container of 200 MiB, on GPU `p % 8`.
-fn pod(p: usize) -> PodView {
-    let gpu = u32::try_from(p).unwrap() % GPUS;
-    let assignment = Assignment {
-        node: "bench-node".into(),
-        unit: MemoryUnit::Mib,
-        containers: vec![ContainerAssignment {
-            name: "main".into(),
-            role: ContainerRole::App,
-            gpus: vec![GpuShare { index: gpu, uuid: uuid(gpu), mib: Mib::new(POD_MIB) }],
-        }],
-    };
-    PodView {
-        pod: PodRef { namespace: "bench".into(), name: format!("pod-{p:04}"), uid: format!("uid-{p:04}") },
-        node: Some("bench-node".into()),
-        created: format!("2026-01-01T00:{:02}:{:02}Z", p / 60, p % 60),
-        version: 0,
-        terminal: false,
-        spec: serde_json::from_value(serde_json::json!({"containers": [{"name": "main",
-            "resources": {"limits": {"gpushare.io/gpu-mem": POD_MIB.to_string()}}}]}))
-        .unwrap(),
-        annotations: BTreeMap::from([(ASSIGNMENT_KEY.to_owned(), assignment.encode().unwrap())]),
-        container_ids: Vec::new(),
-    }
-}
 
 /// An allocator for 8 GPUs, its ledger in `dir`, and its pod store. Pods are added one at a
 /// time just before their admission ([`pod`]), as gpushare-extender binds pods that look alike
@@ -99,7 +68,7 @@ fn direct(dir: &std::path::Path) {
     let mut preferred = Vec::with_capacity(PODS);
     let mut allocate = Vec::with_capacity(PODS);
     for p in 0..PODS {
-        pods.upsert(pod(p));
+        pods.upsert(pod(p, GPUS, MemoryUnit::Mib, POD_MIB));
         let available: Vec<String> = all.iter().filter(|d| !in_use.contains(*d)).cloned().collect();
         let t = Instant::now();
         let ids =
@@ -182,7 +151,7 @@ async fn admit_all(dir: &std::path::Path, history: usize, read_history: bool) ->
     };
     let started = Instant::now();
     for p in 0..PODS {
-        pods.upsert(pod(p));
+        pods.upsert(pod(p, GPUS, MemoryUnit::Mib, POD_MIB));
         let t = Instant::now();
         let ids = kubelet.preferred(usize::try_from(POD_MIB).unwrap()).await.unwrap();
         run.preferred.push(t.elapsed());
@@ -194,13 +163,6 @@ async fn admit_all(dir: &std::path::Path, history: usize, read_history: bool) ->
     run.lines_read = reader.map_or(0, |r| r.join().unwrap());
     assert_eq!(alloc.live().unwrap().len(), PODS);
     run
-}
-
-/// The `per_mille`-th of `samples` (nearest rank).
-fn quantile(samples: &[Duration], per_mille: usize) -> Duration {
-    let mut sorted = samples.to_vec();
-    sorted.sort();
-    percentile(&sorted, per_mille)
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]

@@ -13,60 +13,28 @@
 //! Run: `cargo bench -p gpushared --bench nri`. Results: BENCHMARKS.md.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::cast_precision_loss)]
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpushare_core::codec::assignment::{ASSIGNMENT_KEY, Assignment, ContainerAssignment, GpuShare};
-use gpushare_core::codec::node::PodRef;
-use gpushare_core::{ContainerRole, Gpu, GpuUuid, MemoryUnit, Mib, NodeInventory, ResourceNames};
-use gpushare_proto::nri::{self as api, PLUGIN_SERVICE};
-use gpushare_proto::nri_wire::{self as wire, Decoder, PLUGIN_CONN, REQUEST, RESPONSE};
+use gpushare_core::{Gpu, MemoryUnit, Mib, NodeInventory, ResourceNames};
+use gpushare_proto::nri as api;
 use gpushare_proto::ttrpc;
+use gpushare_testkit::nri::Runtime;
 use gpushared::allocation::allocator::Allocator;
 use gpushared::allocation::ledger::Ledger;
-use gpushared::allocation::pods::{PodStore, PodView};
+use gpushared::allocation::pods::PodStore;
 use gpushared::config::{Compatibility, ContainerEnvironment, NriConfig};
 use prost::Message as _;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::{UnixListener, UnixStream};
+use tokio::net::UnixListener;
 
 mod common;
-use common::{percentile, report};
+mod workload;
+use common::report;
+use workload::{pod, quantile, uuid};
 
 const GPUS: u32 = 8;
 const GPU_GIB: u64 = 80;
 const PODS: usize = 500;
-
-fn uuid(i: u32) -> GpuUuid {
-    GpuUuid::new(format!("GPU-bench-{i}")).unwrap()
-}
-
-/// Pod `p`: one container of 1 GiB on GPU `p % 8`.
-fn pod(p: usize) -> PodView {
-    let gpu = u32::try_from(p).unwrap() % GPUS;
-    let assignment = Assignment {
-        node: "bench-node".into(),
-        unit: MemoryUnit::Gib,
-        containers: vec![ContainerAssignment {
-            name: "main".into(),
-            role: ContainerRole::App,
-            gpus: vec![GpuShare { index: gpu, uuid: uuid(gpu), mib: Mib::new(1024) }],
-        }],
-    };
-    PodView {
-        pod: PodRef { namespace: "bench".into(), name: format!("pod-{p:04}"), uid: format!("uid-{p:04}") },
-        node: Some("bench-node".into()),
-        created: format!("2026-01-01T00:{:02}:{:02}Z", p / 60, p % 60),
-        version: 0,
-        terminal: false,
-        spec: serde_json::from_value(serde_json::json!({"containers": [{"name": "main",
-            "resources": {"limits": {"gpushare.io/gpu-mem": "1"}}}]}))
-        .unwrap(),
-        annotations: BTreeMap::from([(ASSIGNMENT_KEY.to_owned(), assignment.encode().unwrap())]),
-        container_ids: Vec::new(),
-    }
-}
 
 /// Admits every pod, one at a time, the allocation service called directly; returns the
 /// allocator, each container's lean environment (`KEY=value`), and each durable `allocate()`.
@@ -90,7 +58,7 @@ fn admit_all(dir: &std::path::Path) -> (Arc<Allocator>, Vec<Vec<String>>, Vec<Du
     let mut in_use = std::collections::HashSet::new();
     let (mut envs, mut took) = (Vec::with_capacity(PODS), Vec::with_capacity(PODS));
     for p in 0..PODS {
-        pods.upsert(pod(p));
+        pods.upsert(pod(p, GPUS, MemoryUnit::Gib, 1024));
         let available: Vec<&str> = all.iter().filter(|d| !in_use.contains(*d)).map(String::as_str).collect();
         let ids = alloc.preferred(available, &[], 1).unwrap();
         let t = Instant::now();
@@ -102,41 +70,10 @@ fn admit_all(dir: &std::path::Path) -> (Arc<Allocator>, Vec<Vec<String>>, Vec<Du
     (Arc::new(alloc), envs, took)
 }
 
-/// The runtime's end of the plugin's connection.
-struct Runtime {
-    socket: UnixStream,
-    decoder: Decoder,
-    stream: u32,
-    buf: Vec<u8>,
-}
-
-impl Runtime {
-    async fn message(&mut self) -> wire::Message {
-        loop {
-            if let Some(m) = self.decoder.next_message().unwrap() {
-                return m;
-            }
-            let n = self.socket.read(&mut self.buf).await.unwrap();
-            assert!(n > 0, "the plugin closed the connection");
-            self.decoder.push(&self.buf[..n]);
-        }
-    }
-
-    /// Calls the plugin's `method`; returns its response's payload.
-    async fn call(&mut self, method: &str, payload: Vec<u8>) -> Vec<u8> {
-        self.stream += 2;
-        let request =
-            ttrpc::Request { service: PLUGIN_SERVICE.into(), method: method.into(), payload, ..Default::default() };
-        self.socket
-            .write_all(&wire::frame(PLUGIN_CONN, self.stream, REQUEST, &request.encode_to_vec()).unwrap())
-            .await
-            .unwrap();
-        let m = self.message().await;
-        assert_eq!((m.conn, m.stream, m.kind), (PLUGIN_CONN, self.stream, RESPONSE));
-        let response = ttrpc::Response::decode(m.payload).unwrap();
-        assert_eq!(response.status.map_or(0, |s| s.code), 0);
-        response.payload
-    }
+/// The payload of a call the plugin answered with success.
+fn answered(response: ttrpc::Response) -> Vec<u8> {
+    assert_eq!(response.status.map_or(0, |s| s.code), 0);
+    response.payload
 }
 
 fn create(p: usize, env: Vec<String>) -> Vec<u8> {
@@ -168,9 +105,9 @@ async fn main() {
     let config: NriConfig = toml::from_str(&format!("enabled = true\nsocket = {path:?}")).unwrap();
     let plugin = tokio::spawn(async move { gpushared::nri::serve(&alloc, &config).await });
     let (socket, _) = listener.accept().await.unwrap();
-    let mut runtime = Runtime { socket, decoder: Decoder::default(), stream: 1, buf: vec![0; 64 * 1024] };
-    let _registration = runtime.message().await;
-    runtime.call("Configure", api::ConfigureRequest::default().encode_to_vec()).await;
+    let mut runtime = Runtime::new(socket);
+    runtime.registration(None).await;
+    answered(runtime.call("Configure", api::ConfigureRequest::default().encode_to_vec()).await);
 
     let mut ours = Vec::with_capacity(PODS);
     for (p, env) in envs.into_iter().enumerate() {
@@ -178,7 +115,7 @@ async fn main() {
         let t = Instant::now();
         let response = runtime.call("CreateContainer", request).await;
         ours.push(t.elapsed());
-        let adjust = api::CreateContainerResponse::decode(response.as_slice()).unwrap().adjust.unwrap();
+        let adjust = api::CreateContainerResponse::decode(answered(response).as_slice()).unwrap().adjust.unwrap();
         assert!(adjust.env.iter().any(|kv| kv.key == "GPUSHARE_MEMORY_MIB"), "{adjust:?}");
     }
     let mut others = Vec::with_capacity(PODS);
@@ -187,16 +124,12 @@ async fn main() {
         let t = Instant::now();
         let response = runtime.call("CreateContainer", request).await;
         others.push(t.elapsed());
-        assert!(api::CreateContainerResponse::decode(response.as_slice()).unwrap().adjust.is_none());
+        assert!(api::CreateContainerResponse::decode(answered(response).as_slice()).unwrap().adjust.is_none());
     }
-    runtime.call("Shutdown", api::Empty {}.encode_to_vec()).await;
+    answered(runtime.call("Shutdown", api::Empty {}.encode_to_vec()).await);
     plugin.await.unwrap().unwrap();
 
-    let p50 = |v: &[Duration]| {
-        let mut s = v.to_vec();
-        s.sort();
-        percentile(&s, 500)
-    };
+    let p50 = |v: &[Duration]| quantile(v, 500);
     println!("NRI CreateContainer through the socket: {GPUS} GPUs x {GPU_GIB} GiB, {PODS} pods x 1 GiB, lean answers");
     report("allocate() (durable)", allocate.clone());
     report("CreateContainer, ours", ours.clone());

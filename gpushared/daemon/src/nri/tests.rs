@@ -9,55 +9,10 @@ use gpushare_core::ContainerRole;
 use tokio::net::UnixListener;
 
 use super::*;
+use gpushare_testkit::nri::Runtime;
+
 use crate::allocation::allocator::tests::{Fixture, fixture, pod};
 use crate::config::Compatibility;
-
-/// The runtime's end of one plugin connection.
-struct Runtime {
-    socket: UnixStream,
-    decoder: Decoder,
-    stream: u32,
-}
-
-impl Runtime {
-    async fn message(&mut self) -> Option<Message> {
-        let mut buf = [0u8; 4096];
-        loop {
-            if let Some(m) = self.decoder.next_message().unwrap() {
-                return Some(m);
-            }
-            let n = self.socket.read(&mut buf).await.unwrap();
-            if n == 0 {
-                return None;
-            }
-            self.decoder.push(&buf[..n]);
-        }
-    }
-
-    /// Calls the plugin's `method`, returning its response.
-    async fn call(&mut self, method: &str, payload: Vec<u8>) -> ttrpc::Response {
-        self.stream += 2;
-        let request =
-            ttrpc::Request { service: PLUGIN_SERVICE.into(), method: method.into(), payload, ..Default::default() };
-        let bytes = wire::frame(PLUGIN_CONN, self.stream, REQUEST, &request.encode_to_vec()).unwrap();
-        self.socket.write_all(&bytes).await.unwrap();
-        let m = self.message().await.expect("an answer");
-        assert_eq!((m.conn, m.stream, m.kind), (PLUGIN_CONN, self.stream, RESPONSE));
-        ttrpc::Response::decode(m.payload).unwrap()
-    }
-
-    /// Reads the plugin's registration and answers it with `status`.
-    async fn registration(&mut self, status: Option<ttrpc::Status>) -> api::RegisterPluginRequest {
-        let m = self.message().await.expect("a registration");
-        assert_eq!((m.conn, m.stream, m.kind), (RUNTIME_CONN, REGISTRATION, REQUEST));
-        let request = ttrpc::Request::decode(m.payload).unwrap();
-        assert_eq!((request.service.as_str(), request.method.as_str()), (RUNTIME_SERVICE, "RegisterPlugin"));
-        let response = ttrpc::Response { status, payload: api::Empty {}.encode_to_vec() };
-        let bytes = wire::frame(RUNTIME_CONN, REGISTRATION, RESPONSE, &response.encode_to_vec()).unwrap();
-        self.socket.write_all(&bytes).await.unwrap();
-        api::RegisterPluginRequest::decode(request.payload.as_slice()).unwrap()
-    }
-}
 
 /// A node whose pod `u1` holds 350 MiB of GPU 1 in container `main`, the plugin dialling a
 /// stand-in runtime: returns the fixture, the runtime's end, and the plugin's task.
@@ -74,7 +29,7 @@ async fn connected() -> (Fixture, Runtime, tokio::task::JoinHandle<Result<(), Nr
     let alloc = Arc::clone(&f.alloc);
     let plugin = tokio::spawn(async move { serve(&alloc, &config).await });
     let (socket, _) = listener.accept().await.unwrap();
-    (f, Runtime { socket, decoder: Decoder::default(), stream: 1 }, plugin, dir)
+    (f, Runtime::new(socket), plugin, dir)
 }
 
 fn create(uid: &str, name: &str, container: &str, env: &[&str]) -> Vec<u8> {
