@@ -51,7 +51,7 @@
 //! Needs root and Go, as the real-cluster tests do. `GPUSHARE_BOX_DIR` keeps each box's logs
 //! and state, in `<dir>/<system>-<round>`. `GPUSHARE_BENCH_SYSTEMS` (e.g. `gib,dra`) runs only
 //! the systems named (`mib`, `gib`, `gib-lean`, `dra`, `nvidia`, `alibaba`, `hami`, `nvidia-dra`,
-//! `floor-mib`, `floor-gib`, `floor-dra`, `floor-gib-read`).
+//! `floor-mib`, `floor-gib`, `floor-dra`, `floor-gib-read`, `floor-counted`).
 //! `floor-mib` is the kubelet's own limit at MiB mode's device count: a plugin of as many devices
 //! (`example.com/mib`) that answers at once (`gpushare-box null-plugin`), pods of the same size
 //! placed by kube-scheduler alone; gpushare's MiB mode is given as a ratio to it. `floor-gib` is
@@ -69,6 +69,12 @@
 //! memory), claims of the same 1024 MiB; gpushare's DRA path is given as a ratio to it. The kubelet's
 //! DRA histogram starts at 100 ms, too coarse for a prepare: the DRA rows' `Allocate` figures are
 //! left out (gpushare's prepare latency is `cargo bench -p gpushared --bench dra_prepare`'s).
+//! `floor-counted` is what the kubelet allows MiB mode's memory as a counted resource rather
+//! than as devices: the node's status carries `example.com/counted` of as many units as MiB
+//! mode's devices (a JSON patch of the status through the API, as Kubernetes' "advertise extended
+//! resources for a node" does), served by no device plugin, so the kubelet admits each pod by a
+//! count and calls no plugin; pods of the same size placed by kube-scheduler alone. Its figures
+//! are given as ratios to NVIDIA's and to `floor-mib`.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -122,9 +128,15 @@ enum System {
     /// [`System::GpushareGib`] answering `Allocate` with `[kubelet] environment = "lean"`: what
     /// the answer's size costs in the kubelet's checkpoint.
     GpushareGibLean,
+    /// MiB mode's memory as a counted extended resource: the node's status carries as many
+    /// units as MiB mode's devices, written through the API (as Kubernetes' "advertise
+    /// extended resources for a node" does) and served by no device plugin, so the kubelet
+    /// admits each pod by a count alone. What the kubelet allows a design that delivers the GPU
+    /// at the container's creation (NRI) rather than through the device plugin.
+    FloorCounted,
 }
 
-const SYSTEMS: [System; 12] = [
+const SYSTEMS: [System; 13] = [
     System::GpushareMib,
     System::GpushareGib,
     System::GpushareDra,
@@ -137,6 +149,7 @@ const SYSTEMS: [System; 12] = [
     System::FloorGib,
     System::FloorGibRead,
     System::GpushareGibLean,
+    System::FloorCounted,
 ];
 
 impl System {
@@ -155,6 +168,7 @@ impl System {
             System::FloorGib => "floor-gib",
             System::FloorGibRead => "floor-gib-read",
             System::GpushareGibLean => "gib-lean",
+            System::FloorCounted => "floor-counted",
         }
     }
 }
@@ -162,6 +176,7 @@ impl System {
 /// The floor systems' resources: kube-scheduler places their pods alone, as NVIDIA's.
 const FLOOR_RESOURCE: &str = "example.com/mib";
 const FLOOR_GIB_RESOURCE: &str = "example.com/gib";
+const FLOOR_COUNTED_RESOURCE: &str = "example.com/counted";
 
 /// One round's figures.
 #[derive(Clone, Copy, Debug)]
@@ -268,7 +283,7 @@ fn main() {
     let rounds = env("GPUSHARE_BENCH_ROUNDS", 2);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let chosen = std::env::var("GPUSHARE_BENCH_SYSTEMS").unwrap_or_else(|_| {
-        "mib,gib,dra,nvidia,alibaba,hami,nvidia-dra,floor-mib,floor-gib,floor-dra,floor-gib-read".into()
+        "mib,gib,dra,nvidia,alibaba,hami,nvidia-dra,floor-mib,floor-gib,floor-dra,floor-gib-read,floor-counted".into()
     });
     let mut chosen: Vec<&str> = chosen.split(',').map(str::trim).collect();
     if chosen.contains(&"alibaba")
@@ -329,12 +344,13 @@ fn main() {
     let (mib, gib, dra, nvidia, alibaba, hami, nvidia_dra, floor) =
         (&figures[0], &figures[1], &figures[2], &figures[3], &figures[4], &figures[5], &figures[6], &figures[7]);
     let (floor_dra, floor_gib, floor_read, gib_lean) = (&figures[8], &figures[9], &figures[10], &figures[11]);
+    let counted = &figures[12];
     println!(
         "\nmeans of {rounds} rounds (NaN: not run); ratios to gpushare GiB mode (DRA's, NVIDIA's), \
          Alibaba's and HAMi's to gpushare MiB mode, NVIDIA's DRA driver's to gpushare DRA, gpushare MiB mode's \
          to the floor at its device count, gpushare GiB mode's to the floor of a plugin that asks the kubelet \
          (and to that of one that also reads the pod), gpushare DRA's to the DRA floor and the DRA floor's to \
-         NVIDIA:"
+         NVIDIA, the counted floor's to NVIDIA and to the floor at MiB mode's device count:"
     );
     for (name, f) in [
         ("pods/s end to end", (|x: &Figures| x.pods_per_s) as fn(&Figures) -> f64),
@@ -344,13 +360,14 @@ fn main() {
     ] {
         let (a, g, d, n, l) = (mean(mib, f), mean(gib, f), mean(dra, f), mean(nvidia, f), mean(alibaba, f));
         let (h, nd, fl, fd) = (mean(hami, f), mean(nvidia_dra, f), mean(floor, f), mean(floor_dra, f));
-        let (fg, fr, gl) = (mean(floor_gib, f), mean(floor_read, f), mean(gib_lean, f));
+        let (fg, fr, gl, fc) = (mean(floor_gib, f), mean(floor_read, f), mean(gib_lean, f), mean(counted, f));
         println!(
             "  {name}: gpushare MiB {a:.2}, GiB {g:.2}, DRA {d:.2}; NVIDIA {n:.2}; Alibaba MiB {l:.2}; HAMi {h:.2}; \
              NVIDIA DRA {nd:.2}; floor MiB {fl:.2}; floor GiB {fg:.2}; floor GiB reading {fr:.2}; floor DRA {fd:.2}; \
              ratio {:.2}, {:.2}; Alibaba {:.2}; HAMi {:.2}; NVIDIA DRA {:.2}; MiB to floor {:.2}; GiB to its floor \
              {:.2}; GiB to the reading floor {:.2}; floor GiB to NVIDIA {:.2}; reading floor to NVIDIA {:.2}; DRA to \
-             its floor {:.2}; DRA floor to NVIDIA {:.2}; GiB lean {gl:.2}, to NVIDIA {:.2}",
+             its floor {:.2}; DRA floor to NVIDIA {:.2}; GiB lean {gl:.2}, to NVIDIA {:.2}; floor counted {fc:.2}, \
+             to NVIDIA {:.2}, to floor MiB {:.2}",
             d / g,
             n / g,
             l / a,
@@ -363,7 +380,9 @@ fn main() {
             fr / n,
             d / fd,
             fd / n,
-            gl / n
+            gl / n,
+            fc / n,
+            fc / fl
         );
     }
     println!("\nstages per pod, means of {rounds} rounds (ms unless said; NaN: not reported):");
@@ -452,6 +471,16 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
             b.add_null_plugin_node(NODE, FLOOR_GIB_RESOURCE, 80 * GPUS, asks).unwrap();
             (FLOOR_GIB_RESOURCE, (80 * GPUS).to_string(), "1")
         }
+        System::FloorCounted => {
+            // The node boots as the other floors' do, its plugin serving one device of
+            // another resource; the counted resource is the node status's alone.
+            b.add_null_plugin_node(NODE, FLOOR_GIB_RESOURCE, 1, NullAsks::Nothing).unwrap();
+            let units = mib_gpu * u64::from(GPUS);
+            let path = format!("/status/capacity/{}", FLOOR_COUNTED_RESOURCE.replace('/', "~1"));
+            let patch = json!([{"op": "add", "path": path, "value": units.to_string()}]).to_string();
+            b.plane.kubectl(&["patch", "node", NODE, "--subresource=status", "--type=json", "-p", &patch]).unwrap();
+            (FLOOR_COUNTED_RESOURCE, units.to_string(), mib_pod.as_str())
+        }
         System::FloorDra => {
             b.plane.create(&null_dra::device_class()).unwrap();
             b.add_null_dra_node(NODE).unwrap();
@@ -538,9 +567,12 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
     } else {
         f64::NAN
     };
-    let rss_mib = rss_kib(node.daemon.pid().unwrap()) / 1024.0;
+    // The counted floor's plugin serves none of its pods.
+    let rss_mib = if system == System::FloorCounted { f64::NAN } else { rss_kib(node.daemon.pid().unwrap()) / 1024.0 };
     let kubelet = kubelet_metrics(&b);
-    let (alloc_p50_ms, alloc_p99_ms) = if dra { (f64::NAN, f64::NAN) } else { alloc_quantiles(&kubelet, resource) };
+    // No plugin serves the counted floor's pods: the kubelet calls no `Allocate` for them.
+    let (alloc_p50_ms, alloc_p99_ms) =
+        if dra || system == System::FloorCounted { (f64::NAN, f64::NAN) } else { alloc_quantiles(&kubelet, resource) };
     let stages = stages(&b, &kubelet, resource, pods as f64).await;
     b.shutdown();
     Figures { pods_per_s: pods as f64 / elapsed, alloc_p50_ms, alloc_p99_ms, rss_mib, wrong_pod, stages, cpu_ms }
