@@ -126,12 +126,11 @@ pub async fn withdraw(client: kube::Client, driver: String, node: String) {
     loop {
         match withdraw_once(&api, &driver, &node).await {
             Ok(names) => {
-                for name in names {
+                for name in &names {
                     tracing::info!(slice = %name, "no GPU is served through DRA: ResourceSlice withdrawn");
                 }
-                if warned {
-                    tracing::info!(%node, "the node's ResourceSlices are checked: none of this driver is left");
-                }
+                // Said whoever removed them (the kubelet's startup wipe may win the race).
+                tracing::info!(%node, withdrawn = names.len(), "the node's ResourceSlices are checked: none of this driver is left");
                 return;
             }
             Err(kube::Error::Api(e)) if e.code == 404 || e.code == 403 => {
