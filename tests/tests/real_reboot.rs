@@ -6,7 +6,9 @@
 //! budget; each claim is prepared again before its containers start; the deleted pod holds
 //! nothing; the new pod is admitted. It runs twice: on the recording runtime (the grants read
 //! from what the runtime created) and on containerd and runc (read from what each new process
-//! saw, its containers killed by the power cut).
+//! saw, its containers killed by the power cut). A third test checks the kubelet's side of
+//! advertising memory as a count in the node's status: kept across kubelet restarts, gone with
+//! the Node.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeMap;
@@ -16,8 +18,9 @@ use gpushare_core::codec::node::NodeState;
 use gpushare_testkit::containerd::PROBE_IMAGE;
 use gpushare_testkit::cri::CDI_DIR;
 use gpushare_testkit::nvml::FakeGpu;
+use gpushare_testkit::peers::NullAsks;
 use gpushare_testkit::realbox::{RealNode, Runtime, is_root, repo};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 mod realbox;
 use realbox::{RealBox, claim, get, pod, up_on, wait_bound};
@@ -221,5 +224,88 @@ async fn reboot_on(runtime: Runtime, image: &str) {
         std::thread::sleep(Duration::from_millis(250));
     }
     assert_eq!(state(&b).claims.len(), 4, "{:?}", state(&b).claims);
+    b.shutdown();
+}
+
+/// The resource of the count patched into the node's status; no plugin serves it.
+const COUNTED: &str = "example.com/counted";
+
+/// How many times the kubelet logged `what`.
+fn kubelet_said(b: &RealBox, node_name: &str, what: &str) -> usize {
+    b.node(node_name).unwrap().kubelet.proc.log().matches(what).count()
+}
+
+/// Waits until the kubelet logged `what` `times` times.
+fn wait_kubelet_said(b: &RealBox, node_name: &str, what: &str, times: usize) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while kubelet_said(b, node_name, what) < times {
+        assert!(
+            Instant::now() < deadline,
+            "the kubelet did not log {what:?} {times} times in 60 s:\n{}",
+            b.node(node_name).unwrap().kubelet.proc.log_tail(30)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// What serving MiB mode's memory as a count in the node's status (rather than a device per
+/// MiB; BENCHMARKS.md, "MiB mode's memory as a counted resource") rests on, on the real
+/// kubelet: a count patched into the node's status stays there across a kubelet restart and a
+/// boot with the device-plugin directory emptied, and is gone with a Node deleted and
+/// registered anew, whose advertiser must then write it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_count_in_the_nodes_status_outlives_kubelet_restarts_not_a_new_node() {
+    const COUNT_NODE: &str = "node-count";
+    if !is_root() {
+        gpushare_testkit::skip_unless_ci("the real kubelet needs root (it runs in a mount namespace of its own)");
+        return;
+    }
+    let Some(mut b) = up_on("gpushare-scheduler-config.yaml", "", Runtime::Recording).await else { return };
+    // The node's plugin serves one device of another resource: the kubelet's device manager
+    // then keeps a checkpoint, as on every node that runs one.
+    b.add_null_plugin_node(COUNT_NODE, "example.com/gib", 1, NullAsks::Nothing).unwrap_or_else(|e| panic!("{e:#}"));
+    let path = format!("/status/capacity/{}", COUNTED.replace('/', "~1"));
+    let patch = json!([{"op": "add", "path": path, "value": "131072"}]).to_string();
+    b.plane.kubectl(&["patch", "node", COUNT_NODE, "--subresource=status", "--type=json", "-p", &patch]).unwrap();
+    b.wait_allocatable(COUNT_NODE, COUNTED, "131072", Duration::from_secs(60)).unwrap_or_else(|e| panic!("{e:#}"));
+    let checkpoint = b.node(COUNT_NODE).unwrap().kubelet.dirs.device_plugins().join("kubelet_internal_checkpoint");
+    assert!(checkpoint.exists(), "no device checkpoint at {}", checkpoint.display());
+
+    // A restart: the kubelet finds its node registered and keeps the count.
+    let registered = "Successfully registered node";
+    let before = kubelet_said(&b, COUNT_NODE, registered);
+    let n = b.nodes.iter_mut().find(|n| n.name == COUNT_NODE).unwrap();
+    n.kubelet.restart(&b.plane).unwrap_or_else(|e| panic!("{e:#}"));
+    wait_kubelet_said(&b, COUNT_NODE, registered, before + 1);
+    assert_eq!(b.allocatable(COUNT_NODE, COUNTED).unwrap(), "131072");
+    let zeroed = "Zero out resource capacity in existing node";
+    assert_eq!(kubelet_said(&b, COUNT_NODE, zeroed), 0);
+
+    // Booted with its device-plugin directory emptied (a node whose /var/lib/kubelet was
+    // wiped): its device manager would zero every extended resource when it finds no
+    // checkpoint, but it counts every file of that directory as one, its own registration
+    // socket among them, made before the node registers; the count stays. (The plugin is
+    // stopped first, so that it does not register again and write a checkpoint.)
+    let n = b.nodes.iter_mut().find(|n| n.name == COUNT_NODE).unwrap();
+    n.kubelet.halt();
+    n.daemon.kill();
+    let dir = checkpoint.parent().unwrap();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        std::fs::remove_file(entry.unwrap().path()).unwrap();
+    }
+    n.kubelet.boot(&b.plane).unwrap_or_else(|e| panic!("{e:#}"));
+    wait_kubelet_said(&b, COUNT_NODE, registered, before + 2);
+    assert!(!checkpoint.exists(), "{} was written again", checkpoint.display());
+    assert_eq!(b.allocatable(COUNT_NODE, COUNTED).unwrap(), "131072");
+    assert_eq!(kubelet_said(&b, COUNT_NODE, zeroed), 0);
+
+    // A Node deleted and registered anew has none: whoever advertises the count writes it again.
+    let n = b.nodes.iter_mut().find(|n| n.name == COUNT_NODE).unwrap();
+    n.kubelet.halt();
+    b.plane.kubectl(&["delete", "node", COUNT_NODE]).unwrap();
+    let n = b.nodes.iter_mut().find(|n| n.name == COUNT_NODE).unwrap();
+    n.kubelet.boot(&b.plane).unwrap_or_else(|e| panic!("{e:#}"));
+    wait_kubelet_said(&b, COUNT_NODE, registered, before + 3);
+    assert_eq!(b.allocatable(COUNT_NODE, COUNTED).unwrap(), "");
     b.shutdown();
 }
