@@ -8,6 +8,7 @@
 //! - [`heartbeat`]: the heartbeat renewed on this node's Node;
 //! - [`recovery`]: the ledger against the node's last publication at start, and its rebuild.
 
+pub mod capacity;
 pub mod confine;
 pub mod heartbeat;
 pub mod kube;

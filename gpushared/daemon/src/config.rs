@@ -203,6 +203,9 @@ pub struct KubeletConfig {
     /// Which variables the device plugin's `Allocate` answers carry.
     #[serde(default)]
     pub environment: ContainerEnvironment,
+    /// How the node's GPU memory reaches the kubelet: a device per unit, or a count.
+    #[serde(default)]
+    pub advertise: Advertise,
 }
 
 impl Default for KubeletConfig {
@@ -212,8 +215,22 @@ impl Default for KubeletConfig {
             socket_name: default_socket_name(),
             pod_resources_socket: default_pod_resources_socket(),
             environment: ContainerEnvironment::default(),
+            advertise: Advertise::default(),
         }
     }
+}
+
+/// `[kubelet] advertise`: how the node's GPU memory reaches the kubelet.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Advertise {
+    /// The device plugin registers one device per unit; the kubelet calls `Allocate`.
+    #[default]
+    Devices,
+    /// The node's status carries the units as a count (patched through the API server); no
+    /// device plugin serves them, the kubelet admits a pod by the count alone, and each
+    /// container gets its GPU at its creation, through the runtime's NRI (`[nri]`).
+    Capacity,
 }
 
 /// `[kubelet] environment`: which variables the device plugin's `Allocate` answers carry. The
@@ -534,7 +551,33 @@ impl Config {
         shared.check().map_err(|e| invalid(e.to_string()))?;
         shared.check_whole(&config.resources.whole).map_err(|e| invalid(e.to_string()))?;
         config.dra.check().map_err(invalid)?;
+        config.check_capacity().map_err(invalid)?;
         Ok(config)
+    }
+
+    /// `[kubelet] advertise = "capacity"` delivers each container's GPU through the runtime's
+    /// NRI alone: NRI must be on, and what NRI does not deliver yet (device nodes, the MPS pipe
+    /// directory) must be off.
+    fn check_capacity(&self) -> Result<(), String> {
+        if self.kubelet.advertise != Advertise::Capacity {
+            return Ok(());
+        }
+        if !self.nri.enabled {
+            return Err("kubelet: advertise = \"capacity\" needs [nri] enabled = true (each container gets its GPU \
+                        when the runtime creates it); enable NRI or write advertise = \"devices\""
+                .to_owned());
+        }
+        if self.device_nodes.enabled {
+            return Err("kubelet: advertise = \"capacity\" does not deliver [device_nodes] yet; set [device_nodes] \
+                        enabled = false (NVIDIA's container toolkit adds the nodes) or write advertise = \"devices\""
+                .to_owned());
+        }
+        if !self.sharing.mps.is_empty() {
+            return Err("kubelet: advertise = \"capacity\" does not deliver MPS GPUs' pipe directory yet; \
+                        take the GPUs out of [sharing] mps or write advertise = \"devices\""
+                .to_owned());
+        }
+        Ok(())
     }
 
     /// Reads `path`; a missing file at the default location means all defaults.
@@ -672,6 +715,22 @@ mod tests {
         assert!(
             SharingConfig { mps: vec![GpuRef::Index(8)], whole: vec![], dra: vec![] }.apply(&mut gpus, &[7]).is_err()
         );
+    }
+
+    #[test]
+    fn advertising_a_count_needs_nri_and_refuses_what_nri_does_not_deliver_yet() {
+        assert_eq!(parse("").unwrap().kubelet.advertise, Advertise::Devices);
+        let counted = "[kubelet]\nadvertise = \"capacity\"\n[nri]\nenabled = true\n";
+        assert_eq!(parse(counted).unwrap().kubelet.advertise, Advertise::Capacity);
+        let err = parse("[kubelet]\nadvertise = \"capacity\"\n").unwrap_err();
+        assert!(err.contains("needs [nri] enabled = true"), "{err}");
+        let err = parse("[kubelet]\nadvertise = \"capacity\"\n[nri]\nenabled = true\n[device_nodes]\nenabled = true\n")
+            .unwrap_err();
+        assert!(err.contains("set [device_nodes] enabled = false"), "{err}");
+        let err = parse(&format!("{counted}[sharing]\nmps = [0]\n")).unwrap_err();
+        assert!(err.contains("take the GPUs out of [sharing] mps"), "{err}");
+        let err = parse("[kubelet]\nadvertise = \"count\"\n").unwrap_err();
+        assert!(err.contains("devices") && err.contains("capacity"), "{err}");
     }
 
     #[test]

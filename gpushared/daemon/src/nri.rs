@@ -35,6 +35,7 @@ const REGISTRATION: u32 = 1;
 const FAILED_PRECONDITION: i32 = 9;
 const UNIMPLEMENTED: i32 = 12;
 const INTERNAL: i32 = 13;
+const UNAVAILABLE: i32 = 14;
 
 /// Why a connection to the runtime's NRI ended.
 #[derive(Debug, Error)]
@@ -138,7 +139,10 @@ pub async fn serve(alloc: &Allocator, config: &NriConfig) -> Result<(), NriError
                 let request = ttrpc::Request::decode(message.payload)
                     .map_err(|source| NriError::Decode { what: "ttrpc request", source })?;
                 let shutdown = request.method == "Shutdown";
-                let response = answer(alloc, &request);
+                let response = match read_pod_first(alloc, &request).await {
+                    Some(refusal) => refusal,
+                    None => answer(alloc, &request),
+                };
                 socket
                     .write_all(&wire::frame(PLUGIN_CONN, message.stream, RESPONSE, &response.encode_to_vec())?)
                     .await?;
@@ -149,6 +153,32 @@ pub async fn serve(alloc: &Allocator, config: &NriConfig) -> Result<(), NriError
             (conn, kind) => tracing::debug!(conn, kind, stream = message.stream, "ignored an NRI message"),
         }
     }
+}
+
+/// On a node whose kubelet counts the memory, a container is allocated as it is created, from
+/// its pod as the store holds it: a pod the store lacks or does not show bound here (its pod
+/// watch behind the kubelet's) is read from the API server first. Returns the refusal when
+/// that read fails: the runtime fails the container, and the kubelet creates it again later.
+async fn read_pod_first(alloc: &Allocator, request: &ttrpc::Request) -> Option<ttrpc::Response> {
+    if !alloc.counted() || request.service != PLUGIN_SERVICE || request.method != "CreateContainer" {
+        return None;
+    }
+    // A payload that does not decode is answered as such by `answer`.
+    let pod = api::CreateContainerRequest::decode(request.payload.as_slice()).ok()?.pod?;
+    let bound_here =
+        alloc.pods().get(&pod.uid).is_some_and(|p| !p.view.terminal && p.view.node.as_deref() == Some(alloc.node()));
+    if bound_here {
+        return None;
+    }
+    let read = alloc.pods().confirm_named(vec![(pod.namespace.clone(), pod.name.clone())]).await;
+    let why = read.err()?;
+    tracing::warn!(pod = %format!("{}/{}", pod.namespace, pod.name), error = %why, "cannot read a pod whose container is being created");
+    let message = format!(
+        "refusing to create a container of pod {}/{} (UID {}): gpushared cannot read the pod from the API server \
+         ({why}), so it cannot tell whether the container asks for GPU memory; the kubelet retries the container",
+        pod.namespace, pod.name, pod.uid
+    );
+    Some(ttrpc::Response { status: Some(failure(UNAVAILABLE, message)), payload: Vec::new() })
 }
 
 /// Reads the runtime's answer to the registration.

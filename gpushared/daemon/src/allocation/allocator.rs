@@ -77,6 +77,9 @@ pub struct Allocator {
     mps: MpsConfig,
     nodes: DeviceNodesConfig,
     lean: bool,
+    /// `[kubelet] advertise = "capacity"`: the kubelet counts the memory and calls no
+    /// `Allocate`; containers are allocated as the runtime creates them ([`creating`]).
+    counted: bool,
     inventory: NodeInventory,
     devices: DeviceMap,
     pods: PodStore,
@@ -132,6 +135,7 @@ impl Allocator {
             mps: MpsConfig::default(),
             nodes: DeviceNodesConfig::default(),
             lean: false,
+            counted: false,
             inventory,
             devices,
             pods,
@@ -171,6 +175,20 @@ impl Allocator {
     pub fn with_environment(mut self, environment: crate::config::ContainerEnvironment) -> Self {
         self.lean = environment == crate::config::ContainerEnvironment::Lean;
         self
+    }
+
+    /// The same service for the way `advertise` says the memory reaches the kubelet.
+    #[must_use]
+    pub fn with_advertise(mut self, advertise: crate::config::Advertise) -> Self {
+        self.counted = advertise == crate::config::Advertise::Capacity;
+        self
+    }
+
+    /// Whether the kubelet counts the memory (`[kubelet] advertise = "capacity"`): containers
+    /// are then allocated as the runtime creates them.
+    #[must_use]
+    pub fn counted(&self) -> bool {
+        self.counted
     }
 
     /// Which device nodes are named to the runtime.

@@ -20,6 +20,11 @@
 //! - otherwise the kubelet no longer holds the devices: released. This is how rows of pods
 //!   deleted while the daemon was down are released.
 //!
+//! Rows of no device (a container allocated at its creation where the kubelet counts the
+//! memory, `[kubelet] advertise = "capacity"`) are no device set the kubelet can hold: they are
+//! kept while the kubelet lists their pod or the API server has it running on this node, or
+//! while they are young, and released otherwise.
+//!
 //! Device sets the kubelet holds that no live row records are adopted for the pod and
 //! container it names, when that pod is known (its UID comes from the pods bound to this node)
 //! and has not finished (the kubelet lists a finished pod until it is removed; its memory is
@@ -155,6 +160,19 @@ pub fn plan(
             container: first.container.clone(),
             reason,
         };
+        if first.device_ids.is_empty() {
+            if pod_listed || running(&first.pod.uid) {
+                continue;
+            }
+            if young(first.allocated_at, now_ms, grace_ms) {
+                recheck_when_grace_ends(&mut recheck_at_ms, first.allocated_at, grace_ms);
+            } else {
+                repairs.push(release(
+                    "reconcile: the kubelet no longer runs this pod, and it is not running on this node".to_owned(),
+                ));
+            }
+            continue;
+        }
         match held_by.get(&first.request_key) {
             Some(h) if same_pod(h) && h.container == first.container => {
                 matched.insert(first.request_key.clone());
@@ -263,6 +281,8 @@ pub struct HeldSets<'k> {
     by_container: HashMap<(&'k str, &'k str, &'k str), u64>,
     /// Every hash.
     sets: HashSet<u64>,
+    /// Every pod the kubelet lists, by namespace and name.
+    pods: HashSet<(&'k str, &'k str)>,
     /// Two holdings share a set or a container: only the whole [`plan`] can tell what that means.
     unclear: bool,
 }
@@ -274,6 +294,7 @@ impl<'k> HeldSets<'k> {
         let mut held = HeldSets {
             by_container: HashMap::with_capacity(kubelet.holdings.len()),
             sets: HashSet::with_capacity(kubelet.holdings.len()),
+            pods: kubelet.pods.iter().map(|(ns, name)| (ns.as_str(), name.as_str())).collect(),
             unclear: false,
         };
         for h in &kubelet.holdings {
@@ -288,8 +309,9 @@ impl<'k> HeldSets<'k> {
 /// Whether the kubelet's answer agrees with the live rows so plainly that [`plan`] would repair
 /// nothing, told from the rows' device-set hashes alone: every set the kubelet holds
 /// ([`HeldSets`]) is the set of exactly one container's rows, for the same pod name and
-/// container, and every other container's rows are in their grace period with a set the kubelet
-/// holds for no one. Then it returns `Some` with when the first of those rows leaves its grace
+/// container, every container's rows of no device (allocated at its creation) are of a pod the
+/// kubelet lists, and every other container's rows are in their grace period with a set the
+/// kubelet holds for no one. Then it returns `Some` with when the first of those rows leaves its grace
 /// period (reconciling again then, the whole [`plan`] decides). `None` when it cannot tell: make
 /// the whole [`plan`].
 ///
@@ -323,6 +345,7 @@ pub fn agrees<'a>(
             }
         }
     }
+    let no_device = key_hash(&request_key(&[]));
     // The holdings a row group matched, each at most once.
     let mut matched: HashSet<(&str, &str, &str)> = HashSet::with_capacity(held.by_container.len());
     let mut recheck_at_ms: Option<i64> = None;
@@ -335,6 +358,8 @@ pub fn agrees<'a>(
                 }
             }
             _ if held.sets.contains(&g.key_hash) => return None,
+            // Rows of no device, kept while the kubelet lists their pod.
+            _ if g.key_hash == no_device && held.pods.contains(&(container.0, container.1)) => {}
             _ if young(g.allocated_at, now_ms, grace_ms) => {
                 recheck_when_grace_ends(&mut recheck_at_ms, g.allocated_at, grace_ms);
             }

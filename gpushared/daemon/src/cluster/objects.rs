@@ -128,6 +128,29 @@ pub struct NodeObject {
     pub metadata: ObjectMeta,
 }
 
+/// A Node, reduced to its name and its status's capacity and allocatable (`[kubelet]
+/// advertise = "capacity"` keeps one count there).
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct NodeCapacity {
+    /// Name.
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub metadata: ObjectMeta,
+    /// Capacity and allocatable.
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub status: NodeCapacityStatus,
+}
+
+/// `status` of a [`NodeCapacity`]: each resource's quantity as the API server writes it.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct NodeCapacityStatus {
+    /// What the node has.
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub capacity: std::collections::BTreeMap<String, String>,
+    /// What pods may ask for.
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub allocatable: std::collections::BTreeMap<String, String>,
+}
+
 macro_rules! core_v1 {
     ($ty:ty, $kind:literal, $plural:literal, $scope:ty) => {
         impl kube::Resource for $ty {
@@ -158,6 +181,7 @@ macro_rules! core_v1 {
 
 core_v1!(PodObject, "Pod", "pods", kube::core::NamespaceResourceScope);
 core_v1!(NodeObject, "Node", "nodes", kube::core::ClusterResourceScope);
+core_v1!(NodeCapacity, "Node", "nodes", kube::core::ClusterResourceScope);
 
 #[cfg(test)]
 mod tests {

@@ -1,6 +1,7 @@
-//! The daemon's kubelet side while it serves: the device-plugin server and its registrations,
-//! kubelet restarts and dropped streams, the whole-GPU plugin and the DRA driver as tasks of
-//! their own, the heartbeat the watchdog reads; until a stop signal, then their orderly stop.
+//! The daemon's kubelet side while it serves: the device-plugin server and its registrations
+//! (or, where the kubelet counts the memory, the Node's count instead), kubelet restarts and
+//! dropped streams, the whole-GPU plugin and the DRA driver as tasks of their own, the
+//! heartbeat the watchdog reads; until a stop signal, then their orderly stop.
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -115,7 +116,20 @@ impl Serving {
         if config.nri.enabled {
             tasks.spawn(gpushared::nri::run(Arc::clone(&self.alloc), config.nri.clone()));
         }
-        let mut registration = Some(self.register(config));
+        // A node whose kubelet counts the memory registers no device plugin for it: its Node's
+        // status carries the count instead, and containers are served at their creation.
+        let counted = self.alloc.counted();
+        let mut registration = if counted {
+            tasks.spawn(gpushared::cluster::capacity::run(
+                self.client.clone(),
+                self.alloc.node().to_owned(),
+                Arc::clone(&self.alloc),
+            ));
+            self.set_registered(true);
+            None
+        } else {
+            Some(self.register(config))
+        };
         let (others_stop, others_stop_rx) = watch::channel(false);
         let mut whole = self.start_whole(config, others_stop_rx);
         let mut dra = self.start_dra(config, &others_stop);
@@ -140,7 +154,9 @@ impl Serving {
                 }
                 change = self.kubelet.changed() => {
                     self.follow(change).await?;
-                    if change.kubelet_restarted || change.plugin_socket_lost {
+                    if counted {
+                        self.set_registered(true);
+                    } else if change.kubelet_restarted || change.plugin_socket_lost {
                         registration = Some(self.register(config));
                         self.dropped.registering();
                     }

@@ -103,7 +103,8 @@ pub(super) fn open(config: &Config, notifier: &Notifier) -> anyhow::Result<Node>
         )?
         .with_mps(config.mps.clone())
         .with_device_nodes(config.device_nodes.clone())
-        .with_environment(config.kubelet.environment),
+        .with_environment(config.kubelet.environment)
+        .with_advertise(config.kubelet.advertise),
     );
     tracing::info!(live = alloc.summary().allocations, ledger = %config.ledger.path.path().display(), "ledger restored");
     // The history kept to `[ledger] history_days` and `history_max_rows`: at start, then hourly.

@@ -79,7 +79,8 @@ fn status(e: &AllocError) -> Status {
         | AllocError::UnknownGpu { .. }
         | AllocError::Unhealthy { .. }
         | AllocError::Cordoned { .. }
-        | AllocError::WrongPod { .. } => Status::failed_precondition(msg),
+        | AllocError::WrongPod { .. }
+        | AllocError::NotServed { .. } => Status::failed_precondition(msg),
         AllocError::Ledger(_) => Status::internal(msg),
         AllocError::Rebuilding { .. } | AllocError::Unconfirmed { .. } => Status::unavailable(msg),
         AllocError::NoSuchGpu(_) => Status::not_found(msg),

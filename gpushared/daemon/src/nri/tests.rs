@@ -11,7 +11,7 @@ use tokio::net::UnixListener;
 use super::*;
 use gpushare_testkit::nri::Runtime;
 
-use crate::allocation::allocator::tests::{Fixture, fixture, pod};
+use crate::allocation::allocator::tests::{Fixture, fixture, fixture_counted, pod};
 use crate::config::Compatibility;
 
 /// A node whose pod `u1` holds 350 MiB of GPU 1 in container `main`, the plugin dialling a
@@ -22,6 +22,13 @@ async fn connected() -> (Fixture, Runtime, tokio::task::JoinHandle<Result<(), Nr
     let free: Vec<String> = (0..3).flat_map(|g| f.alloc.devices().ids(g).collect::<Vec<_>>()).collect();
     let ids = f.alloc.preferred(free.iter().map(String::as_str), &[], 350).unwrap();
     f.alloc.allocate(&ids).unwrap();
+    connected_to(f).await
+}
+
+/// The plugin of `f`'s node dialling a stand-in runtime.
+async fn connected_to(
+    f: Fixture,
+) -> (Fixture, Runtime, tokio::task::JoinHandle<Result<(), NriError>>, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("nri.sock");
     let listener = UnixListener::bind(&path).unwrap();
@@ -124,4 +131,66 @@ async fn a_refused_registration_and_malformed_framing_end_the_connection_with_th
         toml::from_str(&format!("enabled = true\nsocket = {:?}", dir.path().join("none.sock"))).unwrap();
     let e = serve(&fixture(Compatibility::Gpushare).alloc, &config).await.unwrap_err();
     assert!(e.to_string().contains("is the runtime running with NRI enabled"), "{e}");
+}
+
+/// Where the kubelet counts the memory: a container is allocated as it is created; one whose pod
+/// the store lacks (its watch behind) is read from the API server first, and refused, for the
+/// kubelet to retry, when that read fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn where_the_kubelet_counts_a_container_is_allocated_at_creation_its_pod_read_first() {
+    let f = fixture_counted();
+    pod(&f, "u1", "2026-12-01T00:00:00Z", &[("main", ContainerRole::App, &[(1, 350)])]);
+    // The API server, as the daemon's reads of named pods see it: u2 is bound here, u3 cannot
+    // be read.
+    let mut fetches = f.alloc.pods().serve_fetches();
+    // Weak: the reads end when the allocator, and with it the store's sender, is dropped.
+    let answering = Arc::downgrade(&f.alloc);
+    let reads = tokio::spawn(async move {
+        let mut asked = Vec::new();
+        while let Some(fetch) = fetches.recv().await {
+            let (namespace, name) = fetch.pods[0].clone();
+            asked.push(name.clone());
+            let outcome = if name == "pod-u2" {
+                let writer = fixture(Compatibility::Gpushare);
+                pod(&writer, "u2", "2026-12-01T00:00:01Z", &[("main", ContainerRole::App, &[(0, 200)])]);
+                let alloc = answering.upgrade().unwrap();
+                alloc.pods().upsert(writer.alloc.pods().get("u2").unwrap().view.clone());
+                Ok(true)
+            } else {
+                Err(format!("pods \"{name}\" in {namespace}: connection refused"))
+            };
+            let _ = fetch.done.send(outcome);
+        }
+        asked
+    });
+    let (f, mut runtime, plugin, _dir) = connected_to(f).await;
+    runtime.registration(None).await;
+    let env_of = |r: ttrpc::Response| -> BTreeMap<String, String> {
+        assert_eq!(r.status.as_ref().unwrap().code, 0, "{:?}", r.status);
+        let adjust = api::CreateContainerResponse::decode(r.payload.as_slice()).unwrap().adjust.unwrap();
+        adjust.env.into_iter().map(|kv| (kv.key, kv.value)).collect()
+    };
+
+    let env =
+        env_of(runtime.call("CreateContainer", create("u1", "pod-u1", "main", &["NVIDIA_VISIBLE_DEVICES=all"])).await);
+    assert_eq!(env.get("NVIDIA_VISIBLE_DEVICES").map(String::as_str), Some("GPU-1"), "{env:?}");
+    assert_eq!(env.get("GPUSHARE_MEMORY_MIB").map(String::as_str), Some("350"), "{env:?}");
+
+    // Not in the store yet: read, then allocated.
+    let env = env_of(runtime.call("CreateContainer", create("u2", "pod-u2", "main", &[])).await);
+    assert_eq!(env.get("NVIDIA_VISIBLE_DEVICES").map(String::as_str), Some("GPU-0"), "{env:?}");
+
+    // The read fails: refused, nothing allocated.
+    let r = runtime.call("CreateContainer", create("u3", "pod-u3", "main", &[])).await;
+    let status = r.status.unwrap();
+    assert_eq!(status.code, UNAVAILABLE);
+    assert!(status.message.contains("cannot read the pod from the API server"), "{}", status.message);
+    assert!(status.message.contains("connection refused"), "{}", status.message);
+    let live = f.alloc.live().unwrap();
+    assert_eq!(live.iter().map(|r| r.pod.uid.as_str()).collect::<Vec<_>>(), ["u1", "u2"], "{live:?}");
+
+    assert_eq!(runtime.call("Shutdown", api::Empty {}.encode_to_vec()).await.status.unwrap().code, 0);
+    plugin.await.unwrap().unwrap();
+    drop(f);
+    assert_eq!(reads.await.unwrap(), ["pod-u2", "pod-u3"], "the pod in the store is not read again");
 }

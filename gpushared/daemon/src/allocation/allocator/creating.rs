@@ -4,12 +4,22 @@
 //! the full environment of docs/gpushared.md's table, whatever `[kubelet] environment` left out
 //! of the answer the kubelet checkpoints; one that carries a device-plugin answer for another pod
 //! is refused, so it never starts on that pod's GPUs.
+//!
+//! On a node whose kubelet counts the memory (`[kubelet] advertise = "capacity"`) no
+//! device-plugin call comes at all: the container is allocated here, from its pod's assignment
+//! checked against the pod's own spec, the rows committed before the answer, and it gets every
+//! variable, replacing whatever its image or spec set under those names.
 
 use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
 
+use gpushare_core::PodRequest;
 use gpushare_core::codec::node::PodRef;
 
-use super::{AllocError, Allocator};
+use super::held::Held;
+use super::resolve::Candidate;
+use super::{AllocError, Allocator, room};
+use crate::allocation::pods::StoredPod;
 
 /// The variable of every device-plugin answer that names the pod it was for.
 const ANSWERED_POD: &str = "GPUSHARE_POD";
@@ -20,7 +30,8 @@ pub enum Creation {
     /// It holds none of this node's devices: nothing to change.
     NotOurs,
     /// The variables to add to it: those of its full answer that its environment lacks (none
-    /// when the kubelet passed the full answer on).
+    /// when the kubelet passed the full answer on); on a node whose kubelet counts the memory,
+    /// every variable of its answer, each replacing what the container has under that name.
     Environment(BTreeMap<String, String>),
 }
 
@@ -32,10 +43,15 @@ impl Allocator {
     /// [`AllocError::WrongPod`] when its environment carries an answer for another pod, or
     /// none of the ledger's rows are its own although it carries an answer;
     /// [`AllocError::Ledger`] when it carries an answer and the ledger cannot be read.
+    /// On a node whose kubelet counts the memory: [`AllocError::NotServed`] when the container
+    /// asks for memory and cannot be given it (no usable assignment, no room, a GPU gone).
     pub fn container_creating(&self, pod: &PodRef, container: &str, env: &[String]) -> Result<Creation, AllocError> {
+        if self.counted {
+            return self.counted_creating(pod, container, env);
+        }
         // Every answer names its pod: a container without one holds nothing of this node's, and
         // is let through without a look at the ledger (whose trouble would stop it otherwise).
-        let Some(answered) = env.iter().find_map(|kv| kv.strip_prefix(ANSWERED_POD)?.strip_prefix('=')) else {
+        let Some(answered) = answered_pod(env) else {
             return Ok(Creation::NotOurs);
         };
         let this = format!("{}/{}", pod.namespace, pod.name);
@@ -62,4 +78,101 @@ impl Allocator {
         let missing = answer.envs.into_iter().filter(|(k, _)| !has.contains(k.as_str())).collect();
         Ok(Creation::Environment(missing))
     }
+
+    /// [`Self::container_creating`] where the kubelet counts the memory: the container's rows
+    /// are committed now (once: a container created again gets the rows it holds), from the
+    /// pod the store holds under the UID the runtime named.
+    fn counted_creating(&self, pod: &PodRef, container: &str, env: &[String]) -> Result<Creation, AllocError> {
+        let this = format!("{}/{}", pod.namespace, pod.name);
+        let refuse = |why: String| AllocError::NotServed {
+            pod: this.clone(),
+            uid: pod.uid.clone(),
+            container: container.to_owned(),
+            why,
+        };
+        let stored = self.pods.get(&pod.uid);
+        let asks =
+            match stored.as_deref().map(|p| PodRequest::from_spec(&p.view.spec, &self.names, self.inventory.unit())) {
+                Some(Ok(request)) => request.containers().iter().any(|c| c.name == container),
+                Some(Err(e)) => return Err(refuse(e.to_string())),
+                None => false,
+            };
+        let Some(stored) = stored.filter(|_| asks) else {
+            // Only gpushared's answers name their pod: here the container's own spec or image did.
+            if let Some(answered) = answered_pod(env) {
+                return Err(AllocError::WrongPod {
+                    pod: this.clone(),
+                    uid: pod.uid.clone(),
+                    container: container.to_owned(),
+                    answered: answered.to_owned(),
+                    why: "it asks for no GPU memory on this node".to_owned(),
+                });
+            }
+            return Ok(Creation::NotOurs);
+        };
+        let mut state = self.lock();
+        Self::rebuilding(&state)?;
+        let rows = state.ledger.live_of(&pod.uid, container)?;
+        let answer = if let Some(last) = rows.last() {
+            let mut environment = self.environment();
+            environment.lean = false;
+            environment.answer_from_rows(last, &rows, Some(&stored))
+        } else {
+            let cand = self.named(&stored, container).map_err(refuse)?;
+            let new = Self::rows_for(&state.inventory, &cand, &[])?;
+            room::check_room(&self.inventory, &state.held, &state.claims, &new, &this)?;
+            let written = state.ledger.allocate(&new)?;
+            state.held.extend(written.iter().map(|r| Arc::new(Held::from(r))));
+            drop(state);
+            self.changed();
+            tracing::info!(
+                pod = %this,
+                container,
+                gpus = %new.iter().map(|r| format!("GPU{}", r.gpu_index)).collect::<Vec<_>>().join(","),
+                mib = new.iter().map(|r| r.mib.get()).sum::<u64>(),
+                "allocated at the container's creation"
+            );
+            let mut environment = self.environment();
+            environment.lean = false;
+            environment.answer(&cand.view().pod, &cand.assignment, cand.container())
+        };
+        Ok(Creation::Environment(answer.envs))
+    }
+
+    /// Container `container` of `pod`, as its assignment on this node places it, checked
+    /// against the pod's own spec; or why not.
+    fn named(&self, pod: &Arc<StoredPod>, container: &str) -> Result<Candidate, String> {
+        let view = &pod.view;
+        if view.terminal || view.node.as_deref() != Some(self.node.as_str()) {
+            return Err(format!("the pod is not running on node {} as far as the API server says", self.node));
+        }
+        let assignment = match &pod.assignment {
+            None => {
+                return Err(format!("the pod has no {} annotation", gpushare_core::codec::assignment::ASSIGNMENT_KEY));
+            }
+            Some(Err(e)) => return Err(e.to_string()),
+            Some(Ok(a)) if a.node != self.node => return Err(format!("the pod is assigned to node {}", a.node)),
+            Some(Ok(a)) => a,
+        };
+        if let Some(problem) = self.scope().assignment_problem(pod) {
+            return Err(problem.to_owned());
+        }
+        let position = assignment
+            .containers
+            .iter()
+            .position(|c| c.name == container)
+            .ok_or_else(|| "its assignment gives this container no GPU".to_owned())?;
+        let mib: u64 = assignment.containers[position].gpus.iter().map(|g| g.mib.get()).sum();
+        Ok(Candidate {
+            pod: Arc::clone(pod),
+            assignment: Arc::clone(assignment),
+            position,
+            units: mib / self.inventory.unit().mib_per_unit(),
+        })
+    }
+}
+
+/// The pod an answer in `env` names (`GPUSHARE_POD`), if any.
+fn answered_pod(env: &[String]) -> Option<&str> {
+    env.iter().find_map(|kv| kv.strip_prefix(ANSWERED_POD)?.strip_prefix('='))
 }

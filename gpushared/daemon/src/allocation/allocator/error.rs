@@ -29,6 +29,23 @@ pub enum AllocError {
         /// The annotation key.
         key: &'static str,
     },
+    /// A container the runtime is creating asks for GPU memory on a node whose kubelet counts
+    /// it (`[kubelet] advertise = "capacity"`), and cannot be given its GPU.
+    #[error(
+        "refusing to create container {container:?} of pod {pod} (UID {uid}): it asks for GPU memory and {why}; \
+         nothing was allocated. The kubelet retries the container; if it keeps failing, delete the pod so that \
+         gpushare-extender places it again"
+    )]
+    NotServed {
+        /// namespace/name.
+        pod: String,
+        /// The pod's UID.
+        uid: String,
+        /// The container.
+        container: String,
+        /// Why not.
+        why: String,
+    },
     /// A container the runtime is creating carries a device-plugin answer that is not its own.
     #[error(
         "refusing to create container {container:?} of pod {pod} (UID {uid}): its environment names pod {answered} \

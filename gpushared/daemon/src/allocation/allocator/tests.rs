@@ -44,6 +44,16 @@ fn fixture_with(
     nodes: crate::config::DeviceNodesConfig,
     environment: crate::config::ContainerEnvironment,
 ) -> Fixture {
+    fixture_built(compat, |a| a.with_device_nodes(nodes).with_environment(environment))
+}
+
+/// [`fixture`] where the kubelet counts the memory (`[kubelet] advertise = "capacity"`).
+pub(crate) fn fixture_counted() -> Fixture {
+    fixture_built(Compatibility::Gpushare, |a| a.with_advertise(crate::config::Advertise::Capacity))
+}
+
+/// [`fixture`], the allocator finished by `build`.
+fn fixture_built(compat: Compatibility, build: impl FnOnce(Allocator) -> Allocator) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let ledger = Ledger::open(&dir.path().join("ledger.db")).unwrap().ledger;
     let gpus = (0..3)
@@ -59,10 +69,7 @@ fn fixture_with(
         Compatibility::Gpushare => ResourceNames::gpushare(),
         Compatibility::Alibaba => ResourceNames::alibaba(),
     };
-    let alloc = Allocator::new("node-a".into(), names.clone(), compat, inventory, pods.clone(), ledger)
-        .unwrap()
-        .with_device_nodes(nodes)
-        .with_environment(environment);
+    let alloc = build(Allocator::new("node-a".into(), names.clone(), compat, inventory, pods.clone(), ledger).unwrap());
     Fixture { _dir: dir, pods, names, alloc: Arc::new(alloc), in_use: std::cell::RefCell::default() }
 }
 
@@ -729,3 +736,5 @@ fn a_container_being_created_gets_its_full_environment_and_no_other_pods() {
     let plain = vec!["PATH=/usr/bin".to_owned()];
     assert_eq!(f.alloc.container_creating(&other, "main", &plain).unwrap(), Creation::NotOurs);
 }
+
+mod counted;

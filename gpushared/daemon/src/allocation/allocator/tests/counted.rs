@@ -1,0 +1,105 @@
+//! A node whose kubelet counts the memory (`[kubelet] advertise = "capacity"`): each container
+//! allocated as the runtime creates it, from its pod's assignment checked against its spec, and
+//! its rows reconciled by its pod rather than by a device set.
+
+use std::collections::BTreeSet;
+
+use super::*;
+use crate::allocation::reconcile::KubeletView;
+
+fn creating(f: &Fixture, uid: &str, container: &str, env: &[&str]) -> Result<Creation, AllocError> {
+    let pod = PodRef { namespace: "default".into(), name: format!("pod-{uid}"), uid: uid.into() };
+    let env: Vec<String> = env.iter().map(|&s| s.to_owned()).collect();
+    f.alloc.container_creating(&pod, container, &env)
+}
+
+fn environment(c: Creation) -> BTreeMap<String, String> {
+    match c {
+        Creation::Environment(env) => env,
+        Creation::NotOurs => panic!("the container was taken for none of gpushared's"),
+    }
+}
+
+#[test]
+fn a_container_is_allocated_as_it_is_created_and_gets_every_variable() {
+    let f = fixture_counted();
+    pod(&f, "u1", "2026-12-01T00:00:00Z", &[("main", ContainerRole::App, &[(1, 350)])]);
+    // Its image says every GPU: gpushared's answer replaces that.
+    let image = ["NVIDIA_VISIBLE_DEVICES=all", "PATH=/bin"];
+    let env = environment(creating(&f, "u1", "main", &image).unwrap());
+    assert_eq!(env.get("NVIDIA_VISIBLE_DEVICES").map(String::as_str), Some("GPU-1"), "{env:?}");
+    assert_eq!(env.get("GPUSHARE_MEMORY_MIB").map(String::as_str), Some("350"), "{env:?}");
+    assert_eq!(env.get("CUDA_DEVICE_MEMORY_LIMIT_0").map(String::as_str), Some("350m"), "{env:?}");
+    assert_eq!(env.get("GPUSHARE_POD").map(String::as_str), Some("default/pod-u1"), "{env:?}");
+    assert!(!env.contains_key("PATH"), "{env:?}");
+    let live = f.alloc.live().unwrap();
+    assert_eq!(live.len(), 1);
+    assert_eq!((live[0].gpu_index, live[0].mib.get(), live[0].device_ids.len()), (1, 350, 0));
+
+    // Created again (a restart): the same answer, nothing written.
+    assert_eq!(environment(creating(&f, "u1", "main", &image).unwrap()), env);
+    assert_eq!(f.alloc.live().unwrap().len(), 1);
+
+    // A container of the pod that asks for no memory, and a pod the store does not have.
+    assert_eq!(creating(&f, "u1", "sidecar", &image).unwrap(), Creation::NotOurs);
+    assert_eq!(creating(&f, "u9", "main", &image).unwrap(), Creation::NotOurs);
+    // One whose own spec names a pod in GPUSHARE_POD does not start.
+    let e = creating(&f, "u9", "main", &["GPUSHARE_POD=default/pod-u1"]).unwrap_err();
+    assert!(matches!(e, AllocError::WrongPod { .. }), "{e}");
+    assert!(e.to_string().contains("asks for no GPU memory on this node"), "{e}");
+}
+
+#[test]
+fn a_container_without_a_usable_grant_is_refused_and_nothing_is_allocated() {
+    let f = fixture_counted();
+    // The spec asks for 400 MiB on one GPU; the annotation, which the pod's owner may write,
+    // spreads it over two.
+    let one_gpu: &[ContainerSpec<'_>] = &[("main", ContainerRole::App, &[(0, 400)])];
+    pod_asking(&f, "wide", "2026-12-01T00:00:01Z", &[("main", ContainerRole::App, &[(0, 200), (1, 200)])], one_gpu);
+    let e = creating(&f, "wide", "main", &[]).unwrap_err();
+    assert!(matches!(e, AllocError::NotServed { .. }), "{e}");
+    assert!(e.to_string().contains("over 2 GPU(s), it asks for 1"), "{e}");
+
+    // Asking, but placed by no extender.
+    pod(&f, "bare", "2026-12-01T00:00:02Z", &[("main", ContainerRole::App, &[(0, 100)])]);
+    let mut stored = f.pods.get("bare").unwrap().view.clone();
+    stored.annotations.clear();
+    f.pods.upsert(stored);
+    let e = creating(&f, "bare", "main", &[]).unwrap_err();
+    assert!(e.to_string().contains("has no gpushare.io/assignment annotation"), "{e}");
+
+    // Assigned to another node.
+    pod(&f, "far", "2026-12-01T00:00:03Z", &[("main", ContainerRole::App, &[(0, 100)])]);
+    let mut stored = f.pods.get("far").unwrap().view.clone();
+    stored.node = Some("node-b".into());
+    f.pods.upsert(stored);
+    let e = creating(&f, "far", "main", &[]).unwrap_err();
+    assert!(e.to_string().contains("not running on node node-a"), "{e}");
+
+    // No room left on the GPU by the ledger.
+    pod(&f, "big", "2026-12-01T00:00:04Z", &[("main", ContainerRole::App, &[(2, 700)])]);
+    pod(&f, "late", "2026-12-01T00:00:05Z", &[("main", ContainerRole::App, &[(2, 700)])]);
+    creating(&f, "big", "main", &[]).unwrap();
+    let e = creating(&f, "late", "main", &[]).unwrap_err();
+    assert!(matches!(e, AllocError::NoRoom { .. }), "{e}");
+    let live = f.alloc.live().unwrap();
+    assert_eq!(live.iter().map(|r| r.pod.uid.as_str()).collect::<Vec<_>>(), ["big"], "{live:?}");
+}
+
+#[test]
+fn rows_of_no_device_are_kept_while_their_pod_runs_and_released_after() {
+    let f = fixture_counted();
+    pod(&f, "u1", "2026-12-01T00:00:00Z", &[("main", ContainerRole::App, &[(0, 100)])]);
+    creating(&f, "u1", "main", &[]).unwrap();
+    let listed =
+        KubeletView { pods: BTreeSet::from([("default".to_owned(), "pod-u1".to_owned())]), holdings: Vec::new() };
+    // The kubelet lists the pod, and holds no device of it: nothing to repair.
+    assert!(f.alloc.reconcile(&listed, 0).unwrap().0.is_empty());
+    // Neither the kubelet nor the API server has it running here: released.
+    let (repairs, _) = f.alloc.reconcile(&KubeletView::default(), 60_000).unwrap();
+    assert!(repairs.is_empty(), "the API server still has it running: {repairs:?}");
+    f.pods.remove("u1", 1);
+    let (repairs, _) = f.alloc.reconcile(&KubeletView::default(), 0).unwrap();
+    assert_eq!(repairs.len(), 1, "{repairs:?}");
+    assert!(f.alloc.live().unwrap().is_empty());
+}
