@@ -3,8 +3,9 @@
 //! really starts. Its process, the probe of `tests/runtime/cmd/probe`, reports what it sees, and
 //! each check reads that: the device plugin's `Allocate` environment and device nodes, a DRA
 //! claim's CDI spec as containerd injects it (its device nodes among it), the rest of the
-//! environment of a lean answer through gpushared's NRI plugin, and a restart of containerd with
-//! the pods running.
+//! environment of a lean answer through gpushared's NRI plugin, a restart of containerd with
+//! the pods running, and a node whose kubelet counts the memory (`[kubelet] advertise =
+//! "capacity"`), where each container gets its grant through NRI alone.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeMap;
@@ -84,7 +85,12 @@ fn claim_pod(name: &str, claim: &str, containers: &[&str]) -> Value {
 /// Waits until pod `name` is Running and each of its `containers` reported what it saw;
 /// returns the latest report of each, by container name.
 fn wait_seen(b: &RealBox, name: &str, containers: &[&str]) -> BTreeMap<String, Seen> {
-    let n = node(b);
+    wait_seen_on(b, NODE, name, containers)
+}
+
+/// [`wait_seen`] for a pod on node `on`.
+fn wait_seen_on(b: &RealBox, on: &str, name: &str, containers: &[&str]) -> BTreeMap<String, Seen> {
+    let n = b.node(on).unwrap();
     let deadline = Instant::now() + Duration::from_secs(90);
     loop {
         let p = get(&b.plane, &["get", "pod", name, "-n", "default"]);
@@ -328,5 +334,82 @@ async fn on_containerd_each_process_sees_its_grant_and_a_restart_keeps_them_runn
             p["status"]["containerStatuses"].as_array().unwrap().iter().map(|c| &c["restartCount"]).collect();
         assert!(restarts.iter().all(|r| **r == 0), "{name}: {p}");
     }
+
+    on_a_node_that_counts_the_memory(&mut b).await;
     b.shutdown();
+}
+
+/// A node whose kubelet counts the memory (`[kubelet] advertise = "capacity"`, MiB mode): gpushared
+/// writes the count into its Node's status and registers no device plugin; the kubelet admits
+/// each pod by the count and calls no plugin; each container gets the GPU and budget of its
+/// assignment as containerd creates it, through gpushared's NRI plugin; a deleted pod's grant is
+/// released. No `[device_nodes]` here: on a GPU host NVIDIA's container toolkit adds the nodes.
+async fn on_a_node_that_counts_the_memory(b: &mut RealBox) {
+    const COUNTED: &str = "node-n";
+    let gpus: Vec<FakeGpu> = (0..2).map(|i| FakeGpu::new(COUNTED, i, GPU_MIB, "A100-PCIE-40GB")).collect();
+    let config = "[kubelet]\nadvertise = \"capacity\"\n[device_nodes]\nenabled = false\n";
+    b.add_node(COUNTED, &gpus, ("", config)).unwrap_or_else(|e| panic!("{e:#}"));
+    b.wait_allocatable(COUNTED, "gpushare.io/gpu-mem", &(2 * GPU_MIB).to_string(), Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let n = b.node(COUNTED).unwrap();
+    assert!(
+        n.daemon.log().contains("the Node's status carries the GPU memory as a count"),
+        "{}",
+        n.daemon.log_tail(30)
+    );
+
+    let pods = [("cn-a", 6000), ("cn-b", 30000), ("cn-c", 20000)];
+    for (name, mib) in pods {
+        let mut p = plugin_pod(name, mib, "/tmp");
+        p["spec"]["nodeSelector"] = json!({"kubernetes.io/hostname": COUNTED});
+        b.plane.create(&p).unwrap();
+    }
+    wait_bound(b, &pods.map(|(n, _)| n.to_owned())).await;
+    let mut gpus_used = Vec::new();
+    for (name, mib) in pods {
+        let s = wait_seen_on(b, COUNTED, name, &["main"]).remove("main").unwrap();
+        let p = get(&b.plane, &["get", "pod", name, "-n", "default"]);
+        assert_eq!(p["spec"]["nodeName"], COUNTED, "{p}");
+        let a = Assignment::decode(p["metadata"]["annotations"][ASSIGNMENT_KEY].as_str().unwrap()).unwrap();
+        let share = &a.containers[0].gpus[0];
+        assert_eq!(share.mib.get(), mib, "{name}: {a:?}");
+        let env = |k: &str| s.env.get(k).cloned().unwrap_or_default();
+        assert_eq!(env("NVIDIA_VISIBLE_DEVICES"), share.uuid.as_str(), "{name}: {:?}", s.env);
+        assert_eq!(env("GPUSHARE_MEMORY_MIB"), mib.to_string(), "{name}");
+        assert_eq!(env("CUDA_DEVICE_MEMORY_LIMIT_0"), format!("{mib}m"), "{name}");
+        assert_eq!(env("GPUSHARE_POD"), format!("default/{name}"), "{name}");
+        assert_real_container(name, &s);
+        gpus_used.push(share.uuid.as_str().to_owned());
+    }
+    gpus_used.sort_unstable();
+    gpus_used.dedup();
+    assert_eq!(gpus_used.len(), 2, "30,000 and 20,000 MiB cannot share a 40,960 MiB GPU: {gpus_used:?}");
+    // The kubelet called no plugin: its device checkpoint holds no pod.
+    let checkpoint = n.kubelet.dirs.device_plugins().join("kubelet_internal_checkpoint");
+    if let Ok(raw) = std::fs::read(&checkpoint) {
+        let checkpoint: Value = serde_json::from_slice(&raw).unwrap();
+        let entries = &checkpoint["Data"]["PodDeviceEntries"];
+        assert!(entries.is_null() || entries.as_array().is_some_and(Vec::is_empty), "{checkpoint}");
+    }
+    let held = |b: &RealBox| -> Vec<String> {
+        let mut pods: Vec<String> =
+            b.node_state(COUNTED).unwrap().allocations.into_iter().map(|a| a.pod.name).collect();
+        pods.sort_unstable();
+        pods.dedup();
+        pods
+    };
+    assert_eq!(held(b), ["cn-a", "cn-b", "cn-c"]);
+
+    // A deleted pod's grant goes back.
+    b.plane.kubectl(&["delete", "pod", "cn-b", "-n", "default", "--wait=false"]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while held(b) != ["cn-a", "cn-c"] {
+        assert!(
+            Instant::now() < deadline,
+            "cn-b's grant is still held 60 s after its deletion: {:?}\n{}",
+            held(b),
+            b.node(COUNTED).unwrap().daemon.log_tail(30)
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
 }
