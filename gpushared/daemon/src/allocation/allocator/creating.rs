@@ -113,9 +113,10 @@ impl Allocator {
         let mut state = self.lock();
         Self::rebuilding(&state)?;
         let rows = state.ledger.live_of(&pod.uid, container)?;
+        // Every variable: no checkpointed answer carries the rest.
+        let mut environment = self.environment();
+        environment.lean = false;
         let answer = if let Some(last) = rows.last() {
-            let mut environment = self.environment();
-            environment.lean = false;
             environment.answer_from_rows(last, &rows, Some(&stored))
         } else {
             let cand = self.named(&stored, container).map_err(refuse)?;
@@ -132,8 +133,6 @@ impl Allocator {
                 mib = new.iter().map(|r| r.mib.get()).sum::<u64>(),
                 "allocated at the container's creation"
             );
-            let mut environment = self.environment();
-            environment.lean = false;
             environment.answer(&cand.view().pod, &cand.assignment, cand.container())
         };
         Ok(Creation::Environment(answer.envs))
