@@ -11,6 +11,9 @@
 //! until the kubelet stops it, and then reads as killed (137).
 //! Every image is present (nothing is pulled); the node's network is ready; the cgroup driver is
 //! cgroupfs. Calls it does not serve (streaming lists, events, stats, exec) answer UNIMPLEMENTED.
+//! It serves NRI as containerd does, on [`crate::recording_nri::NRI_SOCKET`] beside its socket:
+//! a registered plugin that subscribed to `CreateContainer` adjusts each container's
+//! environment after the device plugin's answer and the CDI devices are applied, or refuses it.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -29,6 +32,9 @@ pub mod api {
 
 use api::image_service_server::{ImageService, ImageServiceServer};
 use api::runtime_service_server::{RuntimeService, RuntimeServiceServer};
+
+use crate::recording_nri::Nri;
+use gpushare_proto::nri as nri_api;
 
 /// The folder beside the runtime's socket whose CDI specs it applies ([`crate::cdi`]).
 pub const CDI_DIR: &str = "cdi";
@@ -106,11 +112,13 @@ pub struct RecordingRuntime {
     store: Arc<Mutex<Store>>,
     socket: PathBuf,
     task: tokio::task::JoinHandle<()>,
+    nri: Arc<Nri>,
 }
 
 impl Drop for RecordingRuntime {
     fn drop(&mut self) {
         self.task.abort();
+        self.nri.stop();
     }
 }
 
@@ -131,7 +139,9 @@ impl RecordingRuntime {
         let listener =
             tokio::net::UnixListener::bind(socket).with_context(|| format!("binding {}", socket.display()))?;
         let store = Arc::new(Mutex::new(Store::default()));
-        let service = Service { store: Arc::clone(&store), fs: socket.parent().unwrap_or(socket).to_owned() };
+        let fs = socket.parent().unwrap_or(socket).to_owned();
+        let nri = Nri::serve(&fs.join(crate::recording_nri::NRI_SOCKET), existing(&store))?;
+        let service = Service { store: Arc::clone(&store), fs, nri: Arc::clone(&nri) };
         let router = tonic::transport::Server::builder()
             .add_service(RuntimeServiceServer::new(service.clone()))
             .add_service(ImageServiceServer::new(service));
@@ -141,7 +151,7 @@ impl RecordingRuntime {
                 tracing::warn!(error = %e, "the recording runtime stopped");
             }
         });
-        Ok(RecordingRuntime { store, socket: socket.to_owned(), task })
+        Ok(RecordingRuntime { store, socket: socket.to_owned(), task, nri })
     }
 
     /// Loses everything, as a runtime does when its host reboots: stops serving and serves
@@ -154,6 +164,12 @@ impl RecordingRuntime {
         self.task.abort();
         *self = RecordingRuntime::serve(&self.socket)?;
         Ok(())
+    }
+
+    /// The NRI plugin registered now (`50-gpushare`), if one is.
+    #[must_use]
+    pub fn nri_plugin(&self) -> Option<String> {
+        self.nri.plugin_name()
     }
 
     /// The socket, as the kubelet's `containerRuntimeEndpoint` names it.
@@ -195,6 +211,49 @@ struct Service {
     store: Arc<Mutex<Store>>,
     /// The directory reported as the image and container filesystem.
     fs: PathBuf,
+    nri: Arc<Nri>,
+}
+
+/// What a plugin registering with the runtime's NRI is synchronized with: every sandbox and
+/// container in `store`.
+fn existing(store: &Arc<Mutex<Store>>) -> crate::recording_nri::Existing {
+    let store = Arc::clone(store);
+    Arc::new(move || {
+        let store = store.lock().unwrap_or_else(PoisonError::into_inner);
+        let pods = store.sandboxes.iter().map(|(id, s)| nri_pod(id, s.config.metadata.as_ref())).collect();
+        let containers = store
+            .containers
+            .iter()
+            .map(|(id, c)| nri_container(id, &c.sandbox, &c.config, &env_of(&c.config)))
+            .collect();
+        (pods, containers)
+    })
+}
+
+/// A pod sandbox as NRI describes it.
+fn nri_pod(id: &str, meta: Option<&api::PodSandboxMetadata>) -> nri_api::PodSandbox {
+    let meta = meta.cloned().unwrap_or_default();
+    nri_api::PodSandbox { id: id.to_owned(), name: meta.name, uid: meta.uid, namespace: meta.namespace }
+}
+
+/// A container as NRI describes it, with the environment `envs`.
+fn nri_container(
+    id: &str,
+    sandbox: &str,
+    config: &api::ContainerConfig,
+    envs: &BTreeMap<String, String>,
+) -> nri_api::Container {
+    nri_api::Container {
+        id: id.to_owned(),
+        pod_sandbox_id: sandbox.to_owned(),
+        name: config.metadata.as_ref().map(|m| m.name.clone()).unwrap_or_default(),
+        env: envs.iter().map(|(k, v)| format!("{k}={v}")).collect(),
+    }
+}
+
+/// A container's environment, as the kubelet set it.
+fn env_of(config: &api::ContainerConfig) -> BTreeMap<String, String> {
+    config.envs.iter().map(|kv| (kv.key.clone(), String::from_utf8_lossy(&kv.value).into_owned())).collect()
 }
 
 fn now_ns() -> i64 {
@@ -362,16 +421,17 @@ impl RuntimeService for Service {
     ) -> Answer<api::CreateContainerResponse> {
         let req = req.into_inner();
         let config = req.config.ok_or_else(|| Status::invalid_argument("no container config"))?;
-        let mut store = self.store();
-        let sandbox = store
-            .sandboxes
-            .get(&req.pod_sandbox_id)
-            .ok_or_else(|| Status::not_found(format!("no sandbox {}", req.pod_sandbox_id)))?;
-        let meta = sandbox.config.metadata.clone().unwrap_or_default();
-        let log_dir = sandbox.config.log_directory.clone();
-        let id = store.id("c");
-        let mut envs: BTreeMap<String, String> =
-            config.envs.iter().map(|kv| (kv.key.clone(), String::from_utf8_lossy(&kv.value).into_owned())).collect();
+        let (meta, log_dir, id) = {
+            let mut store = self.store();
+            let sandbox = store
+                .sandboxes
+                .get(&req.pod_sandbox_id)
+                .ok_or_else(|| Status::not_found(format!("no sandbox {}", req.pod_sandbox_id)))?;
+            let meta = sandbox.config.metadata.clone().unwrap_or_default();
+            let log_dir = sandbox.config.log_directory.clone();
+            (meta, log_dir, store.id("c"))
+        };
+        let mut envs = env_of(&config);
         let cdi_devices: Vec<String> = config.cdi_devices.iter().map(|d| d.name.clone()).collect();
         let mut mounts: Vec<(String, String)> =
             config.mounts.iter().map(|m| (m.host_path.clone(), m.container_path.clone())).collect();
@@ -386,6 +446,14 @@ impl RuntimeService for Service {
             devices: &mut devices,
         };
         crate::cdi::apply(&self.fs.join(CDI_DIR), &cdi_devices, &mut edits).map_err(Status::failed_precondition)?;
+        // NRI adjusts the container as the kubelet, the device plugin and CDI made it.
+        let pod = nri_pod(&req.pod_sandbox_id, Some(&meta));
+        let adjust = self
+            .nri
+            .create_container(pod, nri_container(&id, &req.pod_sandbox_id, &config, &envs))
+            .await
+            .map_err(|e| Status::unknown(format!("failed to create the container: {e}")))?;
+        envs.extend(adjust.into_iter().map(|kv| (kv.key, kv.value)));
         let log_path = if log_dir.is_empty() || config.log_path.is_empty() {
             String::new()
         } else {
@@ -408,6 +476,7 @@ impl RuntimeService for Service {
             running: false,
         };
         tracing::debug!(%id, pod = %created.pod, container = %created.container, "CreateContainer");
+        let mut store = self.store();
         store.created.push(created);
         store.containers.insert(
             id.clone(),

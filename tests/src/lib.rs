@@ -45,6 +45,7 @@ pub mod probe;
 pub mod realbox;
 pub mod realkube;
 pub mod realkubelet;
+pub mod recording_nri;
 pub mod rng;
 pub mod scheduler;
 

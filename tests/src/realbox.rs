@@ -386,12 +386,14 @@ impl RealCluster {
         let nvml_extra = format!("{}{}", nvml::events_directive(&events), extra.0);
         // On a real runtime the node has the driver's device nodes, as a GPU host does, and
         // gpushared names them to the runtime (`[device_nodes]`): each container gets its GPUs'.
-        // gpushared also joins containerd's NRI as a plugin (`[nri]`).
-        let mut config_extra = extra.1.to_owned();
+        // gpushared also joins containerd's NRI as a plugin (`[nri]`). The recording runtime
+        // serves NRI on a socket of the same name ([`crate::recording_nri`]), which gpushared
+        // joins where the node's configuration enables `[nri]`.
+        let nri = host.join("cri").join(crate::containerd::NRI_SOCKET);
+        let mut config_extra = merge_toml(&format!("[nri]\nsocket = \"{}\"\n", nri.display()), extra.1)?;
         if runtime.containerd().is_some() {
             let dev = host.join("dev");
             nvml::make_device_nodes(&dev, gpus)?;
-            let nri = host.join("cri").join(crate::containerd::NRI_SOCKET);
             config_extra = merge_toml(
                 &format!(
                     "[device_nodes]\nenabled = true\nhost_dir = \"{}\"\n[nri]\nenabled = true\nsocket = \"{}\"\n",
