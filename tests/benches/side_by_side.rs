@@ -51,7 +51,7 @@
 //! Needs root and Go, as the real-cluster tests do. `GPUSHARE_BOX_DIR` keeps each box's logs
 //! and state, in `<dir>/<system>-<round>`. `GPUSHARE_BENCH_SYSTEMS` (e.g. `gib,dra`) runs only
 //! the systems named (`mib`, `gib`, `gib-lean`, `dra`, `nvidia`, `alibaba`, `hami`, `nvidia-dra`,
-//! `floor-mib`, `floor-gib`, `floor-dra`, `floor-gib-read`, `floor-counted`).
+//! `floor-mib`, `floor-gib`, `floor-dra`, `floor-gib-read`, `floor-counted`, `counted`).
 //! `floor-mib` is the kubelet's own limit at MiB mode's device count: a plugin of as many devices
 //! (`example.com/mib`) that answers at once (`gpushare-box null-plugin`), pods of the same size
 //! placed by kube-scheduler alone; gpushare's MiB mode is given as a ratio to it. `floor-gib` is
@@ -75,6 +75,12 @@
 //! resources for a node" does), served by no device plugin, so the kubelet admits each pod by a
 //! count and calls no plugin; pods of the same size placed by kube-scheduler alone. Its figures
 //! are given as ratios to NVIDIA's and to `floor-mib`.
+//! `counted` is gpushare's MiB mode on that design (`[kubelet] advertise = "capacity"`): gpushared
+//! writes the count into the node's status and joins the recording runtime's NRI
+//! (`gpushare_testkit::recording_nri`), which hands it each container as it is created; it
+//! allocates then and completes the container's environment, the pods placed through
+//! gpushare-extender as MiB mode's. Its figures are given as ratios to NVIDIA's, to MiB mode's
+//! and to `floor-counted`; its wrong-pod answers are counted as MiB mode's are.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -134,9 +140,12 @@ enum System {
     /// admits each pod by a count alone. What the kubelet allows a design that delivers the GPU
     /// at the container's creation (NRI) rather than through the device plugin.
     FloorCounted,
+    /// gpushare's MiB mode on a node whose kubelet counts the memory (`[kubelet] advertise =
+    /// "capacity"`): each container allocated as it is created, through the runtime's NRI.
+    GpushareCounted,
 }
 
-const SYSTEMS: [System; 13] = [
+const SYSTEMS: [System; 14] = [
     System::GpushareMib,
     System::GpushareGib,
     System::GpushareDra,
@@ -150,6 +159,7 @@ const SYSTEMS: [System; 13] = [
     System::FloorGibRead,
     System::GpushareGibLean,
     System::FloorCounted,
+    System::GpushareCounted,
 ];
 
 impl System {
@@ -169,6 +179,7 @@ impl System {
             System::FloorGibRead => "floor-gib-read",
             System::GpushareGibLean => "gib-lean",
             System::FloorCounted => "floor-counted",
+            System::GpushareCounted => "counted",
         }
     }
 }
@@ -283,7 +294,8 @@ fn main() {
     let rounds = env("GPUSHARE_BENCH_ROUNDS", 2);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let chosen = std::env::var("GPUSHARE_BENCH_SYSTEMS").unwrap_or_else(|_| {
-        "mib,gib,dra,nvidia,alibaba,hami,nvidia-dra,floor-mib,floor-gib,floor-dra,floor-gib-read,floor-counted".into()
+        "mib,gib,dra,nvidia,alibaba,hami,nvidia-dra,floor-mib,floor-gib,floor-dra,floor-gib-read,floor-counted,counted"
+            .into()
     });
     let mut chosen: Vec<&str> = chosen.split(',').map(str::trim).collect();
     if chosen.contains(&"alibaba")
@@ -344,13 +356,14 @@ fn main() {
     let (mib, gib, dra, nvidia, alibaba, hami, nvidia_dra, floor) =
         (&figures[0], &figures[1], &figures[2], &figures[3], &figures[4], &figures[5], &figures[6], &figures[7]);
     let (floor_dra, floor_gib, floor_read, gib_lean) = (&figures[8], &figures[9], &figures[10], &figures[11]);
-    let counted = &figures[12];
+    let (counted, gpushare_counted) = (&figures[12], &figures[13]);
     println!(
         "\nmeans of {rounds} rounds (NaN: not run); ratios to gpushare GiB mode (DRA's, NVIDIA's), \
          Alibaba's and HAMi's to gpushare MiB mode, NVIDIA's DRA driver's to gpushare DRA, gpushare MiB mode's \
          to the floor at its device count, gpushare GiB mode's to the floor of a plugin that asks the kubelet \
          (and to that of one that also reads the pod), gpushare DRA's to the DRA floor and the DRA floor's to \
-         NVIDIA, the counted floor's to NVIDIA and to the floor at MiB mode's device count:"
+         NVIDIA, the counted floor's to NVIDIA and to the floor at MiB mode's device count, gpushare counted's \
+         to NVIDIA, to gpushare MiB mode and to the counted floor:"
     );
     for (name, f) in [
         ("pods/s end to end", (|x: &Figures| x.pods_per_s) as fn(&Figures) -> f64),
@@ -361,13 +374,15 @@ fn main() {
         let (a, g, d, n, l) = (mean(mib, f), mean(gib, f), mean(dra, f), mean(nvidia, f), mean(alibaba, f));
         let (h, nd, fl, fd) = (mean(hami, f), mean(nvidia_dra, f), mean(floor, f), mean(floor_dra, f));
         let (fg, fr, gl, fc) = (mean(floor_gib, f), mean(floor_read, f), mean(gib_lean, f), mean(counted, f));
+        let gc = mean(gpushare_counted, f);
         println!(
             "  {name}: gpushare MiB {a:.2}, GiB {g:.2}, DRA {d:.2}; NVIDIA {n:.2}; Alibaba MiB {l:.2}; HAMi {h:.2}; \
              NVIDIA DRA {nd:.2}; floor MiB {fl:.2}; floor GiB {fg:.2}; floor GiB reading {fr:.2}; floor DRA {fd:.2}; \
              ratio {:.2}, {:.2}; Alibaba {:.2}; HAMi {:.2}; NVIDIA DRA {:.2}; MiB to floor {:.2}; GiB to its floor \
              {:.2}; GiB to the reading floor {:.2}; floor GiB to NVIDIA {:.2}; reading floor to NVIDIA {:.2}; DRA to \
              its floor {:.2}; DRA floor to NVIDIA {:.2}; GiB lean {gl:.2}, to NVIDIA {:.2}; floor counted {fc:.2}, \
-             to NVIDIA {:.2}, to floor MiB {:.2}",
+             to NVIDIA {:.2}, to floor MiB {:.2}; gpushare counted {gc:.2}, to NVIDIA {:.2}, to MiB {:.2}, to \
+             floor counted {:.2}",
             d / g,
             n / g,
             l / a,
@@ -382,7 +397,10 @@ fn main() {
             fd / n,
             gl / n,
             fc / n,
-            fc / fl
+            fc / fl,
+            gc / n,
+            gc / a,
+            gc / fc
         );
     }
     println!("\nstages per pod, means of {rounds} rounds (ms unless said; NaN: not reported):");
@@ -481,6 +499,12 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
             b.plane.kubectl(&["patch", "node", NODE, "--subresource=status", "--type=json", "-p", &patch]).unwrap();
             (FLOOR_COUNTED_RESOURCE, units.to_string(), mib_pod.as_str())
         }
+        System::GpushareCounted => {
+            let config = "[kubelet]\nadvertise = \"capacity\"\n[nri]\nenabled = true\n";
+            b.add_node(NODE, &gpus(mib_gpu, "Tesla V100-SXM2-16GB"), ("", config)).unwrap();
+            wait_nri(&b);
+            ("gpushare.io/gpu-mem", (mib_gpu * u64::from(GPUS)).to_string(), mib_pod.as_str())
+        }
         System::FloorDra => {
             b.plane.create(&null_dra::device_class()).unwrap();
             b.add_null_dra_node(NODE).unwrap();
@@ -553,7 +577,10 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
     println!("  {system:?}, the API server per pod of the burst: {}", api_line(&api_before, &api_after, pods as f64));
     // gpushared names the pod it served in each container's environment: one that names
     // another pod is a wrong-pod answer.
-    let wrong_pod = if matches!(system, System::GpushareMib | System::GpushareGib | System::GpushareGibLean) {
+    let wrong_pod = if matches!(
+        system,
+        System::GpushareMib | System::GpushareGib | System::GpushareGibLean | System::GpushareCounted
+    ) {
         let running = node.runtime.recording().unwrap().running();
         let wrong: Vec<String> = running
             .iter()
@@ -570,9 +597,10 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
     // The counted floor's plugin serves none of its pods.
     let rss_mib = if system == System::FloorCounted { f64::NAN } else { rss_kib(node.daemon.pid().unwrap()) / 1024.0 };
     let kubelet = kubelet_metrics(&b);
-    // No plugin serves the counted floor's pods: the kubelet calls no `Allocate` for them.
+    // No device plugin serves a counted resource's pods: the kubelet calls no `Allocate` for them.
+    let counts = matches!(system, System::FloorCounted | System::GpushareCounted);
     let (alloc_p50_ms, alloc_p99_ms) =
-        if dra || system == System::FloorCounted { (f64::NAN, f64::NAN) } else { alloc_quantiles(&kubelet, resource) };
+        if dra || counts { (f64::NAN, f64::NAN) } else { alloc_quantiles(&kubelet, resource) };
     let stages = stages(&b, &kubelet, resource, pods as f64).await;
     b.shutdown();
     Figures { pods_per_s: pods as f64 / elapsed, alloc_p50_ms, alloc_p99_ms, rss_mib, wrong_pod, stages, cpu_ms }
@@ -722,6 +750,17 @@ fn wait_slice(b: &RealCluster, devices: usize) {
         }
         assert!(Instant::now() < deadline, "the node's ResourceSlice has {n} devices, not {devices}");
         std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// Waits until gpushared has registered with the node's runtime as its NRI plugin: until then
+/// the runtime creates containers without it.
+fn wait_nri(b: &RealCluster) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let runtime = b.node(NODE).unwrap().runtime.recording().unwrap();
+    while runtime.nri_plugin().is_none() {
+        assert!(Instant::now() < deadline, "gpushared has not registered with the runtime's NRI after 60 s");
+        std::thread::sleep(Duration::from_millis(100));
     }
 }
 

@@ -95,8 +95,9 @@ fn rows_of_no_device_are_kept_while_their_pod_runs_and_released_after() {
         KubeletView { pods: BTreeSet::from([("default".to_owned(), "pod-u1".to_owned())]), holdings: Vec::new() };
     // The kubelet lists the pod, and holds no device of it: nothing to repair.
     assert!(f.alloc.reconcile(&listed, 0).unwrap().0.is_empty());
-    // The kubelet no longer lists it, but the API server has it running here: kept.
-    let (repairs, _) = f.alloc.reconcile(&KubeletView::default(), 60_000).unwrap();
+    // The kubelet no longer lists it, but the API server has it running here: kept, with no
+    // grace period that could keep it instead (reconcile's second argument is the grace).
+    let (repairs, _) = f.alloc.reconcile(&KubeletView::default(), 0).unwrap();
     assert!(repairs.is_empty(), "the API server still has it running: {repairs:?}");
     // Neither the kubelet nor the API server has it running here: released.
     f.pods.remove("u1", 1);
