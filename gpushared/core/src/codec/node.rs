@@ -20,7 +20,8 @@
 //! every publication so a reader can ignore a stale value. `overBudget` (absent when empty) lists the containers whose
 //! processes use more of the GPU's memory than their budget, as the daemon last sampled them.
 //! `tellsLookalikesApart` (absent when false) says the daemon learns from the kubelet itself
-//! which pod each device-plugin call is for (its PodResources `List`), so look-alike pods
+//! which pod each device-plugin call is for (its PodResources `List`), or grants memory only as
+//! the runtime creates a container, which names its pod (a counted node), so look-alike pods
 //! (device requests of one size) may be bound to the node while another is still admitted.
 
 use serde::{Deserialize, Serialize};

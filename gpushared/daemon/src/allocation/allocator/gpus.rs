@@ -198,7 +198,9 @@ impl Allocator {
             allocations,
             claims,
             over_budget,
-            tells_lookalikes_apart: self.kubelet_answers(),
+            // On a counted node every grant is made at the container's creation, which names
+            // the pod by UID: no call can be answered for another pod.
+            tells_lookalikes_apart: self.kubelet_answers() || self.counted(),
         }
     }
 }

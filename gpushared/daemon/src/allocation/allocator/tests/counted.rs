@@ -87,6 +87,14 @@ fn a_container_without_a_usable_grant_is_refused_and_nothing_is_allocated() {
 }
 
 #[test]
+fn a_counted_node_tells_lookalikes_apart_without_the_kubelet() {
+    // Each grant names its pod by UID at the container's creation: the extender need not keep
+    // look-alikes apart, whether or not the kubelet's PodResources answered.
+    assert!(fixture_counted().alloc.node_state(1, "x").tells_lookalikes_apart);
+    assert!(!fixture(Compatibility::Gpushare).alloc.node_state(1, "x").tells_lookalikes_apart);
+}
+
+#[test]
 fn rows_of_no_device_are_kept_while_their_pod_runs_and_released_after() {
     let f = fixture_counted();
     pod(&f, "u1", "2026-12-01T00:00:00Z", &[("main", ContainerRole::App, &[(0, 100)])]);
