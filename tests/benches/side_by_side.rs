@@ -80,7 +80,9 @@
 //! (`gpushare_testkit::recording_nri`), which hands it each container as it is created; it
 //! allocates then and completes the container's environment, the pods placed through
 //! gpushare-extender as MiB mode's. Its figures are given as ratios to NVIDIA's, to MiB mode's
-//! and to `floor-counted`; its wrong-pod answers are counted as MiB mode's are.
+//! and to `floor-counted`; its wrong-pod answers are counted as MiB mode's are, and the latency
+//! of each NRI `CreateContainer` (the call that allocates) is reported as the runtime saw it,
+//! p50 and p99 of every call, where the kubelet's `Allocate` histogram has nothing.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -198,6 +200,10 @@ struct Figures {
     rss_mib: f64,
     /// Containers whose `GPUSHARE_POD` names another pod (NaN: not gpushared's device plugin).
     wrong_pod: f64,
+    /// NRI `CreateContainer` latency as the runtime saw it, p50 and p99 of every call (NaN: no
+    /// NRI plugin served the node): on a counted node, the call that allocates.
+    create_p50_ms: f64,
+    create_p99_ms: f64,
     stages: Stages,
     /// CPU time each of [`CPU_PARTS`] used during the burst, ms per pod.
     cpu_ms: [f64; CPU_PARTS.len()],
@@ -348,6 +354,12 @@ fn main() {
                 st.throttled_ms,
                 1000.0 / f.pods_per_s
             );
+            if !f.create_p50_ms.is_nan() {
+                println!(
+                    "  NRI CreateContainer as the runtime saw it: p50 {:.2} ms, p99 {:.2} ms",
+                    f.create_p50_ms, f.create_p99_ms
+                );
+            }
             println!("  CPU per pod: {}", cpu_line(&f.cpu_ms));
             figures[i].push(f);
         }
@@ -370,6 +382,8 @@ fn main() {
         ("kubelet Allocate p50", |x| x.alloc_p50_ms),
         ("kubelet Allocate p99", |x| x.alloc_p99_ms),
         ("plugin RSS", |x| x.rss_mib),
+        ("NRI CreateContainer p50", |x| x.create_p50_ms),
+        ("NRI CreateContainer p99", |x| x.create_p99_ms),
     ] {
         let (a, g, d, n, l) = (mean(mib, f), mean(gib, f), mean(dra, f), mean(nvidia, f), mean(alibaba, f));
         let (h, nd, fl, fd) = (mean(hami, f), mean(nvidia_dra, f), mean(floor, f), mean(floor_dra, f));
@@ -602,8 +616,23 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
     let (alloc_p50_ms, alloc_p99_ms) =
         if dra || counts { (f64::NAN, f64::NAN) } else { alloc_quantiles(&kubelet, resource) };
     let stages = stages(&b, &kubelet, resource, pods as f64).await;
+    let mut creates: Vec<f64> =
+        node.runtime.recording().unwrap().nri_create_latencies().iter().map(|d| d.as_secs_f64() * 1000.0).collect();
+    creates.sort_by(f64::total_cmp);
+    let rank = |q: f64| creates.get(((creates.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied();
+    let (create_p50_ms, create_p99_ms) = (rank(0.5).unwrap_or(f64::NAN), rank(0.99).unwrap_or(f64::NAN));
     b.shutdown();
-    Figures { pods_per_s: pods as f64 / elapsed, alloc_p50_ms, alloc_p99_ms, rss_mib, wrong_pod, stages, cpu_ms }
+    Figures {
+        pods_per_s: pods as f64 / elapsed,
+        alloc_p50_ms,
+        alloc_p99_ms,
+        rss_mib,
+        wrong_pod,
+        create_p50_ms,
+        create_p99_ms,
+        stages,
+        cpu_ms,
+    }
 }
 
 /// The sum of a metric's series whose lines start with `name` (`name{` or `name `) and contain

@@ -172,6 +172,12 @@ impl RecordingRuntime {
         self.nri.plugin_name()
     }
 
+    /// How long each NRI `CreateContainer` call to the plugin took, in order.
+    #[must_use]
+    pub fn nri_create_latencies(&self) -> Vec<std::time::Duration> {
+        self.nri.create_latencies()
+    }
+
     /// The socket, as the kubelet's `containerRuntimeEndpoint` names it.
     #[must_use]
     pub fn endpoint(&self) -> String {

@@ -42,6 +42,8 @@ pub struct Nri {
     /// The registered plugin's name, readable without waiting for a call in flight.
     registered: Mutex<Option<String>>,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// How long each `CreateContainer` call to a plugin took, answered or not, in order.
+    creates: Mutex<Vec<std::time::Duration>>,
 }
 
 impl std::fmt::Debug for Nri {
@@ -68,6 +70,7 @@ impl Nri {
             plugin: tokio::sync::Mutex::new(None),
             registered: Mutex::new(None),
             task: Mutex::new(None),
+            creates: Mutex::new(Vec::new()),
         });
         let weak = Arc::downgrade(&nri);
         let task = tokio::spawn(async move {
@@ -111,6 +114,13 @@ impl Nri {
         self.registered.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
+    /// How long each `CreateContainer` call to a plugin took, from the request's write to the
+    /// answer's read (the plugin's latency as the runtime sees it), in order.
+    #[must_use]
+    pub fn create_latencies(&self) -> Vec<std::time::Duration> {
+        self.creates.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
     /// Hands the container being created to the registered plugin, if it subscribed to
     /// `CreateContainer`; returns the environment it adjusts (none without such a plugin).
     ///
@@ -125,7 +135,10 @@ impl Nri {
         let Some(p) = plugin.as_mut().filter(|p| p.creates) else { return Ok(Vec::new()) };
         let name = p.name.clone();
         let request = api::CreateContainerRequest { pod: Some(pod), container: Some(container) };
-        let answer = match p.conn.try_call("CreateContainer", request.encode_to_vec()).await {
+        let started = std::time::Instant::now();
+        let answer = p.conn.try_call("CreateContainer", request.encode_to_vec()).await;
+        self.creates.lock().unwrap_or_else(PoisonError::into_inner).push(started.elapsed());
+        let answer = match answer {
             Ok(answer) => answer,
             Err(e) => {
                 *plugin = None;
@@ -291,6 +304,7 @@ mod tests {
         }
         assert_eq!(runtime.nri_plugin().as_deref(), Some("50-test"));
         client.create_container(create("main")).await.unwrap();
+        assert_eq!(runtime.nri_create_latencies().len(), 1, "one call to the plugin");
         let refused = client.create_container(create("refused")).await.unwrap_err();
         assert!(refused.message().contains("no room on the GPU"), "{refused:?}");
         let envs: HashMap<String, _> = runtime.created().into_iter().map(|c| (c.container.clone(), c.envs)).collect();
