@@ -20,7 +20,6 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use anyhow::Context as _;
 use tokio_stream::StreamExt as _;
 use tonic::{Request, Response, Status};
 
@@ -33,8 +32,7 @@ pub mod api {
 use api::image_service_server::{ImageService, ImageServiceServer};
 use api::runtime_service_server::{RuntimeService, RuntimeServiceServer};
 
-use crate::recording_nri::Nri;
-use gpushare_proto::nri as nri_api;
+use crate::recording_nri::{Nri, nri_container, nri_pod};
 
 /// The folder beside the runtime's socket whose CDI specs it applies ([`crate::cdi`]).
 pub const CDI_DIR: &str = "cdi";
@@ -128,16 +126,7 @@ impl RecordingRuntime {
     /// # Errors
     /// When the socket cannot be bound.
     pub fn serve(socket: &Path) -> anyhow::Result<Self> {
-        if let Some(parent) = socket.parent() {
-            std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
-        }
-        match std::fs::remove_file(socket) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e).with_context(|| format!("removing the stale {}", socket.display())),
-        }
-        let listener =
-            tokio::net::UnixListener::bind(socket).with_context(|| format!("binding {}", socket.display()))?;
+        let listener = crate::kubelet::bind_socket(socket)?;
         let store = Arc::new(Mutex::new(Store::default()));
         let fs = socket.parent().unwrap_or(socket).to_owned();
         let nri = Nri::serve(&fs.join(crate::recording_nri::NRI_SOCKET), existing(&store))?;
@@ -234,27 +223,6 @@ fn existing(store: &Arc<Mutex<Store>>) -> crate::recording_nri::Existing {
             .collect();
         (pods, containers)
     })
-}
-
-/// A pod sandbox as NRI describes it.
-fn nri_pod(id: &str, meta: Option<&api::PodSandboxMetadata>) -> nri_api::PodSandbox {
-    let meta = meta.cloned().unwrap_or_default();
-    nri_api::PodSandbox { id: id.to_owned(), name: meta.name, uid: meta.uid, namespace: meta.namespace }
-}
-
-/// A container as NRI describes it, with the environment `envs`.
-fn nri_container(
-    id: &str,
-    sandbox: &str,
-    config: &api::ContainerConfig,
-    envs: &BTreeMap<String, String>,
-) -> nri_api::Container {
-    nri_api::Container {
-        id: id.to_owned(),
-        pod_sandbox_id: sandbox.to_owned(),
-        name: config.metadata.as_ref().map(|m| m.name.clone()).unwrap_or_default(),
-        env: envs.iter().map(|(k, v)| format!("{k}={v}")).collect(),
-    }
 }
 
 /// A container's environment, as the kubelet set it.

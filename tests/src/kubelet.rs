@@ -545,8 +545,12 @@ impl Served {
     }
 }
 
-/// Binds a unix socket, replacing a stale one, creating its directory.
-fn bind(path: &Path) -> anyhow::Result<tokio::net::UnixListener> {
+/// Binds a unix socket, replacing a stale one, creating its directory (the stand-in kubelet's
+/// sockets, the recording runtime's CRI and NRI sockets).
+///
+/// # Errors
+/// When the directory cannot be made, the stale socket removed, or the socket bound.
+pub(crate) fn bind_socket(path: &Path) -> anyhow::Result<tokio::net::UnixListener> {
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
     }
@@ -633,14 +637,14 @@ impl Kubelet {
         let epoch = lock(&self.shared).restarts;
         let mut servers = Vec::new();
         if let Some(path) = &self.pod_resources_socket {
-            let listener = bind(path)?;
+            let listener = bind_socket(path)?;
             let service =
                 PodResourcesService { shared: Arc::clone(&self.shared), devices: Arc::clone(&self.devices_tx) };
             let router = tonic::transport::Server::builder().add_service(PodResourcesListerServer::new(service));
             servers.push(Served::start(listener, router, Arc::clone(&self.pod_resources_connections)));
         }
         let sock = self.dir.join("kubelet.sock");
-        let listener = match bind(&sock) {
+        let listener = match bind_socket(&sock) {
             Ok(l) => l,
             Err(e) => {
                 servers.iter().for_each(Served::kill);

@@ -10,13 +10,14 @@
 //! refused. Calls are made one at a time. With no plugin registered, a container is created as
 //! it was asked to be, as containerd does without `required_plugins`.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use anyhow::Context as _;
 use gpushare_proto::nri as api;
 use prost::Message as _;
 
+use crate::cri::api as cri;
 use crate::nri::Runtime;
 
 /// The NRI socket's name, in the folder of the runtime's CRI socket (containerd's in the box is
@@ -43,7 +44,7 @@ pub struct Nri {
     registered: Mutex<Option<String>>,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// How long each `CreateContainer` call to a plugin took, answered or not, in order.
-    creates: Mutex<Vec<std::time::Duration>>,
+    create_latencies: Mutex<Vec<std::time::Duration>>,
 }
 
 impl std::fmt::Debug for Nri {
@@ -59,18 +60,12 @@ impl Nri {
     /// # Errors
     /// When the socket cannot be bound.
     pub fn serve(socket: &Path, existing: Existing) -> anyhow::Result<Arc<Self>> {
-        match std::fs::remove_file(socket) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e).with_context(|| format!("removing the stale {}", socket.display())),
-        }
-        let listener =
-            tokio::net::UnixListener::bind(socket).with_context(|| format!("binding {}", socket.display()))?;
+        let listener = crate::kubelet::bind_socket(socket)?;
         let nri = Arc::new(Nri {
             plugin: tokio::sync::Mutex::new(None),
             registered: Mutex::new(None),
             task: Mutex::new(None),
-            creates: Mutex::new(Vec::new()),
+            create_latencies: Mutex::new(Vec::new()),
         });
         let weak = Arc::downgrade(&nri);
         let task = tokio::spawn(async move {
@@ -118,7 +113,7 @@ impl Nri {
     /// answer's read (the plugin's latency as the runtime sees it), in order.
     #[must_use]
     pub fn create_latencies(&self) -> Vec<std::time::Duration> {
-        self.creates.lock().unwrap_or_else(PoisonError::into_inner).clone()
+        self.create_latencies.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     /// Hands the container being created to the registered plugin, if it subscribed to
@@ -137,7 +132,7 @@ impl Nri {
         let request = api::CreateContainerRequest { pod: Some(pod), container: Some(container) };
         let started = std::time::Instant::now();
         let answer = p.conn.try_call("CreateContainer", request.encode_to_vec()).await;
-        self.creates.lock().unwrap_or_else(PoisonError::into_inner).push(started.elapsed());
+        self.create_latencies.lock().unwrap_or_else(PoisonError::into_inner).push(started.elapsed());
         let answer = match answer {
             Ok(answer) => answer,
             Err(e) => {
@@ -152,6 +147,27 @@ impl Nri {
         let response = api::CreateContainerResponse::decode(answer.payload.as_slice())
             .map_err(|e| format!("NRI plugin {name} answered CreateContainer with what does not decode: {e}"))?;
         Ok(response.adjust.map(|a| a.env).unwrap_or_default())
+    }
+}
+
+/// A CRI pod sandbox as NRI describes it.
+pub(crate) fn nri_pod(id: &str, meta: Option<&cri::PodSandboxMetadata>) -> api::PodSandbox {
+    let meta = meta.cloned().unwrap_or_default();
+    api::PodSandbox { id: id.to_owned(), name: meta.name, uid: meta.uid, namespace: meta.namespace }
+}
+
+/// A CRI container as NRI describes it, with the environment `envs`.
+pub(crate) fn nri_container(
+    id: &str,
+    sandbox: &str,
+    config: &cri::ContainerConfig,
+    envs: &BTreeMap<String, String>,
+) -> api::Container {
+    api::Container {
+        id: id.to_owned(),
+        pod_sandbox_id: sandbox.to_owned(),
+        name: config.metadata.as_ref().map(|m| m.name.clone()).unwrap_or_default(),
+        env: envs.iter().map(|(k, v)| format!("{k}={v}")).collect(),
     }
 }
 
