@@ -141,8 +141,8 @@ impl Allocator {
     /// Container `container` of `pod`, as its assignment on this node places it, checked
     /// against the pod's own spec; or why not.
     fn named(&self, pod: &Arc<StoredPod>, container: &str) -> Result<Candidate, String> {
-        let view = &pod.view;
-        if view.terminal || view.node.as_deref() != Some(self.node.as_str()) {
+        let scope = self.scope();
+        if !scope.bound_here(&pod.view) {
             return Err(format!("the pod is not running on node {} as far as the API server says", self.node));
         }
         let assignment = match &pod.assignment {
@@ -153,7 +153,7 @@ impl Allocator {
             Some(Ok(a)) if a.node != self.node => return Err(format!("the pod is assigned to node {}", a.node)),
             Some(Ok(a)) => a,
         };
-        if let Some(problem) = self.scope().assignment_problem(pod) {
+        if let Some(problem) = scope.assignment_problem(pod) {
             return Err(problem.to_owned());
         }
         let position = assignment
@@ -161,13 +161,7 @@ impl Allocator {
             .iter()
             .position(|c| c.name == container)
             .ok_or_else(|| "its assignment gives this container no GPU".to_owned())?;
-        let mib: u64 = assignment.containers[position].gpus.iter().map(|g| g.mib.get()).sum();
-        Ok(Candidate {
-            pod: Arc::clone(pod),
-            assignment: Arc::clone(assignment),
-            position,
-            units: mib / self.inventory.unit().mib_per_unit(),
-        })
+        Ok(Candidate::at(pod, assignment, position, scope.unit))
     }
 }
 

@@ -44,6 +44,17 @@ pub(super) struct Candidate {
 }
 
 impl Candidate {
+    /// Container `position` of `pod`'s `assignment`, with the devices of `unit` it asks for.
+    pub(super) fn at(pod: &Arc<StoredPod>, assignment: &Arc<Assignment>, position: usize, unit: MemoryUnit) -> Self {
+        let mib: u64 = assignment.containers[position].gpus.iter().map(|g| g.mib.get()).sum();
+        Candidate {
+            pod: Arc::clone(pod),
+            assignment: Arc::clone(assignment),
+            position,
+            units: mib / unit.mib_per_unit(),
+        }
+    }
+
     pub(super) fn view(&self) -> &PodView {
         &self.pod.view
     }
@@ -145,7 +156,8 @@ pub(super) struct Scope<'a> {
 }
 
 impl Scope<'_> {
-    fn bound_here(&self, view: &PodView) -> bool {
+    /// Whether the pod is bound to this node and has not finished.
+    pub(super) fn bound_here(&self, view: &PodView) -> bool {
         !view.terminal && view.node.as_deref() == Some(self.node)
     }
 
@@ -215,15 +227,9 @@ impl Scope<'_> {
             };
             let next = assignment.containers.iter().position(|c| !held.holds(&view.pod.uid, &c.name));
             if let Some(position) = next {
-                let mib: u64 = assignment.containers[position].gpus.iter().map(|g| g.mib.get()).sum();
-                let n = mib / self.unit.mib_per_unit();
-                if units.is_none_or(|u| usize::try_from(n).is_ok_and(|n| n == u)) {
-                    out.push(Candidate {
-                        pod: Arc::clone(pod),
-                        assignment: Arc::clone(assignment),
-                        position,
-                        units: n,
-                    });
+                let candidate = Candidate::at(pod, assignment, position, self.unit);
+                if units.is_none_or(|u| usize::try_from(candidate.units).is_ok_and(|n| n == u)) {
+                    out.push(candidate);
                 }
             }
         }
