@@ -167,9 +167,33 @@ impl<C: Cluster> Extender<C> {
         self.state.lock()
     }
 
-    /// Runs `f` on the view (the watchers feed it through this).
+    /// The view's lock, taken from an async task: at once when it is free; when a long request
+    /// holds it, the wait gives this worker's queued tasks to another thread first
+    /// (`block_in_place`), so that health, readiness and the request timeouts queued behind a
+    /// watch event are not held up for as long as that request. A current-thread runtime (or
+    /// none) waits in place.
+    fn state_from_task(&self) -> MutexGuard<'_, State> {
+        if let Some(s) = self.state.try_lock() {
+            return s;
+        }
+        match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(|| self.state()),
+            _ => self.state(),
+        }
+    }
+
+    /// Runs `f` on the view, then refreshes the view's caches.
     pub fn with_view<R>(&self, f: impl FnOnce(&mut ClusterView) -> R) -> R {
-        let mut s = self.state();
+        self.refreshed(self.state(), f)
+    }
+
+    /// [`Self::with_view`] from an async task (the watchers feed the view through this): see
+    /// [`Self::state_from_task`].
+    pub fn with_view_from_task<R>(&self, f: impl FnOnce(&mut ClusterView) -> R) -> R {
+        self.refreshed(self.state_from_task(), f)
+    }
+
+    fn refreshed<R>(&self, mut s: MutexGuard<'_, State>, f: impl FnOnce(&mut ClusterView) -> R) -> R {
         let r = f(&mut s.view);
         s.view.refresh();
         drop(s);
@@ -177,11 +201,11 @@ impl<C: Cluster> Extender<C> {
         r
     }
 
-    /// Like [`Self::with_view`], but leaves the per-node usage caches to the next refresh: a
-    /// relist applies tens of thousands of pods, and one refresh at its end computes each
-    /// node's usage once, in one sweep, instead of once per pod.
+    /// Like [`Self::with_view_from_task`], but leaves the per-node usage caches to the next
+    /// refresh: a relist applies tens of thousands of pods, and one refresh at its end computes
+    /// each node's usage once, in one sweep, instead of once per pod.
     pub fn with_view_batched<R>(&self, f: impl FnOnce(&mut ClusterView) -> R) -> R {
-        f(&mut self.state().view)
+        f(&mut self.state_from_task().view)
     }
 
     /// Marks the view synced (both initial lists applied) or not.

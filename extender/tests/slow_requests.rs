@@ -19,7 +19,8 @@ async fn a_request_stuck_behind_the_view_gets_503_at_the_timeout_and_health_stil
     let h = start_with_timeout(false, 64 << 20, Duration::from_secs(1)).await;
     h.api.create_node(node_object("gpu-a", 1, 15_360)).unwrap();
     let pod = h.api.create_pod("default", pod_object("p", 1000)).unwrap();
-    until("ready", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().1 == 1)).await;
+    // The node and the pod both in the view: the filter that waits below asks about them.
+    until("ready", async || h.ext.is_ready() && h.ext.with_view(|v| v.counts().0 == 1 && v.counts().1 == 1)).await;
     // Something holds the cluster view for 3 s (as a huge request would).
     // The requests start only once it holds the view: on a loaded machine a fixed pause could
     // let the filter take the view first.
