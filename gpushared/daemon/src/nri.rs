@@ -155,30 +155,18 @@ pub async fn serve(alloc: &Allocator, config: &NriConfig) -> Result<(), NriError
     }
 }
 
-/// On a node whose kubelet counts the memory, a container is allocated as it is created, from
-/// its pod as the store holds it: a pod the store lacks or does not show bound here (its pod
-/// watch behind the kubelet's) is read from the API server first. Returns the refusal when
-/// that read fails: the runtime fails the container, and the kubelet creates it again later.
+/// The refusal of a `CreateContainer` whose pod cannot be read first
+/// ([`Allocator::read_before_creating`]); `None` for every other call, and for a container that
+/// may go on to [`answer`]. A payload that does not decode is answered as such by `answer`.
 async fn read_pod_first(alloc: &Allocator, request: &ttrpc::Request) -> Option<ttrpc::Response> {
-    if !alloc.counted() || request.service != PLUGIN_SERVICE || request.method != "CreateContainer" {
+    if request.service != PLUGIN_SERVICE || request.method != "CreateContainer" {
         return None;
     }
-    // A payload that does not decode is answered as such by `answer`.
     let pod = api::CreateContainerRequest::decode(request.payload.as_slice()).ok()?.pod?;
-    let bound_here =
-        alloc.pods().get(&pod.uid).is_some_and(|p| !p.view.terminal && p.view.node.as_deref() == Some(alloc.node()));
-    if bound_here {
-        return None;
-    }
-    let read = alloc.pods().confirm_named(vec![(pod.namespace.clone(), pod.name.clone())]).await;
-    let why = read.err()?;
-    tracing::warn!(pod = %format!("{}/{}", pod.namespace, pod.name), error = %why, "cannot read a pod whose container is being created");
-    let message = format!(
-        "refusing to create a container of pod {}/{} (UID {}): gpushared cannot read the pod from the API server \
-         ({why}), so it cannot tell whether the container asks for GPU memory; the kubelet retries the container",
-        pod.namespace, pod.name, pod.uid
-    );
-    Some(ttrpc::Response { status: Some(failure(UNAVAILABLE, message)), payload: Vec::new() })
+    let pod = PodRef { namespace: pod.namespace, name: pod.name, uid: pod.uid };
+    let e = alloc.read_before_creating(&pod).await.err()?;
+    tracing::warn!(pod = %pod, error = %e, "cannot read a pod whose container is being created");
+    Some(ttrpc::Response { status: Some(failure(UNAVAILABLE, e.to_string())), payload: Vec::new() })
 }
 
 /// Reads the runtime's answer to the registration.

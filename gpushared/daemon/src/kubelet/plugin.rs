@@ -82,7 +82,9 @@ fn status(e: &AllocError) -> Status {
         | AllocError::WrongPod { .. }
         | AllocError::NotServed { .. } => Status::failed_precondition(msg),
         AllocError::Ledger(_) => Status::internal(msg),
-        AllocError::Rebuilding { .. } | AllocError::Unconfirmed { .. } => Status::unavailable(msg),
+        AllocError::Rebuilding { .. } | AllocError::Unconfirmed { .. } | AllocError::PodUnread { .. } => {
+            Status::unavailable(msg)
+        }
         AllocError::NoSuchGpu(_) => Status::not_found(msg),
         AllocError::KubeletRestarted => Status::aborted(msg),
     }

@@ -8,7 +8,8 @@
 //! On a node whose kubelet counts the memory (`[kubelet] advertise = "capacity"`) no
 //! device-plugin call comes at all: the container is allocated here, from its pod's assignment
 //! checked against the pod's own spec, the rows committed before the answer, and it gets every
-//! variable, replacing whatever its image or spec set under those names.
+//! variable, replacing whatever its image or spec set under those names. A pod whose watch
+//! event has not come yet is read from the API server first ([`Allocator::read_before_creating`]).
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -36,6 +37,27 @@ pub enum Creation {
 }
 
 impl Allocator {
+    /// Before a container of `pod` is served on a node whose kubelet counts the memory: a pod
+    /// the store lacks, or does not show bound here, is read from the API server into the store
+    /// first. The kubelet creates the containers of pods bound to its node only, so such a pod
+    /// is one the pod watch has not delivered yet, and the store must not decide from an older
+    /// view than the kubelet's. At once elsewhere, and for a pod the store shows bound here.
+    ///
+    /// # Errors
+    /// [`AllocError::PodUnread`] when the read fails: the container is refused, and the kubelet
+    /// creates it again later.
+    pub async fn read_before_creating(&self, pod: &PodRef) -> Result<(), AllocError> {
+        if !self.counted || self.pods.get(&pod.uid).is_some_and(|p| self.scope().bound_here(&p.view)) {
+            return Ok(());
+        }
+        match self.pods.confirm_named(vec![(pod.namespace.clone(), pod.name.clone())]).await {
+            Ok(_) => Ok(()),
+            Err(why) => {
+                Err(AllocError::PodUnread { pod: format!("{}/{}", pod.namespace, pod.name), uid: pod.uid.clone(), why })
+            }
+        }
+    }
+
     /// What container `container` of `pod`, whose environment as the kubelet made it is `env`
     /// (`KEY=value` each), gets as the runtime creates it.
     ///

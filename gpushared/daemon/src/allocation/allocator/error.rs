@@ -46,6 +46,22 @@ pub enum AllocError {
         /// Why not.
         why: String,
     },
+    /// A container the runtime is creating belongs to a pod the pod store cannot show bound
+    /// here, and the pod could not be read from the API server: whether the container asks for
+    /// GPU memory is not known.
+    #[error(
+        "refusing to create a container of pod {pod} (UID {uid}): gpushared cannot read the pod from the API \
+         server ({why}), so it cannot tell whether the container asks for GPU memory; the kubelet retries the \
+         container"
+    )]
+    PodUnread {
+        /// namespace/name.
+        pod: String,
+        /// The pod's UID.
+        uid: String,
+        /// Why the read failed.
+        why: String,
+    },
     /// A container the runtime is creating carries a device-plugin answer that is not its own.
     #[error(
         "refusing to create container {container:?} of pod {pod} (UID {uid}): its environment names pod {answered} \
