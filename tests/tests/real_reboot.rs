@@ -268,8 +268,15 @@ async fn a_count_in_the_nodes_status_outlives_kubelet_restarts_not_a_new_node() 
     let patch = json!([{"op": "add", "path": path, "value": "131072"}]).to_string();
     b.plane.kubectl(&["patch", "node", COUNT_NODE, "--subresource=status", "--type=json", "-p", &patch]).unwrap();
     b.wait_allocatable(COUNT_NODE, COUNTED, "131072", Duration::from_secs(60)).unwrap_or_else(|e| panic!("{e:#}"));
+    // The plugin's device reaches the kubelet apart from the patched count, and the device
+    // manager writes its checkpoint as it takes the device: wait for both, not for the count.
+    b.wait_allocatable(COUNT_NODE, "example.com/gib", "1", Duration::from_secs(60)).unwrap_or_else(|e| panic!("{e:#}"));
     let checkpoint = b.node(COUNT_NODE).unwrap().kubelet.dirs.device_plugins().join("kubelet_internal_checkpoint");
-    assert!(checkpoint.exists(), "no device checkpoint at {}", checkpoint.display());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !checkpoint.exists() {
+        assert!(Instant::now() < deadline, "no device checkpoint at {} after 30 s", checkpoint.display());
+        std::thread::sleep(Duration::from_millis(100));
+    }
 
     // A restart: the kubelet finds its node registered and keeps the count.
     let registered = "Successfully registered node";
