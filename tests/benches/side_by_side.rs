@@ -51,7 +51,8 @@
 //! Needs root and Go, as the real-cluster tests do. `GPUSHARE_BOX_DIR` keeps each box's logs
 //! and state, in `<dir>/<system>-<round>`. `GPUSHARE_BENCH_SYSTEMS` (e.g. `gib,dra`) runs only
 //! the systems named (`mib`, `gib`, `gib-lean`, `dra`, `nvidia`, `alibaba`, `hami`, `nvidia-dra`,
-//! `floor-mib`, `floor-gib`, `floor-dra`, `floor-gib-read`, `floor-counted`, `counted`).
+//! `floor-mib`, `floor-gib`, `floor-dra`, `floor-gib-read`, `floor-counted`, `counted`,
+//! `counted-gib`).
 //! `floor-mib` is the kubelet's own limit at MiB mode's device count: a plugin of as many devices
 //! (`example.com/mib`) that answers at once (`gpushare-box null-plugin`), pods of the same size
 //! placed by kube-scheduler alone; gpushare's MiB mode is given as a ratio to it. `floor-gib` is
@@ -83,6 +84,8 @@
 //! and to `floor-counted`; its wrong-pod answers are counted as MiB mode's are, and the latency
 //! of each NRI `CreateContainer` (the call that allocates) is reported as the runtime saw it,
 //! p50 and p99 of every call, where the kubelet's `Allocate` histogram has nothing.
+//! `counted-gib` is GiB mode's node and pods (8 × 80 GiB, pods of 1 GiB) on a counted node, as
+//! `counted`'s; its figures are given as ratios to NVIDIA's and to GiB mode's.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -145,9 +148,12 @@ enum System {
     /// gpushare's MiB mode on a node whose kubelet counts the memory (`[kubelet] advertise =
     /// "capacity"`): each container allocated as it is created, through the runtime's NRI.
     GpushareCounted,
+    /// [`System::GpushareGib`]'s node and pods on a node that counts the memory, as
+    /// [`System::GpushareCounted`]'s does.
+    GpushareCountedGib,
 }
 
-const SYSTEMS: [System; 14] = [
+const SYSTEMS: [System; 15] = [
     System::GpushareMib,
     System::GpushareGib,
     System::GpushareDra,
@@ -162,6 +168,7 @@ const SYSTEMS: [System; 14] = [
     System::GpushareGibLean,
     System::FloorCounted,
     System::GpushareCounted,
+    System::GpushareCountedGib,
 ];
 
 impl System {
@@ -182,6 +189,7 @@ impl System {
             System::GpushareGibLean => "gib-lean",
             System::FloorCounted => "floor-counted",
             System::GpushareCounted => "counted",
+            System::GpushareCountedGib => "counted-gib",
         }
     }
 }
@@ -300,7 +308,8 @@ fn main() {
     let rounds = env("GPUSHARE_BENCH_ROUNDS", 2);
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let chosen = std::env::var("GPUSHARE_BENCH_SYSTEMS").unwrap_or_else(|_| {
-        "mib,gib,dra,nvidia,alibaba,hami,nvidia-dra,floor-mib,floor-gib,floor-dra,floor-gib-read,floor-counted,counted"
+        "mib,gib,dra,nvidia,alibaba,hami,nvidia-dra,floor-mib,floor-gib,floor-dra,floor-gib-read,floor-counted,counted,\
+         counted-gib"
             .into()
     });
     let mut chosen: Vec<&str> = chosen.split(',').map(str::trim).collect();
@@ -327,11 +336,12 @@ fn main() {
         for (i, system) in SYSTEMS.into_iter().enumerate().filter(|(_, s)| chosen.contains(&s.short())) {
             let dir = gpushare_testkit::box_dir().map(|d| d.join(format!("{system:?}-{round}").to_lowercase()));
             // The extender counts in the node's unit.
-            let extender_extra = if matches!(system, System::GpushareGib | System::GpushareGibLean) {
-                "[resources]\nunit = \"GiB\"\n".into()
-            } else {
-                String::new()
-            };
+            let extender_extra =
+                if matches!(system, System::GpushareGib | System::GpushareGibLean | System::GpushareCountedGib) {
+                    "[resources]\nunit = \"GiB\"\n".into()
+                } else {
+                    String::new()
+                };
             let options = RealOptions { dir, extender_extra, ..RealOptions::default() };
             let f = runtime.block_on(measure(system, pods, options));
             println!(
@@ -368,14 +378,15 @@ fn main() {
     let (mib, gib, dra, nvidia, alibaba, hami, nvidia_dra, floor) =
         (&figures[0], &figures[1], &figures[2], &figures[3], &figures[4], &figures[5], &figures[6], &figures[7]);
     let (floor_dra, floor_gib, floor_read, gib_lean) = (&figures[8], &figures[9], &figures[10], &figures[11]);
-    let (counted, gpushare_counted) = (&figures[12], &figures[13]);
+    let (counted, gpushare_counted, counted_gib) = (&figures[12], &figures[13], &figures[14]);
     println!(
         "\nmeans of {rounds} rounds (NaN: not run); ratios to gpushare GiB mode (DRA's, NVIDIA's), \
          Alibaba's and HAMi's to gpushare MiB mode, NVIDIA's DRA driver's to gpushare DRA, gpushare MiB mode's \
          to the floor at its device count, gpushare GiB mode's to the floor of a plugin that asks the kubelet \
          (and to that of one that also reads the pod), gpushare DRA's to the DRA floor and the DRA floor's to \
          NVIDIA, the counted floor's to NVIDIA and to the floor at MiB mode's device count, gpushare counted's \
-         to NVIDIA, to gpushare MiB mode and to the counted floor:"
+         to NVIDIA, to gpushare MiB mode and to the counted floor, gpushare counted in GiB's to NVIDIA and to \
+         gpushare GiB mode:"
     );
     for (name, f) in [
         ("pods/s end to end", (|x: &Figures| x.pods_per_s) as fn(&Figures) -> f64),
@@ -388,7 +399,7 @@ fn main() {
         let (a, g, d, n, l) = (mean(mib, f), mean(gib, f), mean(dra, f), mean(nvidia, f), mean(alibaba, f));
         let (h, nd, fl, fd) = (mean(hami, f), mean(nvidia_dra, f), mean(floor, f), mean(floor_dra, f));
         let (fg, fr, gl, fc) = (mean(floor_gib, f), mean(floor_read, f), mean(gib_lean, f), mean(counted, f));
-        let gc = mean(gpushare_counted, f);
+        let (gc, gg) = (mean(gpushare_counted, f), mean(counted_gib, f));
         println!(
             "  {name}: gpushare MiB {a:.2}, GiB {g:.2}, DRA {d:.2}; NVIDIA {n:.2}; Alibaba MiB {l:.2}; HAMi {h:.2}; \
              NVIDIA DRA {nd:.2}; floor MiB {fl:.2}; floor GiB {fg:.2}; floor GiB reading {fr:.2}; floor DRA {fd:.2}; \
@@ -396,7 +407,7 @@ fn main() {
              {:.2}; GiB to the reading floor {:.2}; floor GiB to NVIDIA {:.2}; reading floor to NVIDIA {:.2}; DRA to \
              its floor {:.2}; DRA floor to NVIDIA {:.2}; GiB lean {gl:.2}, to NVIDIA {:.2}; floor counted {fc:.2}, \
              to NVIDIA {:.2}, to floor MiB {:.2}; gpushare counted {gc:.2}, to NVIDIA {:.2}, to MiB {:.2}, to \
-             floor counted {:.2}",
+             floor counted {:.2}; gpushare counted GiB {gg:.2}, to NVIDIA {:.2}, to GiB {:.2}",
             d / g,
             n / g,
             l / a,
@@ -414,7 +425,9 @@ fn main() {
             fc / fl,
             gc / n,
             gc / a,
-            gc / fc
+            gc / fc,
+            gg / n,
+            gg / g
         );
     }
     println!("\nstages per pod, means of {rounds} rounds (ms unless said; NaN: not reported):");
@@ -519,6 +532,12 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
             wait_nri(&b);
             ("gpushare.io/gpu-mem", (mib_gpu * u64::from(GPUS)).to_string(), mib_pod.as_str())
         }
+        System::GpushareCountedGib => {
+            let config = "[resources]\nunit = \"GiB\"\n[kubelet]\nadvertise = \"capacity\"\n[nri]\nenabled = true\n";
+            b.add_node(NODE, &gpus(81920, "NVIDIA H100 80GB HBM3"), ("", config)).unwrap();
+            wait_nri(&b);
+            ("gpushare.io/gpu-mem", (80 * GPUS).to_string(), "1")
+        }
         System::FloorDra => {
             b.plane.create(&null_dra::device_class()).unwrap();
             b.add_null_dra_node(NODE).unwrap();
@@ -593,7 +612,11 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
     // another pod is a wrong-pod answer.
     let wrong_pod = if matches!(
         system,
-        System::GpushareMib | System::GpushareGib | System::GpushareGibLean | System::GpushareCounted
+        System::GpushareMib
+            | System::GpushareGib
+            | System::GpushareGibLean
+            | System::GpushareCounted
+            | System::GpushareCountedGib
     ) {
         let running = node.runtime.recording().unwrap().running();
         let wrong: Vec<String> = running
@@ -612,7 +635,7 @@ async fn measure(system: System, pods: usize, options: RealOptions) -> Figures {
     let rss_mib = if system == System::FloorCounted { f64::NAN } else { rss_kib(node.daemon.pid().unwrap()) / 1024.0 };
     let kubelet = kubelet_metrics(&b);
     // No device plugin serves a counted resource's pods: the kubelet calls no `Allocate` for them.
-    let counts = matches!(system, System::FloorCounted | System::GpushareCounted);
+    let counts = matches!(system, System::FloorCounted | System::GpushareCounted | System::GpushareCountedGib);
     let (alloc_p50_ms, alloc_p99_ms) =
         if dra || counts { (f64::NAN, f64::NAN) } else { alloc_quantiles(&kubelet, resource) };
     let stages = stages(&b, &kubelet, resource, pods as f64).await;
