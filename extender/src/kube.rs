@@ -128,13 +128,13 @@ fn log_disagreements(found: Vec<String>) {
 pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
     let nodes_synced = Arc::new(AtomicBool::new(false));
     let pods_synced = Arc::new(AtomicBool::new(false));
-    extender.with_view_from_task(ClusterView::await_initial_lists);
+    extender.with_view(ClusterView::await_initial_lists);
     let ready = {
         let (n, p, e) = (nodes_synced.clone(), pods_synced.clone(), extender.clone());
         move || {
             if n.load(Ordering::SeqCst) && p.load(Ordering::SeqCst) && !e.is_ready() {
                 e.set_ready(true);
-                let (nodes, pods, _) = e.with_view_from_task(|v| v.counts());
+                let (nodes, pods, _) = e.with_view(|v| v.counts());
                 tracing::info!(nodes, gpu_pods = pods, "cluster view synced; ready");
             }
         }
@@ -151,14 +151,14 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
                 let found = match event {
                     Ok(watcher::Event::Apply(n)) => {
                         let read = read_states(&ext, [&n]);
-                        ext.with_view_from_task(|v| read.into_iter().flat_map(|(n, r)| v.apply_reading(n, r)).collect())
+                        ext.with_view(|v| read.into_iter().flat_map(|(n, r)| v.apply_reading(n, r)).collect())
                     }
                     Ok(watcher::Event::InitApply(n)) => {
                         relist.push(n);
                         Vec::new()
                     }
                     Ok(watcher::Event::Delete(n)) => {
-                        ext.with_view_from_task(|v| v.delete_node(n.name()));
+                        ext.with_view(|v| v.delete_node(n.name()));
                         Vec::new()
                     }
                     Ok(watcher::Event::Init) => {
@@ -167,7 +167,7 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
                     }
                     Ok(watcher::Event::InitDone) => {
                         let read = read_states(&ext, &relist);
-                        let found = ext.with_view_from_task(|v| v.replace_read_nodes(read));
+                        let found = ext.with_view(|v| v.replace_read_nodes(read));
                         relist = Vec::new();
                         crate::memory::release_free_memory();
                         nodes_synced.store(true, Ordering::SeqCst);
@@ -195,7 +195,7 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
             while let Some(event) = stream.next().await {
                 back_again(&mut backoff, event.is_ok(), "pod");
                 match event {
-                    Ok(watcher::Event::Apply(p)) => ext.with_view_from_task(|v| v.apply_pod(&p)),
+                    Ok(watcher::Event::Apply(p)) => ext.with_view(|v| v.apply_pod(&p)),
                     Ok(watcher::Event::InitApply(p)) => {
                         // Only GPU pods are kept: a big cluster's view stays small.
                         ext.with_view_batched(|v| {
@@ -205,7 +205,7 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
                             }
                         });
                     }
-                    Ok(watcher::Event::Delete(p)) => ext.with_view_from_task(|v| v.delete_pod(p.uid())),
+                    Ok(watcher::Event::Delete(p)) => ext.with_view(|v| v.delete_pod(p.uid())),
                     Ok(watcher::Event::Init) => seen.clear(),
                     Ok(watcher::Event::InitDone) => {
                         log_disagreements(ext.with_view_batched(|v| v.retain_pods(&seen)));
@@ -213,7 +213,7 @@ pub async fn watch<C: Cluster>(client: Client, extender: Arc<Extender<C>>) {
                         // The pages of the list go back first, so the caches computed next
                         // (one per node, in one sweep) lie close together.
                         crate::memory::release_free_memory();
-                        ext.with_view_from_task(|_| ());
+                        ext.with_view(|_| ());
                         crate::memory::release_free_memory();
                         pods_synced.store(true, Ordering::SeqCst);
                         ready();
@@ -233,7 +233,7 @@ fn read_states<'a, C: Cluster>(
     nodes: impl IntoIterator<Item = &'a NodeObject>,
 ) -> Vec<(&'a NodeObject, NodeReading)> {
     let mut read: Vec<_> = nodes.into_iter().map(|n| (n, NodeReading::hashed(n))).collect();
-    let held: Vec<bool> = ext.with_view_from_task(|v| read.iter().map(|(n, r)| v.holds_state(n, r)).collect());
+    let held: Vec<bool> = ext.with_view(|v| read.iter().map(|(n, r)| v.holds_state(n, r)).collect());
     for ((n, reading), held) in read.iter_mut().zip(held) {
         if !held {
             reading.decode(n);

@@ -182,18 +182,10 @@ impl<C: Cluster> Extender<C> {
         }
     }
 
-    /// Runs `f` on the view, then refreshes the view's caches.
+    /// Runs `f` on the view, then refreshes the view's caches (the watchers feed the view
+    /// through this, from their tasks: see [`Self::state_from_task`]).
     pub fn with_view<R>(&self, f: impl FnOnce(&mut ClusterView) -> R) -> R {
-        self.refreshed(self.state(), f)
-    }
-
-    /// [`Self::with_view`] from an async task (the watchers feed the view through this): see
-    /// [`Self::state_from_task`].
-    pub fn with_view_from_task<R>(&self, f: impl FnOnce(&mut ClusterView) -> R) -> R {
-        self.refreshed(self.state_from_task(), f)
-    }
-
-    fn refreshed<R>(&self, mut s: MutexGuard<'_, State>, f: impl FnOnce(&mut ClusterView) -> R) -> R {
+        let mut s = self.state_from_task();
         let r = f(&mut s.view);
         s.view.refresh();
         drop(s);
@@ -201,9 +193,9 @@ impl<C: Cluster> Extender<C> {
         r
     }
 
-    /// Like [`Self::with_view_from_task`], but leaves the per-node usage caches to the next
-    /// refresh: a relist applies tens of thousands of pods, and one refresh at its end computes
-    /// each node's usage once, in one sweep, instead of once per pod.
+    /// Like [`Self::with_view`], but leaves the per-node usage caches to the next refresh: a
+    /// relist applies tens of thousands of pods, and one refresh at its end computes each
+    /// node's usage once, in one sweep, instead of once per pod.
     pub fn with_view_batched<R>(&self, f: impl FnOnce(&mut ClusterView) -> R) -> R {
         f(&mut self.state_from_task().view)
     }
