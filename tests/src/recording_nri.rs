@@ -269,7 +269,7 @@ mod tests {
                             kv("GPUSHARE_POD", format!("{}/{}", pod.namespace, pod.name)),
                             kv("A", "from-plugin".into()),
                         ];
-                        let adjust = Some(api::ContainerAdjustment { env });
+                        let adjust = Some(api::ContainerAdjustment { env, ..Default::default() });
                         ok(api::CreateContainerResponse { adjust, update: Vec::new() }.encode_to_vec())
                     }
                 }

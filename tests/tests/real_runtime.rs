@@ -5,7 +5,8 @@
 //! claim's CDI spec as containerd injects it (its device nodes among it), the rest of the
 //! environment of a lean answer through gpushared's NRI plugin, a restart of containerd with
 //! the pods running, and a node whose kubelet counts the memory (`[kubelet] advertise =
-//! "capacity"`), where each container gets its grant through NRI alone.
+//! "capacity"`), where each container gets its grant through NRI alone, its device nodes and
+//! MPS pipe directory among it.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeMap;
@@ -342,13 +343,22 @@ async fn on_containerd_each_process_sees_its_grant_and_a_restart_keeps_them_runn
 /// A node whose kubelet counts the memory (`[kubelet] advertise = "capacity"`, MiB mode): gpushared
 /// writes the count into its Node's status and registers no device plugin; the kubelet admits
 /// each pod by the count and calls no plugin; each container gets the GPU and budget of its
-/// assignment as containerd creates it, through gpushared's NRI plugin; a deleted pod's grant is
-/// released. No `[device_nodes]` here: on a GPU host NVIDIA's container toolkit adds the nodes.
+/// assignment as containerd creates it, through gpushared's NRI plugin, with its GPU's device
+/// node and the control nodes (`[device_nodes]`), and on the MPS GPU (1) the pipe directory,
+/// read-only; a deleted pod's grant is released.
 async fn on_a_node_that_counts_the_memory(b: &mut RealBox) {
     const COUNTED: &str = "node-n";
     let gpus: Vec<FakeGpu> = (0..2).map(|i| FakeGpu::new(COUNTED, i, GPU_MIB, "A100-PCIE-40GB")).collect();
-    let config = "[kubelet]\nadvertise = \"capacity\"\n[device_nodes]\nenabled = false\n";
-    b.add_node(COUNTED, &gpus, ("", config)).unwrap_or_else(|e| panic!("{e:#}"));
+    let host = b.plane.dir.join(COUNTED);
+    let pipe = host.join("mps-pipe").display().to_string();
+    std::fs::create_dir_all(&pipe).unwrap();
+    let config = format!(
+        "[kubelet]\nadvertise = \"capacity\"\n[sharing]\nmps = [1]\n[mps]\npipe_directory = \"{pipe}\"\n\
+         log_directory = \"{log}\"\nenvironment_file = \"{env}\"\n",
+        log = host.join("mps-log").display(),
+        env = host.join("mps.env").display(),
+    );
+    b.add_node(COUNTED, &gpus, ("", &config)).unwrap_or_else(|e| panic!("{e:#}"));
     b.wait_allocatable(COUNTED, "gpushare.io/gpu-mem", &(2 * GPU_MIB).to_string(), Duration::from_secs(60))
         .unwrap_or_else(|e| panic!("{e:#}"));
     let n = b.node(COUNTED).unwrap();
@@ -360,7 +370,7 @@ async fn on_a_node_that_counts_the_memory(b: &mut RealBox) {
 
     let pods = [("cn-a", 6000), ("cn-b", 30000), ("cn-c", 20000)];
     for (name, mib) in pods {
-        let mut p = plugin_pod(name, mib, "/tmp");
+        let mut p = plugin_pod(name, mib, &pipe);
         p["spec"]["nodeSelector"] = json!({"kubernetes.io/hostname": COUNTED});
         b.plane.create(&p).unwrap();
     }
@@ -379,6 +389,13 @@ async fn on_a_node_that_counts_the_memory(b: &mut RealBox) {
         assert_eq!(env("CUDA_DEVICE_MEMORY_LIMIT_0"), format!("{mib}m"), "{name}");
         assert_eq!(env("GPUSHARE_POD"), format!("default/{name}"), "{name}");
         assert_real_container(name, &s);
+        assert_gpu_nodes(name, &s, &[share.index]);
+        if share.index == 1 {
+            assert_mps_client(name, &s, &pipe);
+            assert_eq!(env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"), format!("0={mib}M"), "{name}");
+        } else {
+            assert!(s.mount(&pipe).is_none() && !s.env.contains_key("CUDA_MPS_PIPE_DIRECTORY"), "{name}: {s:?}");
+        }
         gpus_used.push(share.uuid.as_str().to_owned());
     }
     gpus_used.sort_unstable();

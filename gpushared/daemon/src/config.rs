@@ -556,25 +556,11 @@ impl Config {
     }
 
     /// `[kubelet] advertise = "capacity"` delivers each container's GPU through the runtime's
-    /// NRI alone: NRI must be on, and what NRI does not deliver yet (device nodes, the MPS pipe
-    /// directory) must be off.
+    /// NRI alone (its variables, `[device_nodes]`, the MPS pipe directory): NRI must be on.
     fn check_capacity(&self) -> Result<(), String> {
-        if self.kubelet.advertise != Advertise::Capacity {
-            return Ok(());
-        }
-        if !self.nri.enabled {
+        if self.kubelet.advertise == Advertise::Capacity && !self.nri.enabled {
             return Err("kubelet: advertise = \"capacity\" needs [nri] enabled = true (each container gets its GPU \
                         when the runtime creates it); enable NRI or write advertise = \"devices\""
-                .to_owned());
-        }
-        if self.device_nodes.enabled {
-            return Err("kubelet: advertise = \"capacity\" does not deliver [device_nodes] yet; set [device_nodes] \
-                        enabled = false (NVIDIA's container toolkit adds the nodes) or write advertise = \"devices\""
-                .to_owned());
-        }
-        if !self.sharing.mps.is_empty() {
-            return Err("kubelet: advertise = \"capacity\" does not deliver MPS GPUs' pipe directory yet; \
-                        take the GPUs out of [sharing] mps or write advertise = \"devices\""
                 .to_owned());
         }
         Ok(())
@@ -718,17 +704,15 @@ mod tests {
     }
 
     #[test]
-    fn advertising_a_count_needs_nri_and_refuses_what_nri_does_not_deliver_yet() {
+    fn advertising_a_count_needs_nri_and_takes_device_nodes_and_mps() {
         assert_eq!(parse("").unwrap().kubelet.advertise, Advertise::Devices);
         let counted = "[kubelet]\nadvertise = \"capacity\"\n[nri]\nenabled = true\n";
         assert_eq!(parse(counted).unwrap().kubelet.advertise, Advertise::Capacity);
         let err = parse("[kubelet]\nadvertise = \"capacity\"\n").unwrap_err();
         assert!(err.contains("needs [nri] enabled = true"), "{err}");
-        let err = parse("[kubelet]\nadvertise = \"capacity\"\n[nri]\nenabled = true\n[device_nodes]\nenabled = true\n")
-            .unwrap_err();
-        assert!(err.contains("set [device_nodes] enabled = false"), "{err}");
-        let err = parse(&format!("{counted}[sharing]\nmps = [0]\n")).unwrap_err();
-        assert!(err.contains("take the GPUs out of [sharing] mps"), "{err}");
+        // NRI delivers the device nodes and the MPS pipe directory too.
+        let full = parse(&format!("{counted}[device_nodes]\nenabled = true\n[sharing]\nmps = [0]\n")).unwrap();
+        assert!(full.device_nodes.enabled && full.kubelet.advertise == Advertise::Capacity);
         let err = parse("[kubelet]\nadvertise = \"count\"\n").unwrap_err();
         assert!(err.contains("devices") && err.contains("capacity"), "{err}");
     }

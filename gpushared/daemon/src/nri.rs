@@ -1,7 +1,8 @@
 //! gpushared as an NRI plugin of the container runtime (`[nri]`, docs/gpushared.md): it dials
 //! the runtime's NRI socket, registers, subscribes to `CreateContainer`, and answers each from
 //! the allocation service ([`Allocator::container_creating`]): the full environment of a
-//! container that holds devices, a refusal for one that carries another pod's answer. This
+//! container that holds devices, a counted container's whole grant (its variables, device nodes
+//! and mounts, [`adjust`]), a refusal for one that carries another pod's answer. This
 //! module only translates between NRI's messages ([`gpushare_proto::nri`], over
 //! [`gpushare_proto::nri_wire`]) and that call. When the runtime goes away (restarted, stopped,
 //! its socket not there yet) the plugin dials again every [`RETRY`].
@@ -239,8 +240,22 @@ fn create_container(
         Ok(Creation::NotOurs) => Ok(api::CreateContainerResponse::default()),
         Ok(Creation::Environment(envs)) => {
             tracing::debug!(pod = %pod, container = %container.name, added = envs.len(), "a container's environment completed");
-            let env = envs.into_iter().map(|(key, value)| api::KeyValue { key, value }).collect();
-            Ok(api::CreateContainerResponse { adjust: Some(api::ContainerAdjustment { env }), update: Vec::new() })
+            let adjust = api::ContainerAdjustment { env: adjust::env(envs), ..Default::default() };
+            Ok(api::CreateContainerResponse { adjust: Some(adjust), update: Vec::new() })
+        }
+        Ok(Creation::Granted(edits)) => {
+            let adjust = adjust::adjustment(edits).map_err(|why| {
+                tracing::warn!(pod = %pod, container = %container.name, error = %why, "cannot name a container's device nodes");
+                failure(FAILED_PRECONDITION, why)
+            })?;
+            tracing::debug!(
+                pod = %pod,
+                container = %container.name,
+                devices = adjust.linux.as_ref().map_or(0, |l| l.devices.len()),
+                mounts = adjust.mounts.len(),
+                "a container's grant given"
+            );
+            Ok(api::CreateContainerResponse { adjust: Some(adjust), update: Vec::new() })
         }
         Err(e) => {
             tracing::warn!(pod = %pod, container = %container.name, error = %e, "refused a container's creation");
@@ -249,5 +264,6 @@ fn create_container(
     }
 }
 
+mod adjust;
 #[cfg(test)]
 mod tests;

@@ -44,7 +44,7 @@ mod room;
 use admission::{Admissions, Owner, Step};
 pub use claims::{ClaimError, ClaimRef, ClaimShare, PreparedShare};
 pub use creating::Creation;
-pub use env::{Answer, Mount};
+pub use env::{Answer, Edits, Mount};
 pub use error::AllocError;
 pub use gpus::Summary;
 use held::{Held, HeldRows};

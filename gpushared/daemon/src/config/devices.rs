@@ -1,5 +1,6 @@
 //! `[device_nodes]`: whether gpushared names each container's NVIDIA device nodes itself — in
-//! its `Allocate` answers and in the CDI specs of DRA claims — for hosts whose container runtime
+//! its `Allocate` answers, in the CDI specs of DRA claims, and in NRI's adjustments on a node
+//! whose kubelet counts the memory — for hosts whose container runtime
 //! does not run NVIDIA's container toolkit on `NVIDIA_VISIBLE_DEVICES`; and which nodes those
 //! are: `/dev/nvidia<minor>` of each of the container's GPUs, and the control nodes.
 

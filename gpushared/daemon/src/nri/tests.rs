@@ -194,3 +194,60 @@ async fn where_the_kubelet_counts_a_container_is_allocated_at_creation_its_pod_r
     drop(f);
     assert_eq!(reads.await.unwrap(), ["pod-u2", "pod-u3"], "the pod in the store is not read again");
 }
+
+/// Where the kubelet counts the memory, the runtime is told a container's device nodes, with
+/// the numbers of the host's nodes, and on an MPS GPU the pipe directory to bind read-only; a
+/// container whose GPU's node the host lacks is refused, naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_counted_container_is_given_its_device_nodes_and_mounts_through_the_runtime() {
+    let dev = tempfile::tempdir().unwrap();
+    // Stand-ins for the driver's nodes: GPU 1 (minor 5), GPU 2 (minor 6) and nvidiactl, each
+    // the character device /dev/null is; GPU 0's node (minor 4) is missing.
+    for name in ["nvidia5", "nvidia6", "nvidiactl"] {
+        std::os::unix::fs::symlink("/dev/null", dev.path().join(name)).unwrap();
+    }
+    let text = format!("[device_nodes]\nenabled = true\nhost_dir = {:?}\n", dev.path());
+    let nodes = crate::config::Config::parse(&text, std::path::Path::new("t.toml")).unwrap().device_nodes;
+    let f = crate::allocation::allocator::tests::fixture_mps(Compatibility::Gpushare, &[2], |a| {
+        a.with_advertise(crate::config::Advertise::Capacity).with_device_nodes(nodes)
+    });
+    pod(&f, "u0", "2026-12-01T00:00:00Z", &[("main", ContainerRole::App, &[(0, 100)])]);
+    pod(&f, "u1", "2026-12-01T00:00:01Z", &[("main", ContainerRole::App, &[(1, 100)])]);
+    pod(&f, "u2", "2026-12-01T00:00:02Z", &[("main", ContainerRole::App, &[(2, 100)])]);
+    let (_f, mut runtime, plugin, _dir) = connected_to(f).await;
+    runtime.registration(None).await;
+    let adjust_of = |r: ttrpc::Response| -> api::ContainerAdjustment {
+        assert_eq!(r.status.as_ref().unwrap().code, 0, "{:?}", r.status);
+        api::CreateContainerResponse::decode(r.payload.as_slice()).unwrap().adjust.unwrap()
+    };
+    let devices = |a: &api::ContainerAdjustment| -> Vec<(String, String, i64, i64)> {
+        let linux = a.linux.clone().unwrap_or_default();
+        linux.devices.into_iter().map(|d| (d.path, d.r#type, d.major, d.minor)).collect()
+    };
+
+    let shared = adjust_of(runtime.call("CreateContainer", create("u1", "pod-u1", "main", &[])).await);
+    assert_eq!(
+        devices(&shared),
+        [("/dev/nvidia5".into(), "c".into(), 1, 3), ("/dev/nvidiactl".into(), "c".into(), 1, 3)]
+    );
+    assert!(shared.mounts.is_empty(), "{shared:?}");
+
+    let mps = adjust_of(runtime.call("CreateContainer", create("u2", "pod-u2", "main", &[])).await);
+    assert_eq!(devices(&mps)[0], ("/dev/nvidia6".into(), "c".into(), 1, 3));
+    let m = &mps.mounts[0];
+    assert_eq!(
+        (m.source.as_str(), m.destination.as_str(), m.r#type.as_str()),
+        ("/run/nvidia-mps", "/run/nvidia-mps", "bind")
+    );
+    assert!(m.options.contains(&"ro".to_owned()), "{m:?}");
+    assert!(mps.env.iter().any(|kv| kv.key == "CUDA_MPS_PIPE_DIRECTORY"), "{:?}", mps.env);
+
+    let r = runtime.call("CreateContainer", create("u0", "pod-u0", "main", &[])).await;
+    let status = r.status.unwrap();
+    assert_eq!(status.code, FAILED_PRECONDITION);
+    let missing = dev.path().join("nvidia4");
+    assert!(status.message.contains(&missing.display().to_string()), "{}", status.message);
+
+    assert_eq!(runtime.call("Shutdown", api::Empty {}.encode_to_vec()).await.status.unwrap().code, 0);
+    plugin.await.unwrap().unwrap();
+}

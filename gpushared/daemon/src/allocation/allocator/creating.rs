@@ -7,8 +7,9 @@
 //!
 //! On a node whose kubelet counts the memory (`[kubelet] advertise = "capacity"`) no
 //! device-plugin call comes at all: the container is allocated here, from its pod's assignment
-//! checked against the pod's own spec, the rows committed before the answer, and it gets every
-//! variable, replacing whatever its image or spec set under those names. A pod whose watch
+//! checked against the pod's own spec, the rows committed before the answer, and it gets its
+//! whole grant: every variable, replacing whatever its image or spec set under those names, its
+//! GPUs' device nodes and, on MPS GPUs, the pipe directory. A pod whose watch
 //! event has not come yet is read from the API server first ([`Allocator::read_before_creating`]).
 
 use std::collections::{BTreeMap, HashSet};
@@ -19,7 +20,7 @@ use gpushare_core::codec::node::PodRef;
 
 use super::held::Held;
 use super::resolve::Candidate;
-use super::{AllocError, Allocator, room};
+use super::{AllocError, Allocator, Edits, room};
 use crate::allocation::pods::StoredPod;
 
 /// The variable of every device-plugin answer that names the pod it was for.
@@ -31,9 +32,13 @@ pub enum Creation {
     /// It holds none of this node's devices: nothing to change.
     NotOurs,
     /// The variables to add to it: those of its full answer that its environment lacks (none
-    /// when the kubelet passed the full answer on); on a node whose kubelet counts the memory,
-    /// every variable of its answer, each replacing what the container has under that name.
+    /// when the kubelet passed the full answer on). Its device nodes and mounts came with the
+    /// device plugin's answer.
     Environment(BTreeMap<String, String>),
+    /// On a node whose kubelet counts the memory, its whole grant: every variable of its
+    /// answer, each replacing what the container has under that name, the device nodes of its
+    /// GPUs (`[device_nodes]`) and the MPS pipe directory on MPS GPUs.
+    Granted(Edits),
 }
 
 impl Allocator {
@@ -157,7 +162,7 @@ impl Allocator {
             );
             environment.answer(&cand.view().pod, &cand.assignment, cand.container())
         };
-        Ok(Creation::Environment(answer.envs))
+        Ok(Creation::Granted(answer.into()))
     }
 
     /// Container `container` of `pod`, as its assignment on this node places it, checked

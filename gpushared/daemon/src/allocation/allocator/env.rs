@@ -38,15 +38,22 @@ pub struct Mount {
     pub read_only: bool,
 }
 
-/// What a prepared claim's CDI device carries.
+/// What a container or claim is given besides what its spec has: a prepared claim's CDI
+/// device, or a container the runtime creates on a node whose kubelet counts the memory.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(super) struct ClaimEdits {
+pub struct Edits {
     /// Its environment.
     pub envs: BTreeMap<String, String>,
     /// Its mounts.
     pub mounts: Vec<Mount>,
-    /// Its device nodes.
+    /// Its device nodes (`[device_nodes]`; none unless enabled).
     pub devices: Vec<DeviceNode>,
+}
+
+impl From<Answer> for Edits {
+    fn from(a: Answer) -> Self {
+        Edits { envs: a.envs, mounts: a.mounts, devices: a.devices }
+    }
 }
 
 /// What builds the answers of one node: its GPUs, the MPS settings, the device nodes named and
@@ -164,7 +171,7 @@ impl Environment<'_> {
     /// placed by the device plugin gets, with `GPUSHARE_CLAIM` (namespace/name) for the pod and
     /// container; on `dra-mps` GPUs, the MPS client's variables and the pipe directory. Shares
     /// of several requests on one GPU are one GPU to the container, with their memory together.
-    pub(super) fn claim_answer(&self, claim: &str, shares: &[GpuShare]) -> ClaimEdits {
+    pub(super) fn claim_answer(&self, claim: &str, shares: &[GpuShare]) -> Edits {
         let mut merged: Vec<GpuShare> = Vec::with_capacity(shares.len());
         for s in shares {
             match merged.iter_mut().find(|m| m.index == s.index) {
@@ -180,7 +187,7 @@ impl Environment<'_> {
         if mps {
             self.mps_envs(&gpus, &mut env);
         }
-        ClaimEdits { envs: env, mounts: self.mps_mounts(mps), devices: self.devices(&merged) }
+        Edits { envs: env, mounts: self.mps_mounts(mps), devices: self.devices(&merged) }
     }
 
     /// The GPUs and budget of a container or claim holding `gpus` (sorted by index).

@@ -54,12 +54,20 @@ pub(crate) fn fixture_counted() -> Fixture {
 
 /// [`fixture`], the allocator finished by `build`.
 fn fixture_built(compat: Compatibility, build: impl FnOnce(Allocator) -> Allocator) -> Fixture {
+    fixture_mps(compat, &[], build)
+}
+
+/// [`fixture_built`] with the GPUs of indexes `mps` in MPS mode.
+pub(crate) fn fixture_mps(compat: Compatibility, mps: &[u32], build: impl FnOnce(Allocator) -> Allocator) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let ledger = Ledger::open(&dir.path().join("ledger.db")).unwrap().ledger;
     let gpus = (0..3)
         .map(|i| {
             let mut g = Gpu::new(i, uuid(i), "Tesla T4", Mib::new(GPU_MIB));
             g.minor = Some(i + 4);
+            if mps.contains(&i) {
+                g.mode = gpushare_core::SharingMode::Mps;
+            }
             g
         })
         .collect();

@@ -13,11 +13,15 @@ fn creating(f: &Fixture, uid: &str, container: &str, env: &[&str]) -> Result<Cre
     f.alloc.container_creating(&pod, container, &env)
 }
 
-fn environment(c: Creation) -> BTreeMap<String, String> {
+fn grant(c: Creation) -> Edits {
     match c {
-        Creation::Environment(env) => env,
-        Creation::NotOurs => panic!("the container was taken for none of gpushared's"),
+        Creation::Granted(edits) => edits,
+        other => panic!("the container was not granted its whole answer: {other:?}"),
     }
+}
+
+fn environment(c: Creation) -> BTreeMap<String, String> {
+    grant(c).envs
 }
 
 #[test]
@@ -47,6 +51,33 @@ fn a_container_is_allocated_as_it_is_created_and_gets_every_variable() {
     let e = creating(&f, "u9", "main", &["GPUSHARE_POD=default/pod-u1"]).unwrap_err();
     assert!(matches!(e, AllocError::WrongPod { .. }), "{e}");
     assert!(e.to_string().contains("asks for no GPU memory on this node"), "{e}");
+}
+
+#[test]
+fn a_counted_container_gets_its_gpus_device_nodes_and_on_mps_gpus_the_pipe_directory() {
+    let text = "[device_nodes]\nenabled = true\nhost_dir = \"/host/dev\"\ncontrol = [\"nvidiactl\"]\n";
+    let nodes = crate::config::Config::parse(text, std::path::Path::new("t.toml")).unwrap().device_nodes;
+    let f = fixture_mps(Compatibility::Gpushare, &[2], |a| {
+        a.with_advertise(crate::config::Advertise::Capacity).with_device_nodes(nodes)
+    });
+    pod(&f, "u1", "2026-12-01T00:00:00Z", &[("main", ContainerRole::App, &[(0, 100)])]);
+    pod(&f, "u2", "2026-12-01T00:00:01Z", &[("main", ContainerRole::App, &[(2, 100)])]);
+    let names = |e: &Edits| -> Vec<(String, String)> {
+        e.devices.iter().map(|d| (d.host_path.display().to_string(), d.container_path.display().to_string())).collect()
+    };
+    let shared = grant(creating(&f, "u1", "main", &[]).unwrap());
+    assert_eq!(
+        names(&shared),
+        [("/host/dev/nvidia4".into(), "/dev/nvidia4".into()), ("/host/dev/nvidiactl".into(), "/dev/nvidiactl".into())]
+    );
+    assert!(shared.mounts.is_empty() && !shared.envs.contains_key("CUDA_MPS_PIPE_DIRECTORY"), "{shared:?}");
+    let mps = grant(creating(&f, "u2", "main", &[]).unwrap());
+    assert_eq!(names(&mps)[0], ("/host/dev/nvidia6".into(), "/dev/nvidia6".into()));
+    let pipe = std::path::Path::new("/run/nvidia-mps");
+    assert_eq!(mps.mounts, [Mount { path: pipe.to_path_buf(), read_only: true }]);
+    assert_eq!(mps.envs.get("CUDA_MPS_PIPE_DIRECTORY").map(String::as_str), Some("/run/nvidia-mps"));
+    // Created again: the same grant from the rows it holds.
+    assert_eq!(grant(creating(&f, "u2", "main", &[]).unwrap()), mps);
 }
 
 #[test]
