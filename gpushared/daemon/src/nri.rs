@@ -19,8 +19,9 @@ use prost::Message as _;
 use thiserror::Error;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::UnixStream;
+use tonic::Code;
 
-use crate::allocation::allocator::{Allocator, Creation};
+use crate::allocation::allocator::{AllocError, Allocator, Creation};
 use crate::config::NriConfig;
 
 /// How soon the runtime's socket is dialled again after the connection ended or failed.
@@ -31,12 +32,6 @@ pub const PLUGIN_NAME: &str = "gpushare";
 
 /// The ttrpc stream of the registration (a client's first stream).
 const REGISTRATION: u32 = 1;
-
-/// gRPC's codes, as ttrpc carries them.
-const FAILED_PRECONDITION: i32 = 9;
-const UNIMPLEMENTED: i32 = 12;
-const INTERNAL: i32 = 13;
-const UNAVAILABLE: i32 = 14;
 
 /// Why a connection to the runtime's NRI ended.
 #[derive(Debug, Error)]
@@ -167,7 +162,7 @@ async fn read_pod_first(alloc: &Allocator, request: &ttrpc::Request) -> Option<t
     let pod = PodRef { namespace: pod.namespace, name: pod.name, uid: pod.uid };
     let e = alloc.read_before_creating(&pod).await.err()?;
     tracing::warn!(pod = %pod, error = %e, "cannot read a pod whose container is being created");
-    Some(ttrpc::Response { status: Some(failure(UNAVAILABLE, e.to_string())), payload: Vec::new() })
+    Some(ttrpc::Response { status: Some(refusal(&e)), payload: Vec::new() })
 }
 
 /// Reads the runtime's answer to the registration.
@@ -190,7 +185,7 @@ pub fn answer(alloc: &Allocator, request: &ttrpc::Request) -> ttrpc::Response {
     let result = if request.service == PLUGIN_SERVICE {
         call(alloc, &request.method, &request.payload)
     } else {
-        Err(failure(UNIMPLEMENTED, format!("gpushared serves no ttrpc service {:?}", request.service)))
+        Err(failure(Code::Unimplemented, format!("gpushared serves no ttrpc service {:?}", request.service)))
     };
     match result {
         Ok(payload) => ttrpc::Response { status: Some(ttrpc::Status::default()), payload },
@@ -198,12 +193,20 @@ pub fn answer(alloc: &Allocator, request: &ttrpc::Request) -> ttrpc::Response {
     }
 }
 
-fn failure(code: i32, message: String) -> ttrpc::Status {
-    ttrpc::Status { code, message }
+/// A refusal with gRPC's `code`, as ttrpc carries it.
+fn failure(code: Code, message: String) -> ttrpc::Status {
+    ttrpc::Status { code: i32::from(code), message }
+}
+
+/// An allocation error as the runtime receives it: the code the kubelet would
+/// ([`AllocError::code`]).
+fn refusal(e: &AllocError) -> ttrpc::Status {
+    failure(e.code(), e.to_string())
 }
 
 fn decode<M: prost::Message + Default>(method: &str, payload: &[u8]) -> Result<M, ttrpc::Status> {
-    M::decode(payload).map_err(|e| failure(INTERNAL, format!("gpushared cannot decode the {method} request: {e}")))
+    M::decode(payload)
+        .map_err(|e| failure(Code::Internal, format!("gpushared cannot decode the {method} request: {e}")))
 }
 
 /// One call of the Plugin service, by method.
@@ -224,7 +227,7 @@ fn call(alloc: &Allocator, method: &str, payload: &[u8]) -> Result<Vec<u8>, ttrp
             create_container(alloc, req).map(|r| r.encode_to_vec())
         }
         "Shutdown" | "StateChange" => Ok(api::Empty {}.encode_to_vec()),
-        other => Err(failure(UNIMPLEMENTED, format!("gpushared does not serve NRI's {other}"))),
+        other => Err(failure(Code::Unimplemented, format!("gpushared does not serve NRI's {other}"))),
     }
 }
 
@@ -246,7 +249,7 @@ fn create_container(
         Ok(Creation::Granted(edits)) => {
             let adjust = adjust::adjustment(edits).map_err(|why| {
                 tracing::warn!(pod = %pod, container = %container.name, error = %why, "cannot name a container's device nodes");
-                failure(FAILED_PRECONDITION, why)
+                failure(Code::FailedPrecondition, why)
             })?;
             tracing::debug!(
                 pod = %pod,
@@ -259,7 +262,7 @@ fn create_container(
         }
         Err(e) => {
             tracing::warn!(pod = %pod, container = %container.name, error = %e, "refused a container's creation");
-            Err(failure(FAILED_PRECONDITION, e.to_string()))
+            Err(refusal(&e))
         }
     }
 }

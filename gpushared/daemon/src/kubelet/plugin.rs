@@ -65,29 +65,9 @@ impl gpushare_proto::compact::DeviceSource for DeviceSnapshot {
     }
 }
 
-/// One exhaustive mapping of allocation errors to gRPC codes.
+/// An allocation error as the kubelet receives it ([`AllocError::code`]).
 fn status(e: &AllocError) -> Status {
-    let msg = e.to_string();
-    match e {
-        AllocError::UnknownDevice(_) | AllocError::BadRequest(_) | AllocError::BadAssignment { .. } => {
-            Status::invalid_argument(msg)
-        }
-        AllocError::NoRoom { .. } => Status::resource_exhausted(msg),
-        AllocError::NoCandidate { .. }
-        | AllocError::Ambiguous { .. }
-        | AllocError::Doubtful { .. }
-        | AllocError::UnknownGpu { .. }
-        | AllocError::Unhealthy { .. }
-        | AllocError::Cordoned { .. }
-        | AllocError::WrongPod { .. }
-        | AllocError::NotServed { .. } => Status::failed_precondition(msg),
-        AllocError::Ledger(_) => Status::internal(msg),
-        AllocError::Rebuilding { .. } | AllocError::Unconfirmed { .. } | AllocError::PodUnread { .. } => {
-            Status::unavailable(msg)
-        }
-        AllocError::NoSuchGpu(_) => Status::not_found(msg),
-        AllocError::KubeletRestarted => Status::aborted(msg),
-    }
+    Status::new(e.code(), e.to_string())
 }
 
 /// The kubelet admitting a container, from its first call: ends the admission when dropped

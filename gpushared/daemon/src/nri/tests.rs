@@ -89,7 +89,7 @@ async fn the_runtime_is_told_each_containers_environment_and_refused_another_pod
     // A container of another pod that carries this pod's answer does not start.
     let r = runtime.call("CreateContainer", create("u2", "pod-u2", "main", &lean)).await;
     let status = r.status.unwrap();
-    assert_eq!(status.code, FAILED_PRECONDITION);
+    assert_eq!(status.code, i32::from(Code::FailedPrecondition));
     assert!(
         status.message.contains("refusing to create container \"main\" of pod default/pod-u2"),
         "{}",
@@ -101,8 +101,8 @@ async fn the_runtime_is_told_each_containers_environment_and_refused_another_pod
     assert_eq!(api::CreateContainerResponse::decode(r.payload.as_slice()).unwrap(), Default::default());
 
     // A call it does not serve, and a request that does not decode, are answered with errors.
-    assert_eq!(runtime.call("UpdateContainer", Vec::new()).await.status.unwrap().code, UNIMPLEMENTED);
-    assert_eq!(runtime.call("CreateContainer", vec![0x0a, 0x05]).await.status.unwrap().code, INTERNAL);
+    assert_eq!(runtime.call("UpdateContainer", Vec::new()).await.status.unwrap().code, i32::from(Code::Unimplemented));
+    assert_eq!(runtime.call("CreateContainer", vec![0x0a, 0x05]).await.status.unwrap().code, i32::from(Code::Internal));
 
     assert_eq!(runtime.call("Shutdown", api::Empty {}.encode_to_vec()).await.status.unwrap().code, 0);
     plugin.await.unwrap().unwrap();
@@ -183,7 +183,7 @@ async fn where_the_kubelet_counts_a_container_is_allocated_at_creation_its_pod_r
     // The read fails: refused, nothing allocated.
     let r = runtime.call("CreateContainer", create("u3", "pod-u3", "main", &[])).await;
     let status = r.status.unwrap();
-    assert_eq!(status.code, UNAVAILABLE);
+    assert_eq!(status.code, i32::from(Code::Unavailable));
     assert!(status.message.contains("cannot read the pod from the API server"), "{}", status.message);
     assert!(status.message.contains("connection refused"), "{}", status.message);
     let live = f.alloc.live().unwrap();
@@ -244,7 +244,7 @@ async fn a_counted_container_is_given_its_device_nodes_and_mounts_through_the_ru
 
     let r = runtime.call("CreateContainer", create("u0", "pod-u0", "main", &[])).await;
     let status = r.status.unwrap();
-    assert_eq!(status.code, FAILED_PRECONDITION);
+    assert_eq!(status.code, i32::from(Code::FailedPrecondition));
     let missing = dev.path().join("nvidia4");
     assert!(status.message.contains(&missing.display().to_string()), "{}", status.message);
 

@@ -202,3 +202,31 @@ pub enum AllocError {
         pod: String,
     },
 }
+
+impl AllocError {
+    /// The gRPC code its caller receives, the same for every caller: the kubelet (device plugin,
+    /// over gRPC) and the container runtime (NRI, over ttrpc, which carries gRPC's codes).
+    #[must_use]
+    pub fn code(&self) -> tonic::Code {
+        match self {
+            AllocError::UnknownDevice(_) | AllocError::BadRequest(_) | AllocError::BadAssignment { .. } => {
+                tonic::Code::InvalidArgument
+            }
+            AllocError::NoRoom { .. } => tonic::Code::ResourceExhausted,
+            AllocError::NoCandidate { .. }
+            | AllocError::Ambiguous { .. }
+            | AllocError::Doubtful { .. }
+            | AllocError::UnknownGpu { .. }
+            | AllocError::Unhealthy { .. }
+            | AllocError::Cordoned { .. }
+            | AllocError::WrongPod { .. }
+            | AllocError::NotServed { .. } => tonic::Code::FailedPrecondition,
+            AllocError::Ledger(_) => tonic::Code::Internal,
+            AllocError::Rebuilding { .. } | AllocError::Unconfirmed { .. } | AllocError::PodUnread { .. } => {
+                tonic::Code::Unavailable
+            }
+            AllocError::NoSuchGpu(_) => tonic::Code::NotFound,
+            AllocError::KubeletRestarted => tonic::Code::Aborted,
+        }
+    }
+}
