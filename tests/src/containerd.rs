@@ -8,6 +8,9 @@
 //! (`unshare --net`) where the CNI bridge plugin makes the node's bridge, so nodes side by side
 //! neither collide nor touch the machine's network. NRI is on, its socket in the node's folder
 //! ([`NRI_SOCKET`]), where gpushared's NRI plugin dials it; it launches no plugins of its own.
+//! A node may require NRI plugins: NRI's default validator then refuses every container created
+//! while one of them is not registered (`required_plugins`), as docs/gpushared.md has a counted
+//! node's containerd configured.
 //! The build machines' containers lack `CAP_SYS_RESOURCE`, so no process may lower its OOM score
 //! below its parent's: containerd keeps each container's at or above its own
 //! (`restrict_oom_score_adj`, as for a containerd that runs in a user namespace).
@@ -59,17 +62,24 @@ pub struct Containerd {
 }
 
 impl Containerd {
-    /// Starts node `node`'s containerd under `dir`, reading CDI specs from `cdi`, imports the
-    /// box's images and waits until it serves.
+    /// Starts node `node`'s containerd under `dir`, reading CDI specs from `cdi`, requiring the
+    /// NRI plugins `required` (none: NRI's default validator stays off), imports the box's
+    /// images and waits until it serves.
     ///
     /// # Errors
     /// If it cannot be built or started, or does not serve within 30 s (with its log).
-    pub fn start(plane: &ControlPlane, node: &str, dir: &Path, cdi: &Path) -> anyhow::Result<Containerd> {
+    pub fn start(
+        plane: &ControlPlane,
+        node: &str,
+        dir: &Path,
+        cdi: &Path,
+        required: &[String],
+    ) -> anyhow::Result<Containerd> {
         let bin = binaries()?;
         for d in [dir, cdi, &dir.join("net.d")] {
             std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
         }
-        std::fs::write(dir.join("config.toml"), config(dir, &bin, cdi))?;
+        std::fs::write(dir.join("config.toml"), config(dir, &bin, cdi, required))?;
         std::fs::write(dir.join("net.d").join("10-box.conflist"), network(dir))?;
         let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
         let proc = plane.spawn(
@@ -259,10 +269,19 @@ fn cri<T: Send, F: std::future::Future<Output = anyhow::Result<T>>>(
     .with_context(|| format!("calling containerd's CRI service at {}", socket.display()))
 }
 
-/// containerd's configuration for a node under `dir`.
-fn config(dir: &Path, bin: &Path, cdi: &Path) -> String {
+/// containerd's configuration for a node under `dir`, requiring the NRI plugins `required`.
+fn config(dir: &Path, bin: &Path, cdi: &Path, required: &[String]) -> String {
     let d = dir.display();
-    format!(
+    let validator = if required.is_empty() {
+        String::new()
+    } else {
+        let names: Vec<String> = required.iter().map(|r| format!("'{r}'")).collect();
+        format!(
+            "[plugins.'io.containerd.nri.v1.nri'.default_validator]\n  enable = true\n  required_plugins = [{}]\n",
+            names.join(", ")
+        )
+    };
+    let mut text = format!(
         "version = 4\n\
          root = '{d}/root'\n\
          state = '{d}/state'\n\
@@ -283,7 +302,9 @@ fn config(dir: &Path, bin: &Path, cdi: &Path) -> String {
         cdi = cdi.display(),
         runc = bin.join("runc").display(),
         bin = bin.display(),
-    )
+    );
+    text.push_str(&validator);
+    text
 }
 
 /// The node's pod network: a bridge in containerd's own network namespace, addresses from
@@ -336,7 +357,7 @@ mod tests {
 
     #[test]
     fn the_configuration_keeps_everything_under_the_nodes_folder() {
-        let c = config(Path::new("/n/cri"), Path::new("/b"), Path::new("/n/cri/cdi"));
+        let c = config(Path::new("/n/cri"), Path::new("/b"), Path::new("/n/cri/cdi"), &[]);
         for line in [
             "root = '/n/cri/root'",
             "state = '/n/cri/state'",
@@ -350,6 +371,12 @@ mod tests {
         ] {
             assert!(c.contains(line), "{line} missing from\n{c}");
         }
+        assert!(!c.contains("default_validator"), "{c}");
+        let required = config(Path::new("/n/cri"), Path::new("/b"), Path::new("/n/cri/cdi"), &["gpushare".into()]);
+        let parsed: toml::Table = toml::from_str(&required).unwrap();
+        let validator = &parsed["plugins"]["io.containerd.nri.v1.nri"]["default_validator"];
+        assert_eq!(validator["enable"].as_bool(), Some(true), "{required}");
+        assert_eq!(validator["required_plugins"].as_array().unwrap()[0].as_str(), Some("gpushare"), "{required}");
         let net: serde_json::Value = serde_json::from_str(&network(Path::new("/n/cri"))).unwrap();
         assert_eq!(net["plugins"][0]["ipam"]["dataDir"], "/n/cri/ipam");
     }

@@ -264,6 +264,9 @@ pub struct RealCluster {
     pub nodes: Vec<RealNode>,
     /// The container runtime each node added gets.
     pub runtime: Runtime,
+    /// The NRI plugins containerd requires on each node added from now on (none by default;
+    /// [`crate::containerd::Containerd::start`]).
+    pub nri_required: Vec<String>,
     _temp: Option<tempfile::TempDir>,
 }
 
@@ -310,7 +313,16 @@ impl RealCluster {
             &repo().join("etc/kube-scheduler").join(&options.scheduler_config),
             &format!("http://{addr}/gpushare-scheduler"),
         )?;
-        Ok(RealCluster { plane, extender, addr, observe, nodes: Vec::new(), runtime: options.runtime, _temp: temp })
+        Ok(RealCluster {
+            plane,
+            extender,
+            addr,
+            observe,
+            nodes: Vec::new(),
+            runtime: options.runtime,
+            nri_required: Vec::new(),
+            _temp: temp,
+        })
     }
 
     /// The real-cluster box for a cluster file ([`crate::cluster::read_cluster`]): [`Self::up`]
@@ -606,7 +618,7 @@ impl RealCluster {
         // reports could not be read back, so such a node runs on the recording runtime.
         if self.runtime == Runtime::Containerd && plane.minor >= POD_LOGS_DIR_MINOR {
             let cri = host.join("cri");
-            let containerd = Containerd::start(plane, name, &cri, &cri.join(crate::cri::CDI_DIR))?;
+            let containerd = Containerd::start(plane, name, &cri, &cri.join(crate::cri::CDI_DIR), &self.nri_required)?;
             let endpoint = containerd.endpoint();
             return Ok((NodeRuntime::Containerd(containerd), None, endpoint));
         }

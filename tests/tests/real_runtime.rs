@@ -6,7 +6,8 @@
 //! environment of a lean answer through gpushared's NRI plugin, a restart of containerd with
 //! the pods running, and a node whose kubelet counts the memory (`[kubelet] advertise =
 //! "capacity"`), where each container gets its grant through NRI alone, its device nodes and
-//! MPS pipe directory among it.
+//! MPS pipe directory among it, and whose containerd, requiring gpushared's NRI plugin, refuses
+//! a container while gpushared is stopped.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeMap;
@@ -358,7 +359,11 @@ async fn on_a_node_that_counts_the_memory(b: &mut RealBox) {
         log = host.join("mps-log").display(),
         env = host.join("mps.env").display(),
     );
+    // Its containerd requires gpushared's NRI plugin, as docs/gpushared.md configures a counted
+    // node's runtime (NRI's default validator, `required_plugins`).
+    b.nri_required = vec!["gpushare".to_owned()];
     b.add_node(COUNTED, &gpus, ("", &config)).unwrap_or_else(|e| panic!("{e:#}"));
+    b.nri_required.clear();
     b.wait_allocatable(COUNTED, "gpushare.io/gpu-mem", &(2 * GPU_MIB).to_string(), Duration::from_secs(60))
         .unwrap_or_else(|e| panic!("{e:#}"));
     let n = b.node(COUNTED).unwrap();
@@ -429,4 +434,49 @@ async fn on_a_node_that_counts_the_memory(b: &mut RealBox) {
         );
         std::thread::sleep(Duration::from_millis(250));
     }
+
+    fails_closed_while_gpushared_is_away(b, COUNTED, &pipe);
+}
+
+/// A counted node's containerd requires gpushared's NRI plugin: while gpushared is stopped, a
+/// container of a pod bound there is refused (the kubelet reports `CreateContainerError` naming
+/// the plugin and retries) rather than created without its grant, with whatever GPUs its image
+/// names; once gpushared is back, the kubelet's retry creates it with its grant.
+fn fails_closed_while_gpushared_is_away(b: &mut RealBox, counted: &str, pipe: &str) {
+    let n = b.nodes.iter_mut().find(|n| n.name == counted).unwrap();
+    n.daemon.kill();
+    // The extender still places pods there: the daemon's heartbeat is not stale yet.
+    let mut p = plugin_pod("cn-d", 8000, pipe);
+    p["spec"]["nodeSelector"] = json!({"kubernetes.io/hostname": counted});
+    p["spec"]["containers"][0]["env"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}));
+    b.plane.create(&p).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let refusal = loop {
+        let pod = get(&b.plane, &["get", "pod", "cn-d", "-n", "default"]);
+        let waiting = &pod["status"]["containerStatuses"][0]["state"]["waiting"];
+        if waiting["reason"] == "CreateContainerError" {
+            break waiting["message"].as_str().unwrap_or_default().to_owned();
+        }
+        assert!(
+            Instant::now() < deadline && pod["status"]["phase"] != "Running",
+            "cn-d was not refused while gpushared is away: {pod}\ncontainerd:\n{}",
+            b.node(counted).unwrap().runtime.containerd().map(|c| c.log_tail(20)).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    assert!(refusal.contains("required plugin") && refusal.contains("gpushare"), "{refusal}");
+    let uid = get(&b.plane, &["get", "pod", "cn-d", "-n", "default"])["metadata"]["uid"].as_str().unwrap().to_owned();
+    let started = b.node(counted).unwrap().seen().unwrap();
+    assert!(!started.iter().any(|s| s.pod_uid == uid), "cn-d's process ran without gpushared: {started:?}");
+
+    let n = b.nodes.iter_mut().find(|n| n.name == counted).unwrap();
+    n.daemon.start().unwrap_or_else(|e| panic!("{e:#}"));
+    let s = wait_seen_on(b, counted, "cn-d", &["main"]).remove("main").unwrap();
+    let env = |k: &str| s.env.get(k).cloned().unwrap_or_default();
+    assert_eq!(env("GPUSHARE_MEMORY_MIB"), "8000", "{:?}", s.env);
+    assert_ne!(env("NVIDIA_VISIBLE_DEVICES"), "all", "{:?}", s.env);
+    assert_eq!(env("GPUSHARE_POD"), "default/cn-d", "{:?}", s.env);
 }
