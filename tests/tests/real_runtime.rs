@@ -420,7 +420,17 @@ async fn on_a_node_that_counts_the_memory(b: &mut RealBox) {
         pods.dedup();
         pods
     };
-    assert_eq!(held(b), ["cn-a", "cn-b", "cn-c"]);
+    // The node state is published after the grants are committed, not with them.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while held(b) != ["cn-a", "cn-b", "cn-c"] {
+        assert!(
+            Instant::now() < deadline,
+            "the node state does not show the three grants 30 s after their containers ran: {:?}\n{}",
+            held(b),
+            b.node(COUNTED).unwrap().daemon.log_tail(30)
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
 
     // A deleted pod's grant goes back.
     b.plane.kubectl(&["delete", "pod", "cn-b", "-n", "default", "--wait=false"]).unwrap();
