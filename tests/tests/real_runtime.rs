@@ -413,39 +413,35 @@ async fn on_a_node_that_counts_the_memory(b: &mut RealBox) {
         let entries = &checkpoint["Data"]["PodDeviceEntries"];
         assert!(entries.is_null() || entries.as_array().is_some_and(Vec::is_empty), "{checkpoint}");
     }
-    let held = |b: &RealBox| -> Vec<String> {
-        let mut pods: Vec<String> =
-            b.node_state(COUNTED).unwrap().allocations.into_iter().map(|a| a.pod.name).collect();
+    // The node state is published after the grants are committed, not with them.
+    wait_held(b, COUNTED, &["cn-a", "cn-b", "cn-c"], 30, "after their containers ran");
+
+    // A deleted pod's grant goes back.
+    b.plane.kubectl(&["delete", "pod", "cn-b", "-n", "default", "--wait=false"]).unwrap();
+    wait_held(b, COUNTED, &["cn-a", "cn-c"], 60, "after cn-b's deletion");
+
+    fails_closed_while_gpushared_is_away(b, COUNTED, &pipe);
+}
+
+/// Waits up to `secs` seconds until node `on`'s published state holds grants of exactly the
+/// pods `want` (sorted), `when` saying after what in the failure.
+fn wait_held(b: &RealBox, on: &str, want: &[&str], secs: u64, when: &str) {
+    let held = || -> Vec<String> {
+        let mut pods: Vec<String> = b.node_state(on).unwrap().allocations.into_iter().map(|a| a.pod.name).collect();
         pods.sort_unstable();
         pods.dedup();
         pods
     };
-    // The node state is published after the grants are committed, not with them.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while held(b) != ["cn-a", "cn-b", "cn-c"] {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while held() != want {
         assert!(
             Instant::now() < deadline,
-            "the node state does not show the three grants 30 s after their containers ran: {:?}\n{}",
-            held(b),
-            b.node(COUNTED).unwrap().daemon.log_tail(30)
+            "the node state holds grants of {:?}, not {want:?}, {secs} s {when}\n{}",
+            held(),
+            b.node(on).unwrap().daemon.log_tail(30)
         );
         std::thread::sleep(Duration::from_millis(250));
     }
-
-    // A deleted pod's grant goes back.
-    b.plane.kubectl(&["delete", "pod", "cn-b", "-n", "default", "--wait=false"]).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while held(b) != ["cn-a", "cn-c"] {
-        assert!(
-            Instant::now() < deadline,
-            "cn-b's grant is still held 60 s after its deletion: {:?}\n{}",
-            held(b),
-            b.node(COUNTED).unwrap().daemon.log_tail(30)
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
-
-    fails_closed_while_gpushared_is_away(b, COUNTED, &pipe);
 }
 
 /// A counted node's containerd requires gpushared's NRI plugin: while gpushared is stopped, a
